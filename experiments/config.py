@@ -1,0 +1,53 @@
+"""The run configuration shared by every experiment script, and its CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class RunConfig:
+    model: str = "lstm_lm"  # workload name (models.MODELS)
+    strategy: str = "dense"  # communication strategy (sparsecomm_jax.train.STRATEGIES)
+    devices: int = 8  # workers; on a CPU-only host this many devices are simulated
+    steps: int = 20  # training steps
+    warmup: int = 2  # first steps left out of the step-time median (compilation)
+    seed: int = 0  # init and data seed
+    optimizer: str = "adam"  # sgd | momentum | adam
+    lr: float = 1e-3  # learning rate
+    batch: int = 32  # global batch (examples per step, all workers together)
+    seq_len: int = 16  # tokens per example (language models)
+    vocab: int = 2000  # vocabulary size V (language models)
+    dim: int = 32  # embedding / model width D
+    hidden: int = 64  # LSTM units per layer
+    layers: int = 1  # recurrent or transformer layers
+    sampled_softmax: int = 0  # shared negative samples per step; 0 = full softmax
+    tie_embeddings: bool = False  # tie the output table to the input table
+    zipf_exponent: float = 1.1  # Zipf exponent of synthetic tokens
+    text_file: str = ""  # word-level corpus instead of synthetic tokens
+    out: str = ""  # JSON result path ("" = do not write)
+
+    def model_overrides(self) -> dict[str, Any]:
+        """The fields a model config may take (models ignore the ones they lack)."""
+        skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per ``RunConfig`` field (``seq_len`` -> ``--seq-len``)."""
+    for f in dataclasses.fields(RunConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action="store_true", default=f.default)
+        else:
+            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=kind, default=f.default)
+
+
+def from_namespace(ns: argparse.Namespace) -> RunConfig:
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in vars(ns).items() if k in names})

@@ -1,0 +1,179 @@
+"""Trains one model with one strategy and writes a JSON result.
+
+    python -m experiments.train --model lstm_lm --strategy dense --devices 8 \\
+        --steps 20 --seed 0 --out run.json
+
+On a CPU-only host ``--devices N`` simulates N devices; on GPU hosts it takes the first N
+GPUs. Under ``python -m sparsecomm_jax.launch`` every process joins one job and rank 0
+writes the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.config import RunConfig, add_arguments, from_namespace
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+def validate(config: RunConfig) -> None:
+    """Checks a config before JAX starts; raises ``ValueError`` naming the bad field."""
+    from models import MODELS
+    from sparsecomm_jax.train import STRATEGIES
+
+    if config.model not in MODELS:
+        raise ValueError(f"unknown --model {config.model!r}; choose one of {sorted(MODELS)}")
+    if config.strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown --strategy {config.strategy!r}; choose one of {sorted(STRATEGIES)}"
+        )
+    if config.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown --optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
+    for name in ("steps", "devices", "batch"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
+    if config.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
+    if config.batch % config.devices:
+        raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
+    if config.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {config.lr}")
+
+
+def start_devices(devices: int) -> int:
+    """Joins a launched job or simulates ``devices`` CPU devices; returns the rank."""
+    from sparsecomm_jax import runtime
+
+    rank, _ = runtime.initialize_distributed()
+    if runtime.launched_env() is None and not runtime.backend_started():
+        runtime.simulate_cpu_devices(devices)
+    return rank
+
+
+def make_optimizer(name: str, lr: float):
+    import optax
+
+    return {"sgd": optax.sgd, "momentum": lambda lr: optax.sgd(lr, 0.9), "adam": optax.adam}[name](
+        lr
+    )
+
+
+def _peak_memory(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return int(total - m.alias_size_in_bytes)
+    except Exception:  # memory analysis is optional on some backends
+        return None
+
+
+def build(config: RunConfig):
+    """The workload, mesh and ``TrainStep`` of ``config`` (JAX must be started)."""
+    import jax
+
+    from models import get_workload
+    from sparsecomm_jax import runtime, train
+
+    workload = get_workload(config.model, **config.model_overrides())
+    mesh = runtime.data_mesh(config.devices)
+    params = workload.init(jax.random.key(config.seed))
+    ts = train.make_train_step(
+        workload.loss,
+        make_optimizer(config.optimizer, config.lr),
+        mesh,
+        params,
+        config.strategy,
+        replicated_keys=workload.replicated_keys,
+    )
+    return workload, ts
+
+
+def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, Any]:
+    """Runs ``config`` and returns the result record (see the module doc).
+
+    Args:
+      config: the run; validated first.
+      progress: show a progress bar (rank 0 only).
+
+    Returns:
+      A JSON-ready dict: model, strategy, devices, steps, losses, step_time_s,
+      tokens_per_s or samples_per_s, comm_bytes_per_step, collectives,
+      peak_memory_bytes, compile_s and the full config.
+    """
+    validate(config)
+    rank = start_devices(config.devices)
+    from tqdm import tqdm
+
+    from sparsecomm_jax import hlo
+    from sparsecomm_jax.train import loss_value
+
+    workload, ts = build(config)
+    state = ts.state
+    t0 = time.perf_counter()
+    compiled = ts.step.lower(state, ts.place_batch(workload.batch_at(0))).compile()
+    compile_s = time.perf_counter() - t0
+    colls = hlo.parse_collectives(compiled.as_text())
+    losses, times = [], []
+    bar = tqdm(range(config.steps), desc=config.strategy, disable=not progress or rank != 0)
+    for step in bar:
+        batch = ts.place_batch(workload.batch_at(step))
+        t = time.perf_counter()
+        state, loss = compiled(state, batch)
+        losses.append(loss_value(loss))
+        times.append(time.perf_counter() - t)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    timed = times[config.warmup :] or times
+    step_time = statistics.median(timed)
+    return {
+        "model": config.model,
+        "strategy": config.strategy,
+        "devices": config.devices,
+        "steps": config.steps,
+        "losses": losses,
+        "step_time_s": step_time,
+        f"{workload.items_name}_per_s": workload.items_per_step / step_time,
+        "comm_bytes_per_step": hlo.total_bytes(colls),
+        "collectives": [c.as_dict() for c in colls],
+        "peak_memory_bytes": _peak_memory(compiled),
+        "compile_s": compile_s,
+        "rank": rank,
+        "config": {**dataclasses.asdict(config), "model_config": workload.config},
+    }
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__)
+    add_arguments(parser)
+    config = from_namespace(parser.parse_args(argv))
+    try:
+        result = train_and_evaluate(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if result["rank"] == 0:
+        write_json(result, config.out)
+        items = next(k for k in result if k.endswith("_per_s"))
+        print(
+            f"{config.strategy}: final loss {result['losses'][-1]:.4f}, "
+            f"step {result['step_time_s'] * 1e3:.1f} ms, {items} {result[items]:.0f}, "
+            f"comm {result['comm_bytes_per_step'] / 1e6:.3f} MB/step/worker"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

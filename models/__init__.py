@@ -1,0 +1,39 @@
+"""Flax models of the papers' workloads, each exposed as a ``Workload``.
+
+Example:
+    >>> from models import get_workload
+    >>> w = get_workload("lstm_lm", vocab=100, dim=8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from models import lstm_lm
+from models.workload import Workload
+
+# name -> (config class, builder)
+MODELS: dict[str, tuple[type, Callable[[Any], Workload]]] = {
+    "lstm_lm": (lstm_lm.LSTMConfig, lstm_lm.workload),
+}
+
+
+def config_fields(name: str) -> set[str]:
+    """The configuration fields model ``name`` accepts."""
+    return {f.name for f in dataclasses.fields(MODELS[name][0])}
+
+
+def get_workload(name: str, **overrides: Any) -> Workload:
+    """Builds model ``name`` with its default config updated by ``overrides``.
+
+    Unknown names raise ``ValueError``; overrides the model does not have are ignored,
+    so one set of CLI flags serves every model.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    cls, build = MODELS[name]
+    known = config_fields(name)
+    cfg = cls(**{k: v for k, v in overrides.items() if k in known and v is not None})
+    return build(cfg)

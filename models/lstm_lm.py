@@ -1,0 +1,122 @@
+"""LSTM language model (the EmbRace paper's LM workload), on Zipf tokens or a text file.
+
+Parameters: ``embed`` (V x D input table), ``lstm`` (the recurrent core, H units per
+layer), ``proj`` (H -> D, when H != D) and ``softmax`` (V x D output table, absent when
+tied to ``embed``). Full softmax, or sampled softmax with N shared negatives per step.
+
+Paper-scale config (EmbRace, 1B-word LM): ``vocab=793471, dim=512, hidden=2048,
+layers=2, seq_len=20, batch=128 per GPU, sampled_softmax=8192``.
+
+Example:
+    >>> import jax
+    >>> from models import lstm_lm
+    >>> w = lstm_lm.workload(lstm_lm.LSTMConfig(vocab=100, dim=8, hidden=8))
+    >>> params = w.init(jax.random.key(0))
+    >>> float(w.loss(params, w.batch_at(0), None)) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.data import TextStream, ZipfStream, log_uniform_negatives
+from models.workload import Workload, cross_entropy, sampled_softmax_loss
+from sparsecomm_jax.train import DENSE_EMBEDDING
+
+
+@dataclasses.dataclass(frozen=True)
+class LSTMConfig:
+    vocab: int = 1000  # vocabulary size V
+    dim: int = 32  # embedding width D
+    hidden: int = 64  # LSTM units H per layer
+    layers: int = 1  # stacked LSTM layers
+    seq_len: int = 16  # tokens per example T (targets are the next tokens)
+    batch: int = 16  # global batch (examples per step, all workers together)
+    sampled_softmax: int = 0  # shared negatives per step; 0 = full softmax
+    tie_embeddings: bool = False  # output table = input table
+    zipf_exponent: float = 1.1  # Zipf exponent of the synthetic token stream
+    text_file: str = ""  # a local text file instead of Zipf tokens (word-level)
+    seed: int = 0  # data and init seed
+
+
+class LSTMCore(nn.Module):
+    """Stacked LSTM over [B, T, D] -> [B, T, H]."""
+
+    hidden: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            x = nn.RNN(nn.OptimizedLSTMCell(self.hidden))(x)
+        return x
+
+
+def _parts(cfg: LSTMConfig):
+    core = LSTMCore(cfg.hidden, cfg.layers)
+    proj = nn.Dense(cfg.dim) if cfg.hidden != cfg.dim else None
+    return core, proj
+
+
+def init_params(cfg: LSTMConfig, key: jax.Array) -> dict:
+    """Parameters of the LM; tables are N(0, 1/D)."""
+    k_emb, k_core, k_proj, k_out = jax.random.split(key, 4)
+    core, proj = _parts(cfg)
+    scale = cfg.dim**-0.5
+    params = {
+        "embed": jax.random.normal(k_emb, (cfg.vocab, cfg.dim)) * scale,
+        "lstm": core.init(k_core, jnp.zeros((1, 1, cfg.dim)))["params"],
+    }
+    if proj is not None:
+        params["proj"] = proj.init(k_proj, jnp.zeros((1, cfg.hidden)))["params"]
+    if not cfg.tie_embeddings:
+        params["softmax"] = jax.random.normal(k_out, (cfg.vocab, cfg.dim)) * scale
+    return params
+
+
+def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
+    """Mean next-token cross-entropy of ``batch["tokens"]``: int32[B, T+1]."""
+    emb = emb or DENSE_EMBEDDING
+    core, proj = _parts(cfg)
+    inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
+    h = core.apply({"params": params["lstm"]}, emb.lookup(params["embed"], inputs))
+    if proj is not None:
+        h = proj.apply({"params": params["proj"]}, h)
+    out_table = params["embed"] if cfg.tie_embeddings else params["softmax"]
+    if cfg.sampled_softmax:
+        return sampled_softmax_loss(h, out_table, targets, batch["negatives"], emb)
+    return cross_entropy(emb.attend(out_table, h), targets)
+
+
+def workload(cfg: LSTMConfig) -> Workload:
+    """The LSTM LM as a ``Workload``."""
+    if cfg.text_file:
+        stream = TextStream(cfg.text_file, cfg.vocab, cfg.seed)
+    else:
+        stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
+
+    def batch_at(step: int) -> dict:
+        batch = {"tokens": stream.tokens(step, cfg.batch, cfg.seq_len + 1)}
+        if cfg.sampled_softmax:
+            batch["negatives"] = log_uniform_negatives(
+                cfg.vocab, cfg.sampled_softmax, cfg.seed, step
+            )
+        return batch
+
+    tables = (("embed",),) if cfg.tie_embeddings else (("embed",), ("softmax",))
+    return Workload(
+        name="lstm_lm",
+        init=lambda key: init_params(cfg, key),
+        loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
+        batch_at=batch_at,
+        replicated_keys=("negatives",) if cfg.sampled_softmax else (),
+        items_per_step=cfg.batch * cfg.seq_len,
+        items_name="tokens",
+        embedding_paths=tables,
+        config=dataclasses.asdict(cfg),
+    )

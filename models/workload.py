@@ -1,0 +1,66 @@
+"""What a training script needs to know about a model: the ``Workload`` record."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Workload(NamedTuple):
+    """A model with its data, as the train-step builders consume it.
+
+    Attributes:
+      name: the ``--model`` name.
+      init: ``init(key) -> params``.
+      loss: ``loss(params, batch, emb) -> scalar``, mean over the batch's examples
+        (see ``sparsecomm_jax.train``).
+      batch_at: ``batch_at(step) -> dict`` of numpy arrays: the global batch of ``step``.
+      replicated_keys: batch keys every worker sees whole.
+      items_per_step: tokens (LMs) or samples (vision) of one global batch.
+      items_name: ``"tokens"`` or ``"samples"``: names the throughput field.
+      embedding_paths: parameter paths (tuples of keys) of the embedding tables.
+      config: the model's configuration, as a plain dict.
+    """
+
+    name: str
+    init: Callable[[jax.Array], Any]
+    loss: Callable[..., jax.Array]
+    batch_at: Callable[[int], dict[str, np.ndarray]]
+    replicated_keys: tuple[str, ...]
+    items_per_step: int
+    items_name: str
+    embedding_paths: tuple[tuple[str, ...], ...]
+    config: dict[str, Any]
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of integer ``labels``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def sampled_softmax_loss(h, out_table, targets, negatives, emb) -> jax.Array:
+    """Softmax over each position's target and ``N`` negatives shared by the batch.
+
+    Args:
+      h: float[..., D] hidden states.
+      out_table: the V x D output table (a shard under sharded strategies).
+      targets: int[...] target ids.
+      negatives: int[N] shared negative ids; a negative equal to the target is masked.
+      emb: the ``EmbeddingOps`` that reads ``out_table``.
+
+    Returns:
+      The mean loss (scalar).
+
+    References:
+      Jean et al., "On Using Very Large Target Vocabulary for NMT", ACL 2015.
+    """
+    pos = jnp.sum(h * emb.lookup(out_table, targets), axis=-1, keepdims=True)
+    neg = h @ emb.lookup(out_table, negatives).T
+    neg = jnp.where(negatives == targets[..., None], -1e9, neg)
+    logits = jnp.concatenate([pos, neg], axis=-1)
+    return cross_entropy(logits, jnp.zeros(targets.shape, jnp.int32))

@@ -1,0 +1,173 @@
+"""Reading the compiled program: which collectives it runs and what each worker sends.
+
+Bytes per worker under the standard algorithms, with S the collective's result size
+and P its replica-group size:
+
+=================== ==========================
+all-reduce (ring)   2 (P-1)/P * S
+all-gather          (P-1)/P * S            (S = gathered output)
+reduce-scatter      (P-1) * S              (S = scattered output)
+all-to-all          (P-1)/P * S
+collective-permute  S
+=================== ==========================
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from sparsecomm_jax import hlo, runtime
+    >>> mesh = runtime.data_mesh()
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...             in_specs=jax.P("data"), out_specs=jax.P()))
+    >>> [c.kind for c in hlo.collectives(f, jnp.ones(len(jax.devices())))]
+    ['all-reduce']
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+
+_ITEMSIZE = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_OPCODE = re.compile(r"(?:^|[\s)])([a-z][a-z0-9\-]*)\(")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+class Collective(NamedTuple):
+    """One collective of the compiled program.
+
+    Attributes:
+      kind: one of ``KINDS``.
+      name: the instruction name in the HLO text.
+      shapes: result arrays as ``(dtype, shape)`` (several for tuple-shaped results).
+      group_size: workers taking part (P).
+      result_bytes: total bytes of the result (S).
+      bytes_sent: bytes each worker sends under the standard algorithm (table above).
+    """
+
+    kind: str
+    name: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    group_size: int
+    result_bytes: int
+    bytes_sent: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "shapes": [f"{d}[{','.join(map(str, s))}]" for d, s in self.shapes],
+            "group_size": self.group_size,
+            "result_bytes": self.result_bytes,
+            "bytes_sent": self.bytes_sent,
+        }
+
+
+def bytes_per_worker(kind: str, result_bytes: int, group_size: int) -> float:
+    """Bytes one worker sends for a collective of ``kind`` (see the module table)."""
+    p, s = group_size, result_bytes
+    if p <= 1:
+        return 0.0
+    return {
+        "all-reduce": 2 * (p - 1) / p * s,
+        "all-gather": (p - 1) / p * s,
+        "all-to-all": (p - 1) / p * s,
+        "reduce-scatter": (p - 1) * s,
+        "collective-permute": float(s),
+    }[kind]
+
+
+def parse_shapes(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """All arrays in an HLO shape string: ``"(f32[2,3]{1,0}, s32[])"`` -> two arrays."""
+    out = []
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype in _ITEMSIZE:
+            out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
+    return tuple(out)
+
+
+def nbytes(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    return int(sum(_ITEMSIZE[d] * int(np.prod(s, dtype=np.int64)) for d, s in shapes))
+
+
+def _group_size(attrs: str, default: int) -> int:
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\})", attrs)
+    if m:
+        return len([x for x in m.group(1).strip("{}").split(",") if x])
+    m = re.search(r"replica_groups=\[([0-9]+),([0-9]+)\]<=", attrs)
+    if m:
+        return int(m.group(2))
+    return default
+
+
+def _module_size(text: str) -> int:
+    header = text.split("\n", 1)[0]
+    parts = re.search(r"num_partitions=([0-9]+)", header)
+    reps = re.search(r"replica_count=([0-9]+)", header)
+    return (int(parts.group(1)) if parts else 1) * (int(reps.group(1)) if reps else 1)
+
+
+def parse_collectives(text: str) -> list[Collective]:
+    """Every collective in an HLO module's text, in text order.
+
+    Async pairs (``all-gather-start`` / ``all-gather-done``, GPU) count once, with the
+    shape of the ``-done`` result; collectives inside called computations count too.
+    """
+    default_group = _module_size(text)
+    found: list[Collective] = []
+    starts: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rest = m.groups()
+        op = _OPCODE.search(rest)
+        if not op:
+            continue
+        opcode, shape_text = op.group(1), rest[: op.start(1)]
+        attrs = rest[op.end() :]
+        base = opcode.removesuffix("-start").removesuffix("-done")
+        if base not in KINDS:
+            continue
+        if opcode.endswith("-start"):
+            starts[name] = (base, attrs)
+            continue
+        if opcode.endswith("-done"):
+            src = re.match(r"\s*%?([\w.\-]+)", attrs)
+            base, attrs = starts.pop(src.group(1), (base, attrs)) if src else (base, attrs)
+        shapes = parse_shapes(shape_text)
+        size = nbytes(shapes)
+        group = _group_size(attrs, default_group)
+        found.append(
+            Collective(base, name, shapes, group, size, bytes_per_worker(base, size, group))
+        )
+    return found
+
+
+def compiled_text(fn: Callable, *args, **kwargs) -> str:
+    """The compiled (scheduled, optimised) HLO text of a jitted or pmapped ``fn``."""
+    if not hasattr(fn, "lower"):
+        raise ValueError("fn must be a jax.jit or jax.pmap function (it has no .lower)")
+    return fn.lower(*args, **kwargs).compile().as_text()
+
+
+def collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
+    """The collectives of ``fn`` compiled for ``args``, in scheduled order."""
+    return parse_collectives(compiled_text(fn, *args, **kwargs))
+
+
+def total_bytes(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> float:
+    """Bytes each worker sends per call of the program, summed over ``colls``."""
+    return float(sum(c.bytes_sent for c in colls if c.kind in kinds))
+
+
+def collective_order(fn: Callable, *args, **kwargs) -> list[str]:
+    """Names of the collectives in the order the compiled program issues them."""
+    return [c.name for c in collectives(fn, *args, **kwargs)]

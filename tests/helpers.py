@@ -1,0 +1,46 @@
+"""Shared test helpers: single-device reference training and tree comparison."""
+
+import jax
+import numpy as np
+import optax
+
+from sparsecomm_jax import runtime, train
+
+
+def reference_run(workload, optimizer, params, steps):
+    """Plain single-device training on the whole global batch: the ground truth."""
+    opt_state, losses = optimizer.init(params), []
+    grad_fn = jax.jit(jax.value_and_grad(workload.loss))
+    for step in range(steps):
+        loss, grads = grad_fn(params, workload.batch_at(step))
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwargs):
+    """``steps`` steps of ``strategy``; returns (losses, host params, TrainStep)."""
+    mesh = runtime.data_mesh(devices)
+    ts = train.make_train_step(
+        workload.loss,
+        optimizer,
+        mesh,
+        params,
+        strategy,
+        replicated_keys=workload.replicated_keys,
+        **kwargs,
+    )
+    state, losses = ts.state, []
+    for step in range(steps):
+        state, loss = ts.step(state, ts.place_batch(workload.batch_at(step)))
+        losses.append(train.loss_value(loss))
+    return losses, ts.host_params(state), ts
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

@@ -1,0 +1,99 @@
+"""experiments.train: the result record, and one-line errors on bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from experiments.config import RunConfig
+from experiments.train import train_and_evaluate
+
+SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)
+
+
+def test_result_record_fields():
+    result = train_and_evaluate(RunConfig(strategy="dense", **SMALL), progress=False)
+    for key in (
+        "model",
+        "strategy",
+        "devices",
+        "steps",
+        "losses",
+        "step_time_s",
+        "tokens_per_s",
+        "comm_bytes_per_step",
+        "collectives",
+        "config",
+    ):
+        assert key in result
+    assert len(result["losses"]) == 3 and np.all(np.isfinite(result["losses"]))
+    assert result["comm_bytes_per_step"] > 0 and result["collectives"][0]["kind"] == "all-reduce"
+    assert result["config"]["model_config"]["vocab"] == 300
+    json.dumps(result)  # JSON-ready
+
+
+def test_pmap_and_shard_map_agree_through_cli():
+    a = train_and_evaluate(RunConfig(strategy="dense", **SMALL), progress=False)
+    b = train_and_evaluate(RunConfig(strategy="dense_pmap", **SMALL), progress=False)
+    np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
+    assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-6)
+
+
+def test_more_devices_than_exist():
+    with pytest.raises(ValueError, match="only 8"):
+        train_and_evaluate(RunConfig(devices=16, **{**SMALL, "batch": 16}), progress=False)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nope"], "unknown --model"),
+        (["--strategy", "nope"], "unknown --strategy"),
+        (["--devices", "4", "--batch", "6"], "not divisible"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--steps", "-3"], "--steps must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_error(args, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_writes_json(tmp_path):
+    out = tmp_path / "run.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--devices",
+            "2",
+            "--steps",
+            "2",
+            "--batch",
+            "4",
+            "--vocab",
+            "100",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["devices"] == 2 and len(result["losses"]) == 2

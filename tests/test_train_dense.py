@@ -1,0 +1,75 @@
+"""The dense baselines equal single-device training on the same global batch."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, reference_run, strategy_run
+
+from models import get_workload
+from sparsecomm_jax import hlo, runtime, train
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def lm():
+    w = get_workload("lstm_lm", vocab=200, dim=16, hidden=16, seq_len=8, batch=16, seed=3)
+    return w, w.init(jax.random.key(3))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_dense_and_pmap_match_single_device(lm, opt):
+    workload, params = lm
+    optimizer = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2)
+    ref_losses, ref_params = reference_run(workload, optimizer, params, STEPS)
+    assert ref_losses[-1] < ref_losses[0]  # training actually moves the parameters
+    for strategy in ("dense", "dense_pmap"):
+        losses, got, _ = strategy_run(workload, optimizer, params, STEPS, strategy)
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        # Adam divides by sqrt(v): rows with tiny gradients amplify float rounding.
+        assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-4 if opt == "adam" else 1e-6)
+
+
+def test_dense_program_has_one_gradient_allreduce(lm):
+    workload, params = lm
+    _, _, ts = strategy_run(workload, optax.sgd(0.1), params, 1, "dense")
+    batch = ts.place_batch(workload.batch_at(0))
+    colls = hlo.collectives(ts.step, ts.state, batch)
+    grad_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+    reduced = sum(c.result_bytes for c in colls if c.kind == "all-reduce")
+    assert reduced == pytest.approx(grad_bytes + 4, rel=1e-3)  # gradients + the loss
+    assert hlo.total_bytes(colls) == pytest.approx(2 * 7 / 8 * reduced, rel=1e-6)
+
+
+def test_sampled_softmax_and_tied_tables_train(lm):
+    w = get_workload(
+        "lstm_lm",
+        vocab=300,
+        dim=16,
+        hidden=16,
+        seq_len=8,
+        batch=16,
+        sampled_softmax=32,
+        tie_embeddings=True,
+    )
+    params = w.init(jax.random.key(0))
+    assert "softmax" not in params and w.replicated_keys == ("negatives",)
+    ref_losses, ref_params = reference_run(w, optax.sgd(0.5), params, 3)
+    losses, got, _ = strategy_run(w, optax.sgd(0.5), params, 3, "dense")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params)
+
+
+def test_errors_before_compiling(lm):
+    workload, params = lm
+    mesh = runtime.data_mesh(8)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, "nope")
+    with pytest.raises(ValueError, match="axis_name 'model' is not in the mesh"):
+        train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, axis_name="model")
+    ts = train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params)
+    with pytest.raises(ValueError, match="divisible by the number of devices"):
+        ts.place_batch({"tokens": np.zeros((12, 9), np.int32)})
+    with pytest.raises(ValueError, match="only 8 cpu devices"):
+        runtime.data_mesh(16)
