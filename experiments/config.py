@@ -27,11 +27,13 @@ class RunConfig:
     tie_embeddings: bool = False  # tie the output table to the input table
     zipf_exponent: float = 1.1  # Zipf exponent of synthetic tokens
     text_file: str = ""  # word-level corpus instead of synthetic tokens
+    capacity: int = 0  # embrace_rowwise slots per bucket; 0 = sized per batch
     out: str = ""  # JSON result path ("" = do not write)
 
     def model_overrides(self) -> dict[str, Any]:
         """The fields a model config may take (models ignore the ones they lack)."""
-        skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out"}
+        skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
+                "capacity"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 

@@ -92,6 +92,8 @@ def build(config: RunConfig):
         params,
         config.strategy,
         replicated_keys=workload.replicated_keys,
+        embedding_paths=workload.embedding_paths,
+        capacity=config.capacity or None,
     )
     return workload, ts
 

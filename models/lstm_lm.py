@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from models.data import TextStream, ZipfStream, log_uniform_negatives
 from models.workload import Workload, cross_entropy, sampled_softmax_loss
-from sparsecomm_jax.train import DENSE_EMBEDDING
+from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,7 @@ def sampled_softmax_loss(h, out_table, targets, negatives, emb) -> jax.Array:
       Jean et al., "On Using Very Large Target Vocabulary for NMT", ACL 2015.
     """
     pos = jnp.sum(h * emb.lookup(out_table, targets), axis=-1, keepdims=True)
-    neg = h @ emb.lookup(out_table, negatives).T
+    neg = h @ emb.lookup_shared(out_table, negatives).T
     neg = jnp.where(negatives == targets[..., None], -1e9, neg)
     logits = jnp.concatenate([pos, neg], axis=-1)
     return cross_entropy(logits, jnp.zeros(targets.shape, jnp.int32))

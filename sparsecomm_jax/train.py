@@ -19,38 +19,22 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import runtime
+from sparsecomm_jax import embedding, runtime
+from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 
 PyTree = Any
 Batch = dict[str, Any]
 
-
-class EmbeddingOps(NamedTuple):
-    """How a model touches its embedding tables.
-
-    Attributes:
-      lookup: ``lookup(table, ids) -> rows``: rows ``[*ids.shape, D]`` of ``table``.
-      attend: ``attend(table, h) -> logits``: ``h @ table.T`` (tied output softmax).
-    """
-
-    lookup: Callable[[jax.Array, jax.Array], jax.Array]
-    attend: Callable[[jax.Array, jax.Array], jax.Array]
-
-
-DENSE_EMBEDDING = EmbeddingOps(
-    lookup=lambda table, ids: jnp.take(table, ids, axis=0),
-    attend=lambda table, h: h @ table.T,
-)
 
 LossFn = Callable[[PyTree, Batch, EmbeddingOps], jax.Array]
 
@@ -77,16 +61,40 @@ class TrainStep(NamedTuple):
         function (so ``step.lower(...)`` gives its program); ``loss`` is the mean loss
         over the global batch (one copy per device under ``pmap``: see ``loss_value``).
       state: the initial ``TrainState``, placed on the devices.
-      place_batch: host batch (global, identical on every process) -> device batch.
-      host_params: ``state -> params`` as ordinary (unsharded) numpy arrays.
+      place_batch: host batch (global, identical on every process) -> device batch;
+        validates it first.
+      host_params: ``state -> params`` as ordinary numpy arrays (sharded tables
+        gathered back to V x D).
       strategy: the strategy's name.
     """
 
-    step: Callable[[TrainState, Batch], tuple[TrainState, jax.Array]]
+    step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
     state: TrainState
-    place_batch: Callable[[Batch], Batch]
+    place_batch: Callable[[Batch], Any]
     host_params: Callable[[TrainState], PyTree]
     strategy: str
+
+
+class Setup(NamedTuple):
+    """What every strategy builder receives (validated by ``make_train_step``)."""
+
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    params: PyTree
+    axis_name: str
+    replicated_keys: tuple[str, ...]
+    table_mask: PyTree  # bool per parameter leaf: is it an embedding table?
+    vocabs: tuple[int, ...]  # distinct table vocabularies V (empty without tables)
+    id_keys: tuple[str, ...] | None  # batch keys holding token ids (None: integer keys)
+    capacity: int | None  # row-wise slots per bucket (None: sized per batch)
+
+    @property
+    def num_workers(self) -> int:
+        return runtime.mesh_axis_size(self.mesh, self.axis_name)
+
+
+# ------------------------------------------------------------------ batch checks
 
 
 def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) -> None:
@@ -104,13 +112,74 @@ def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) 
             )
 
 
+def id_leaves(batch: Batch, id_keys: Sequence[str] | None) -> dict[str, np.ndarray]:
+    """The batch entries that hold token ids (all integer entries when not named)."""
+    keys = id_keys if id_keys is not None else batch
+    return {
+        k: np.asarray(batch[k])
+        for k in keys
+        if np.issubdtype(np.asarray(batch[k]).dtype, np.integer)
+    }
+
+
+def check_ids(batch: Batch, vocab: int, id_keys: Sequence[str] | None) -> None:
+    """``ValueError`` for any token id outside [0, vocab): never a silent clamp."""
+    for key, ids in id_leaves(batch, id_keys).items():
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(
+                f"batch[{key!r}] has token ids in [{ids.min()}, {ids.max()}], outside the "
+                f"vocabulary [0, {vocab})"
+            )
+
+
 def _batch_specs(batch: Batch, axis_name: str, replicated_keys: Sequence[str]) -> dict:
     return {k: P() if k in replicated_keys else P(axis_name) for k in batch}
 
 
-def _local_grads(loss_fn: LossFn, params, batch, emb: EmbeddingOps):
-    """Loss and gradient of this worker's loss (never ``psum`` the loss before grad)."""
-    return jax.value_and_grad(loss_fn)(params, batch, emb)
+# ----------------------------------------------------------------- tree helpers
+
+
+def table_mask(params: PyTree, tables) -> PyTree:
+    """Bool per leaf of ``params``: is it an embedding table?
+
+    Args:
+      params: the parameter pytree.
+      tables: parameter paths (tuples of dict keys, e.g. ``("embed",)``) or a predicate
+        ``tables(path, leaf) -> bool``.
+    """
+    paths = None if callable(tables) else {tuple(p) for p in tables}
+
+    def is_table(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        return tables(keys, leaf) if paths is None else keys in paths
+
+    mask = jax.tree_util.tree_map_with_path(is_table, params)
+    if paths is not None:
+        found = {
+            tuple(getattr(k, "key", k) for k in path)
+            for path, m in jax.tree_util.tree_leaves_with_path(mask)
+            if m
+        }
+        if missing := paths - found:
+            raise ValueError(f"embedding paths {sorted(missing)} are not in the parameters")
+    return mask
+
+
+def split_tables(tree: PyTree, mask: PyTree) -> tuple[PyTree, PyTree]:
+    """``(tables, rest)``: two copies of ``tree`` with ``None`` where the other lives."""
+    tables = jax.tree.map(lambda x, m: x if m else None, tree, mask)
+    rest = jax.tree.map(lambda x, m: None if m else x, tree, mask)
+    return tables, rest
+
+
+def merge_tables(tables: PyTree, rest: PyTree, mask: PyTree) -> PyTree:
+    """Inverse of ``split_tables``."""
+    return jax.tree.map(
+        lambda m, t, r: t if m else r, mask, tables, rest, is_leaf=lambda x: x is None
+    )
+
+
+# ------------------------------------------------------------------- the steps
 
 
 def _apply(optimizer: optax.GradientTransformation, grads, opt_state, params):
@@ -118,74 +187,216 @@ def _apply(optimizer: optax.GradientTransformation, grads, opt_state, params):
     return optax.apply_updates(params, updates), opt_state
 
 
-def _dense_body(loss_fn: LossFn, optimizer, axis_name: str) -> Callable:
-    """One data-parallel step inside ``shard_map``/``pmap``: grads by ``pmean``."""
+def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None):
+    params, opt_state = _apply(setup.optimizer, grads, state.opt_state, state.params)
+    agg_state = state.agg_state if agg_state is None else agg_state
+    return TrainState(params, opt_state, agg_state), jax.lax.pmean(loss, setup.axis_name)
+
+
+def dense_body(setup: Setup) -> Callable:
+    """Data-parallel step: local gradients, ``pmean`` of all of them."""
 
     def body(state: TrainState, batch: Batch):
-        loss, grads = _local_grads(loss_fn, state.params, batch, DENSE_EMBEDDING)
-        grads = jax.lax.pmean(grads, axis_name)
-        params, opt_state = _apply(optimizer, grads, state.opt_state, state.params)
-        return TrainState(params, opt_state, state.agg_state), jax.lax.pmean(loss, axis_name)
+        loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, batch, DENSE_EMBEDDING)
+        return _finish(setup, state, jax.lax.pmean(grads, setup.axis_name), loss)
 
     return body
 
 
-def _replicated_state(params, optimizer, mesh: Mesh) -> TrainState:
-    state = TrainState(params, optimizer.init(params), ())
-    host = jax.tree.map(np.asarray, state)
-    return jax.tree.map(lambda x: runtime.put_global(x, mesh, P()), host)
+def sharded_table_body(setup: Setup, make_ops: Callable[[Batch], EmbeddingOps]) -> Callable:
+    """EmbRace step: tables sharded (their lookups exchange rows by all-to-all), dense
+    layers data-parallel by ``pmean``.
+
+    Autodiff through the lookup's collectives already brings each owner the *sum* over
+    workers of its shard's gradient; dividing by P gives the mean, as ``pmean`` does for
+    the dense layers. (Never ``psum`` the loss before ``grad``: that multiplies by P.)
+    """
+
+    def body(state: TrainState, batch):
+        emb, data = make_ops(batch), getattr(batch, "data", batch)
+        loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, data, emb)
+        tables, rest = split_tables(grads, setup.table_mask)
+        tables = jax.tree.map(lambda g: g / setup.num_workers, tables)
+        rest = jax.lax.pmean(rest, setup.axis_name)
+        return _finish(setup, state, merge_tables(tables, rest, setup.table_mask), loss)
+
+    return body
 
 
-def _make_dense(loss_fn, optimizer, mesh, params, axis_name, replicated_keys) -> TrainStep:
-    """``dense``: ``jax.jit(jax.shard_map(...))`` with ``lax.pmean`` of all gradients."""
-    body = _dense_body(loss_fn, optimizer, axis_name)
-    num = runtime.mesh_axis_size(mesh, axis_name)
+def sparse_allgather_body(setup: Setup) -> Callable:
+    """Replicated tables, sparse gradients: all-gather (id, row) pairs, scatter-add."""
 
-    def place(batch: Batch) -> Batch:
-        check_batch(batch, num, replicated_keys)
-        specs = _batch_specs(batch, axis_name, replicated_keys)
-        return {k: runtime.put_global(np.asarray(v), mesh, specs[k]) for k, v in batch.items()}
+    def body(state: TrainState, batch: Batch):
+        loss, grads = embedding.sparse_table_grads(
+            setup.loss_fn, state.params, batch, setup.table_mask, setup.axis_name
+        )
+        return _finish(setup, state, grads, loss)
+
+    return body
+
+
+# ---------------------------------------------------------------- the builders
+
+
+def _param_specs(setup: Setup, layout: str | None) -> PyTree:
+    spec = embedding.table_spec(layout, setup.axis_name) if layout else P()
+    return jax.tree.map(lambda m: spec if m else P(), setup.table_mask)
+
+
+def _opt_specs(setup: Setup, opt_state, param_specs) -> PyTree:
+    return optax.tree_map_params(
+        setup.optimizer,
+        lambda _, spec: spec,
+        opt_state,
+        param_specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def _place_state(setup: Setup, layout: str | None):
+    """Initial state on the devices, and its ``PartitionSpec`` tree."""
+    specs = _param_specs(setup, layout)
+    host = jax.tree.map(np.asarray, setup.params)
+    if layout:
+        for name, table in _tables(host, setup.table_mask):
+            embedding.check_divisible(table.shape, layout, setup.num_workers, name)
+    opt_state = jax.tree.map(np.asarray, setup.optimizer.init(host))
+    state = TrainState(host, opt_state, ())
+    state_specs = TrainState(specs, _opt_specs(setup, opt_state, specs), ())
+    placed = jax.tree.map(
+        lambda x, s: runtime.put_global(x, setup.mesh, s),
+        state,
+        state_specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return placed, state_specs
+
+
+def _place_fn(setup: Setup, capacity_fn=None) -> Callable[[Batch], Any]:
+    def place(batch: Batch):
+        check_batch(batch, setup.num_workers, setup.replicated_keys)
+        if setup.vocabs:
+            check_ids(batch, min(setup.vocabs), setup.id_keys)
+        specs = _batch_specs(batch, setup.axis_name, setup.replicated_keys)
+        data = {
+            k: runtime.put_global(np.asarray(v), setup.mesh, specs[k]) for k, v in batch.items()
+        }
+        return CapacityBatch(data, capacity_fn(batch)) if capacity_fn else data
+
+    return place
+
+
+def _batch_in_specs(batch, axis_name, replicated_keys):
+    if isinstance(batch, CapacityBatch):
+        return CapacityBatch(_batch_specs(batch.data, axis_name, replicated_keys), batch.capacity)
+    return _batch_specs(batch, axis_name, replicated_keys)
+
+
+def build_sharded(setup: Setup, name: str, body, layout=None, capacity_fn=None) -> TrainStep:
+    """A ``jax.jit(jax.shard_map(body))`` strategy (every strategy except ``dense_pmap``)."""
+    state, state_specs = _place_state(setup, layout)
 
     def step(state, batch):
-        specs = _batch_specs(batch, axis_name, replicated_keys)
+        batch_specs = _batch_in_specs(batch, setup.axis_name, setup.replicated_keys)
         fn = jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), specs), out_specs=(P(), P()), check_vma=False
+            body,
+            mesh=setup.mesh,
+            in_specs=(state_specs, batch_specs),
+            out_specs=(state_specs, P()),
+            check_vma=False,
         )
         return fn(state, batch)
 
     return TrainStep(
         step=jax.jit(step, donate_argnums=0),
-        state=_replicated_state(params, optimizer, mesh),
-        place_batch=place,
+        state=state,
+        place_batch=_place_fn(setup, capacity_fn),
         host_params=lambda s: jax.tree.map(runtime.to_host, s.params),
-        strategy="dense",
+        strategy=name,
     )
 
 
-def _make_dense_pmap(loss_fn, optimizer, mesh, params, axis_name, replicated_keys) -> TrainStep:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CapacityBatch:
+    """A placed batch with its row-wise bucket capacity (static: one program per value)."""
+
+    data: dict = dataclasses.field(metadata=dict(static=False))
+    capacity: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _capacity_fn(setup: Setup) -> Callable[[Batch], int]:
+    """Bucket capacity per batch: fixed (error when too small) or grown in powers of two."""
+    grown = [8]
+
+    def capacity(batch: Batch) -> int:
+        workers = _worker_ids(batch, setup)
+        need = max(embedding.rowwise_capacity(workers, v, setup.num_workers) for v in setup.vocabs)
+        if setup.capacity is not None:
+            if need > setup.capacity:
+                raise ValueError(
+                    f"capacity={setup.capacity} is too small: this batch needs {need} "
+                    "distinct rows from one owner; pass a larger capacity or None (auto)"
+                )
+            return setup.capacity
+        while grown[0] < need:
+            grown[0] *= 2
+        return grown[0]
+
+    return capacity
+
+
+def _tables(params: PyTree, mask: PyTree) -> list[tuple[str, Any]]:
+    """``(name, leaf)`` of every table, ``name`` like ``"embed"`` or ``"dec/embed"``."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return [
+        ("/".join(str(getattr(k, "key", k)) for k in path), leaf)
+        for (path, leaf), m in zip(leaves, jax.tree.leaves(mask), strict=True)
+        if m
+    ]
+
+
+def _worker_ids(batch: Batch, setup: Setup) -> list[np.ndarray]:
+    """The ids each worker's slice of ``batch`` holds (replicated ids go to all)."""
+    per_worker: list[list[np.ndarray]] = [[] for _ in range(setup.num_workers)]
+    for key, ids in id_leaves(batch, setup.id_keys).items():
+        parts = (
+            [ids] * setup.num_workers
+            if key in setup.replicated_keys
+            else np.split(ids, setup.num_workers)
+        )
+        for acc, part in zip(per_worker, parts, strict=True):
+            acc.append(part.ravel())
+    return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in per_worker]
+
+
+def _make_dense_pmap(setup: Setup) -> TrainStep:
     """``dense_pmap``: the classic ``jax.pmap`` + ``lax.pmean`` baseline."""
-    body = _dense_body(loss_fn, optimizer, axis_name)
-    devices = list(mesh.devices.flat)
+    devices = list(setup.mesh.devices.flat)
     local = [d for d in devices if d.process_index == jax.process_index()]
     num, first = len(devices), devices.index(local[0])
 
     def place(batch: Batch) -> Batch:
-        check_batch(batch, num, replicated_keys)
+        check_batch(batch, num, setup.replicated_keys)
+        if setup.vocabs:
+            check_ids(batch, min(setup.vocabs), setup.id_keys)
         out = {}
         for k, v in batch.items():
             v = np.asarray(v)
-            if k in replicated_keys:
+            if k in setup.replicated_keys:
                 out[k] = np.broadcast_to(v, (len(local), *v.shape))
             else:
                 out[k] = v.reshape(num, -1, *v.shape[1:])[first : first + len(local)]
         return out
 
-    state = TrainState(params, optimizer.init(params), ())
+    state = TrainState(setup.params, setup.optimizer.init(setup.params), ())
     state = jax.tree.map(
         lambda x: np.broadcast_to(np.asarray(x), (len(local), *np.shape(x))), state
     )
+    body = dense_body(setup)
     return TrainStep(
-        step=jax.pmap(body, axis_name=axis_name, devices=devices, donate_argnums=0),
+        step=jax.pmap(body, axis_name=setup.axis_name, devices=devices, donate_argnums=0),
         state=state,
         place_batch=place,
         host_params=lambda s: jax.tree.map(_first_replica, s.params),
@@ -204,9 +415,44 @@ def loss_value(loss: jax.Array) -> float:
     return float(np.asarray(loss.addressable_data(0)).reshape(-1)[0])
 
 
-STRATEGIES: dict[str, Callable[..., TrainStep]] = {
+def _needs_tables(name: str, build: Callable[[Setup], TrainStep]) -> Callable:
+    def checked(setup: Setup) -> TrainStep:
+        if not setup.vocabs:
+            raise ValueError(
+                f"strategy {name!r} needs embedding tables: pass embedding_paths "
+                "(parameter paths or a predicate) that name at least one V x D table"
+            )
+        return build(setup)
+
+    return checked
+
+
+STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
     "dense_pmap": _make_dense_pmap,
-    "dense": _make_dense,
+    "dense": lambda s: build_sharded(s, "dense", dense_body(s)),
+    "sparse_allgather": _needs_tables(
+        "sparse_allgather",
+        lambda s: build_sharded(s, "sparse_allgather", sparse_allgather_body(s)),
+    ),
+    "embrace": _needs_tables(
+        "embrace",
+        lambda s: build_sharded(
+            s,
+            "embrace",
+            sharded_table_body(s, lambda b: embedding.column_ops(s.axis_name)),
+            layout="column",
+        ),
+    ),
+    "embrace_rowwise": _needs_tables(
+        "embrace_rowwise",
+        lambda s: build_sharded(
+            s,
+            "embrace_rowwise",
+            sharded_table_body(s, lambda b: embedding.row_ops(s.axis_name, b.capacity)),
+            layout="row",
+            capacity_fn=_capacity_fn(s),
+        ),
+    ),
 }
 
 
@@ -219,25 +465,50 @@ def make_train_step(
     *,
     axis_name: str = "data",
     replicated_keys: Sequence[str] = (),
+    embedding_paths: Sequence[Sequence[str]] | Callable[..., bool] = (),
+    id_keys: Sequence[str] | None = None,
+    capacity: int | None = None,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
 
+    Strategies: ``dense_pmap`` (``pmap`` + ``pmean``), ``dense`` (the same with
+    ``shard_map``), ``sparse_allgather`` (replicated tables, all-gather of sparse rows),
+    ``embrace`` (column-sharded tables, all-to-all), ``embrace_rowwise`` (row-sharded
+    tables, de-duplicated all-to-all).
+
     Args:
       loss_fn: ``loss_fn(params, batch, emb) -> scalar``, mean over the batch's examples.
-      optimizer: any optax optimizer; every worker applies it to the mean gradient.
+      optimizer: any optax optimizer; applied to the mean gradient (to each shard by
+        its owner under sharded strategies, which is exactly equivalent).
       mesh: a mesh with axis ``axis_name`` (see ``runtime.data_mesh``).
       params: initial parameters (host or device arrays, unsharded).
       strategy: one of ``STRATEGIES``.
       axis_name: the data-parallel mesh axis.
-      replicated_keys: batch keys every worker sees whole (e.g. shared negative samples).
+      replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
+      embedding_paths: which parameters are V x D embedding tables: paths like
+        ``[("embed",)]`` or a predicate ``(path, leaf) -> bool``.
+      id_keys: batch keys holding token ids (checked to lie in [0, V)); default: every
+        integer entry of the batch when there are tables.
+      capacity: ``embrace_rowwise`` slots per (worker, owner) bucket; ``None`` sizes it
+        per batch (powers of two, a new program when it grows); a fixed value too small
+        for a batch raises ``ValueError`` before anything runs.
 
     Returns:
       A ``TrainStep``: ``state, loss = ts.step(state, ts.place_batch(batch))``.
 
     Raises:
-      ValueError: unknown strategy or an axis name that is not in the mesh.
+      ValueError: unknown strategy, axis not in the mesh, embedding strategy without
+        tables, table not divisible by P, bad capacity.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
     runtime.mesh_axis_size(mesh, axis_name)
-    return STRATEGIES[strategy](loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys))
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+    mask = table_mask(params, embedding_paths)
+    vocabs = tuple(sorted({int(np.shape(t)[0]) for _, t in _tables(params, mask)}))
+    setup = Setup(
+        loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys), mask, vocabs,
+        None if id_keys is None else tuple(id_keys), capacity,
+    )  # fmt: skip
+    return STRATEGIES[strategy](setup)
