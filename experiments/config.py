@@ -23,6 +23,8 @@ class RunConfig:
     dim: int = 32  # embedding / model width D
     hidden: int = 64  # LSTM units per layer
     layers: int = 1  # recurrent or transformer layers
+    heads: int = 2  # attention heads (transformer, bert, gpt2)
+    masked: int = 3  # masked positions per example (bert)
     sampled_softmax: int = 0  # shared negative samples per step; 0 = full softmax
     tie_embeddings: bool = False  # tie the output table to the input table
     zipf_exponent: float = 1.1  # Zipf exponent of synthetic tokens

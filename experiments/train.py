@@ -93,6 +93,7 @@ def build(config: RunConfig):
         config.strategy,
         replicated_keys=workload.replicated_keys,
         embedding_paths=workload.embedding_paths,
+        id_keys=workload.id_keys,
         capacity=config.capacity or None,
     )
     return workload, ts

@@ -11,12 +11,15 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from models import lstm_lm
+from models import bert, gpt2, lstm_lm, transformer
 from models.workload import Workload
 
 # name -> (config class, builder)
 MODELS: dict[str, tuple[type, Callable[[Any], Workload]]] = {
     "lstm_lm": (lstm_lm.LSTMConfig, lstm_lm.workload),
+    "transformer": (transformer.TransformerConfig, transformer.workload),
+    "bert": (bert.BERTConfig, bert.workload),
+    "gpt2": (gpt2.GPT2Config, gpt2.workload),
 }
 
 

@@ -24,8 +24,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.data import TextStream, ZipfStream, log_uniform_negatives
-from models.workload import Workload, cross_entropy, sampled_softmax_loss
+from models.data import TextStream, ZipfStream
+from models.workload import (
+    Workload,
+    init_table,
+    lm_loss,
+    lm_workload,
+    output_params,
+    with_negatives,
+)
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 
@@ -67,15 +74,13 @@ def init_params(cfg: LSTMConfig, key: jax.Array) -> dict:
     """Parameters of the LM; tables are N(0, 1/D)."""
     k_emb, k_core, k_proj, k_out = jax.random.split(key, 4)
     core, proj = _parts(cfg)
-    scale = cfg.dim**-0.5
     params = {
-        "embed": jax.random.normal(k_emb, (cfg.vocab, cfg.dim)) * scale,
+        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
         "lstm": core.init(k_core, jnp.zeros((1, 1, cfg.dim)))["params"],
+        **output_params(cfg, k_out),
     }
     if proj is not None:
         params["proj"] = proj.init(k_proj, jnp.zeros((1, cfg.hidden)))["params"]
-    if not cfg.tie_embeddings:
-        params["softmax"] = jax.random.normal(k_out, (cfg.vocab, cfg.dim)) * scale
     return params
 
 
@@ -87,10 +92,7 @@ def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
     h = core.apply({"params": params["lstm"]}, emb.lookup(params["embed"], inputs))
     if proj is not None:
         h = proj.apply({"params": params["proj"]}, h)
-    out_table = params["embed"] if cfg.tie_embeddings else params["softmax"]
-    if cfg.sampled_softmax:
-        return sampled_softmax_loss(h, out_table, targets, batch["negatives"], emb)
-    return cross_entropy(emb.attend(out_table, h), targets)
+    return lm_loss(cfg, params, h, targets, batch, emb)
 
 
 def workload(cfg: LSTMConfig) -> Workload:
@@ -101,22 +103,14 @@ def workload(cfg: LSTMConfig) -> Workload:
         stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
 
     def batch_at(step: int) -> dict:
-        batch = {"tokens": stream.tokens(step, cfg.batch, cfg.seq_len + 1)}
-        if cfg.sampled_softmax:
-            batch["negatives"] = log_uniform_negatives(
-                cfg.vocab, cfg.sampled_softmax, cfg.seed, step
-            )
-        return batch
+        tokens = stream.tokens(step, cfg.batch, cfg.seq_len + 1)
+        return with_negatives(cfg, {"tokens": tokens}, step)
 
-    tables = (("embed",),) if cfg.tie_embeddings else (("embed",), ("softmax",))
-    return Workload(
-        name="lstm_lm",
+    return lm_workload(
+        "lstm_lm",
+        cfg,
         init=lambda key: init_params(cfg, key),
         loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
         batch_at=batch_at,
-        replicated_keys=("negatives",) if cfg.sampled_softmax else (),
         items_per_step=cfg.batch * cfg.seq_len,
-        items_name="tokens",
-        embedding_paths=tables,
-        config=dataclasses.asdict(cfg),
     )

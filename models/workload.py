@@ -24,6 +24,7 @@ class Workload(NamedTuple):
       items_name: ``"tokens"`` or ``"samples"``: names the throughput field.
       embedding_paths: parameter paths (tuples of keys) of the embedding tables.
       config: the model's configuration, as a plain dict.
+      id_keys: batch keys holding token ids (``None``: every integer entry).
     """
 
     name: str
@@ -35,6 +36,7 @@ class Workload(NamedTuple):
     items_name: str
     embedding_paths: tuple[tuple[str, ...], ...]
     config: dict[str, Any]
+    id_keys: tuple[str, ...] | None = None
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -64,3 +66,52 @@ def sampled_softmax_loss(h, out_table, targets, negatives, emb) -> jax.Array:
     neg = jnp.where(negatives == targets[..., None], -1e9, neg)
     logits = jnp.concatenate([pos, neg], axis=-1)
     return cross_entropy(logits, jnp.zeros(targets.shape, jnp.int32))
+
+
+def init_table(key: jax.Array, vocab: int, dim: int) -> jax.Array:
+    """A V x D embedding table, N(0, 1/D)."""
+    return jax.random.normal(key, (vocab, dim)) * dim**-0.5
+
+
+def output_params(cfg, key: jax.Array) -> dict:
+    """The output table ``softmax`` (V x D), or nothing when tied to ``embed``."""
+    return {} if cfg.tie_embeddings else {"softmax": init_table(key, cfg.vocab, cfg.dim)}
+
+
+def table_paths(cfg) -> tuple[tuple[str, ...], ...]:
+    """Parameter paths of a language model's embedding tables."""
+    return (("embed",),) if cfg.tie_embeddings else (("embed",), ("softmax",))
+
+
+def lm_loss(cfg, params, h, targets, batch, emb) -> jax.Array:
+    """Full or sampled softmax over the (tied or separate) output table."""
+    out_table = params["embed"] if cfg.tie_embeddings else params["softmax"]
+    if cfg.sampled_softmax:
+        return sampled_softmax_loss(h, out_table, targets, batch["negatives"], emb)
+    return cross_entropy(emb.attend(out_table, h), targets)
+
+
+def with_negatives(cfg, batch: dict, step: int) -> dict:
+    """Adds the step's shared negatives when the model uses sampled softmax."""
+    from models.data import log_uniform_negatives
+
+    if cfg.sampled_softmax:
+        batch["negatives"] = log_uniform_negatives(cfg.vocab, cfg.sampled_softmax, cfg.seed, step)
+    return batch
+
+
+def lm_workload(name, cfg, init, loss, batch_at, items_per_step) -> Workload:
+    """A language-model ``Workload`` (tables and negatives follow ``cfg``)."""
+    import dataclasses
+
+    return Workload(
+        name=name,
+        init=init,
+        loss=loss,
+        batch_at=batch_at,
+        replicated_keys=("negatives",) if cfg.sampled_softmax else (),
+        items_per_step=items_per_step,
+        items_name="tokens",
+        embedding_paths=table_paths(cfg),
+        config=dataclasses.asdict(cfg),
+    )

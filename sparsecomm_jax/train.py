@@ -114,7 +114,7 @@ def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) 
 
 def id_leaves(batch: Batch, id_keys: Sequence[str] | None) -> dict[str, np.ndarray]:
     """The batch entries that hold token ids (all integer entries when not named)."""
-    keys = id_keys if id_keys is not None else batch
+    keys = [k for k in id_keys if k in batch] if id_keys is not None else batch
     return {
         k: np.asarray(batch[k])
         for k in keys

@@ -29,6 +29,8 @@ def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwar
         params,
         strategy,
         replicated_keys=workload.replicated_keys,
+        embedding_paths=workload.embedding_paths,
+        id_keys=workload.id_keys,
         **kwargs,
     )
     state, losses = ts.state, []

@@ -1,0 +1,100 @@
+"""BERT-style masked language model on Zipf tokens.
+
+Each example has ``masked`` positions (a fixed count, so shapes are static) replaced by
+the ``[MASK]`` id 0; the loss is the cross-entropy of the original ids there.
+
+Paper-scale config (BERT-base, EmbRace and TopKA2A): ``vocab=30522, dim=768, heads=12,
+layers=12, seq_len=128 (512), masked=20``, tied output embeddings.
+
+Example:
+    >>> import jax
+    >>> from models import bert
+    >>> w = bert.workload(bert.BERTConfig(vocab=100))
+    >>> float(w.loss(w.init(jax.random.key(0)), w.batch_at(0))) > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.blocks import Stack, init_stack
+from models.data import ZipfStream, _step_rng
+from models.workload import init_table, lm_loss, lm_workload, output_params, with_negatives
+from sparsecomm_jax.embedding import DENSE_EMBEDDING
+
+MASK_ID = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BERTConfig:
+    vocab: int = 1000  # vocabulary size V (id 0 is [MASK])
+    dim: int = 32  # model width D
+    heads: int = 2  # attention heads
+    layers: int = 1  # transformer blocks
+    seq_len: int = 16  # tokens per example T
+    masked: int = 3  # masked positions per example (about 15% of T)
+    batch: int = 16  # global batch (examples per step)
+    sampled_softmax: int = 0  # shared negatives per step; 0 = full softmax
+    tie_embeddings: bool = True  # output table = input table (as BERT)
+    zipf_exponent: float = 1.1  # Zipf exponent of the synthetic tokens
+    seed: int = 0  # data and init seed
+
+
+def _stack(cfg: BERTConfig) -> Stack:
+    return Stack(cfg.dim, cfg.heads, cfg.layers)
+
+
+def init_params(cfg: BERTConfig, key: jax.Array) -> dict:
+    k_emb, k_pos, k_stack, k_out = jax.random.split(key, 4)
+    return {
+        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
+        "pos": init_table(k_pos, cfg.seq_len, cfg.dim),
+        "encoder": init_stack(_stack(cfg), k_stack, cfg.seq_len, cfg.dim),
+        **output_params(cfg, k_out),
+    }
+
+
+def loss_fn(cfg: BERTConfig, params, batch, emb=None) -> jax.Array:
+    """Cross-entropy at the masked positions: ``tokens`` int32[B, T] (masked),
+    ``positions`` and ``labels`` int32[B, M]."""
+    emb = emb or DENSE_EMBEDDING
+    x = emb.lookup(params["embed"], batch["tokens"]) + params["pos"]
+    h = _stack(cfg).apply({"params": params["encoder"]}, x)
+    h = jnp.take_along_axis(h, batch["positions"][..., None], axis=1)  # [B, M, D]
+    return lm_loss(cfg, params, h, batch["labels"], batch, emb)
+
+
+def masked_batch(tokens: np.ndarray, masked: int, seed: int, step: int) -> dict:
+    """Masks ``masked`` distinct positions per example (host-side, seeded)."""
+    rng = _step_rng(seed, step, salt=3)
+    b, t = tokens.shape
+    positions = np.argsort(rng.random((b, t)), axis=1)[:, :masked].astype(np.int32)
+    labels = np.take_along_axis(tokens, positions, axis=1)
+    inputs = tokens.copy()
+    np.put_along_axis(inputs, positions, MASK_ID, axis=1)
+    return {"tokens": inputs, "positions": positions, "labels": labels}
+
+
+def workload(cfg: BERTConfig):
+    if not 0 < cfg.masked <= cfg.seq_len:
+        raise ValueError(f"masked must be in [1, seq_len={cfg.seq_len}], got {cfg.masked}")
+    stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
+
+    def batch_at(step: int) -> dict:
+        tokens = stream.tokens(step, cfg.batch, cfg.seq_len)
+        return with_negatives(cfg, masked_batch(tokens, cfg.masked, cfg.seed, step), step)
+
+    w = lm_workload(
+        "bert",
+        cfg,
+        init=lambda key: init_params(cfg, key),
+        loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
+        batch_at=batch_at,
+        items_per_step=cfg.batch * cfg.seq_len,
+    )
+    return w._replace(id_keys=("tokens", "labels", "negatives"))

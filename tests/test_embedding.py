@@ -1,0 +1,240 @@
+"""Sharded embeddings: planning on hand-worked examples, collectives against a
+list-of-blocks numpy reference, and the compiled program's collectives and bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import strategy_run
+from jax.sharding import PartitionSpec as P
+
+from models import get_workload
+from sparsecomm_jax import embedding, hlo, runtime, train
+
+N = 8
+
+
+def test_bucket_plan_hand_example():
+    send, pos = embedding.bucket_plan(jnp.array([5, 1, 5, 2]), vocab=8, num_workers=2, capacity=2)
+    np.testing.assert_array_equal(send, [[1, 2], [5, -1]])
+    np.testing.assert_array_equal(pos, [2, 0, 2, 1])
+
+
+def test_rowwise_capacity_hand_example():
+    need = embedding.rowwise_capacity([np.array([1, 1, 2, 5]), np.array([6, 7, 7])], 8, 2)
+    assert need == 2
+
+
+def _run_lookup(fn, table_global, ids, spec):
+    mesh = runtime.data_mesh(N)
+    body = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data"), check_vma=False
+    )
+    table = runtime.put_global(table_global, mesh, spec)
+    return np.asarray(jax.jit(body)(table, runtime.put_global(ids, mesh, P("data"))))
+
+
+@pytest.mark.parametrize("layout", ["column", "row"])
+def test_lookup_matches_blocks_reference(layout):
+    rng = np.random.default_rng(0)
+    v, d = 64, 16
+    table = rng.normal(size=(v, d)).astype(np.float32)
+    ids = rng.integers(0, v, size=(N * 3, 5)).astype(np.int32)
+    ids[:, 0] = ids[:, 1]  # duplicates within a worker
+    if layout == "column":
+        fn = lambda t, i: embedding.column_lookup(t, i, "data")  # noqa: E731
+    else:
+        fn = lambda t, i: embedding.row_lookup(t, i, "data", capacity=15)  # noqa: E731
+    got = _run_lookup(fn, table, ids, embedding.table_spec(layout, "data"))
+    # reference: each worker's block of ids, looked up in the whole table
+    blocks = [table[block] for block in np.split(ids, N)]
+    np.testing.assert_array_equal(got, np.concatenate(blocks))
+
+
+@pytest.mark.parametrize("layout", ["column", "row"])
+def test_shared_lookup_and_attend(layout):
+    rng = np.random.default_rng(1)
+    table = rng.normal(size=(32, 8)).astype(np.float32)
+    shared = rng.integers(0, 32, size=(6,)).astype(np.int32)
+    mesh = runtime.data_mesh(N)
+    ops = embedding.column_ops("data") if layout == "column" else embedding.row_ops("data", 4)
+    h = rng.normal(size=(N * 2, 8)).astype(np.float32)
+
+    def body(t, x):
+        return ops.lookup_shared(t, jnp.asarray(shared))[None], ops.attend(t, x)
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(embedding.table_spec(layout, "data"), P("data")),
+        out_specs=(P("data"), P("data")),
+        check_vma=False,
+    )
+    rows, logits = jax.jit(fn)(
+        embedding.shard_table(table, mesh, layout, "data"), runtime.put_global(h, mesh, P("data"))
+    )
+    for w in range(N):
+        np.testing.assert_array_equal(np.asarray(rows)[w], table[shared])
+    np.testing.assert_allclose(np.asarray(logits), h @ table.T, rtol=1e-5, atol=1e-5)
+
+
+def test_shard_and_gather_table_roundtrip():
+    table = np.random.default_rng(2).normal(size=(16, 8)).astype(np.float32)
+    mesh = runtime.data_mesh(N)
+    for layout, shard_shape in (("column", (16, 1)), ("row", (2, 8))):
+        sharded = embedding.shard_table(table, mesh, layout, "data")
+        assert sharded.addressable_shards[0].data.shape == shard_shape
+        np.testing.assert_array_equal(embedding.gather_table(sharded), table)
+
+
+# ------------------------------------------------------------- compiled programs
+
+V, D, T, NEG = 4096, 32, 8, 16
+
+
+def _lm(batch, **kw):
+    return get_workload(
+        "lstm_lm", vocab=V, dim=D, hidden=32, seq_len=T, batch=batch, sampled_softmax=NEG, **kw
+    )
+
+
+def _program(strategy, devices, batch):
+    w = _lm(batch)
+    mesh = runtime.data_mesh(devices)
+    ts = train.make_train_step(
+        w.loss,
+        optax.sgd(0.1),
+        mesh,
+        w.init(jax.random.key(0)),
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+    )
+    return ts, hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
+
+
+def test_embrace_program_bytes():
+    ts, colls = _program("embrace", N, batch=4 * N)
+    n = 4 * T  # tokens per worker
+    kinds = {c.kind for c in colls}
+    assert "all-to-all" in kinds
+    assert not [c for c in colls if c.kind == "all-reduce" and c.result_bytes >= V * D * 4]
+    a2a = hlo.total_bytes(colls, ["all-to-all"])
+    ids = sum(c.bytes_sent for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32")
+    lookups = 2  # input tokens (embed) and target tokens (softmax)
+    expected = lookups * (2 * (N - 1) / N * n * D * 4 + (N - 1) * n * 4)
+    assert a2a + ids == pytest.approx(expected, rel=0.05)
+    # the table never travels whole, and each worker holds V x D/P of it
+    assert ts.state.params["embed"].addressable_shards[0].data.shape == (V, D // N)
+
+
+def test_bytes_scale_with_workers():
+    """Per-worker batch fixed: sparse_allgather grows with P, embrace stays bounded."""
+    per_worker = 4
+
+    def table_bytes(strategy, p):
+        _, colls = _program(strategy, p, batch=per_worker * p)
+        return hlo.total_bytes(colls, ["all-to-all", "all-gather", "reduce-scatter"])
+
+    sparse = [table_bytes("sparse_allgather", p) for p in (2, 8)]
+    embrace = [table_bytes("embrace", p) for p in (2, 8)]
+    assert sparse[1] > 5 * sparse[0]
+    assert embrace[1] < 2.5 * embrace[0]
+    n = per_worker * T
+    bound = 2 * (2 * n * D * 4 + 7 * n * 4) + 2 * NEG * D * 4  # lookups + ids + negatives
+    assert embrace[1] <= bound
+
+
+def test_embrace_memory_is_a_shard():
+    def arg_bytes(strategy):
+        w = _lm(2 * N)
+        ts = train.make_train_step(
+            w.loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(N),
+            w.init(jax.random.key(0)),
+            strategy,
+            replicated_keys=w.replicated_keys,
+            embedding_paths=w.embedding_paths,
+        )
+        lowered = ts.step.lower(ts.state, ts.place_batch(w.batch_at(0)))
+        return lowered.compile().memory_analysis().argument_size_in_bytes
+
+    saved = arg_bytes("dense") - arg_bytes("embrace")
+    assert saved == pytest.approx(2 * V * D * 4 * (1 - 1 / N), rel=0.02)  # two tables
+
+
+# ------------------------------------------------------------------- bad input
+
+
+def _make(strategy, w, **kw):
+    return train.make_train_step(
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(N),
+        w.init(jax.random.key(0)),
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        **kw,
+    )
+
+
+def test_indivisible_tables_are_rejected():
+    w = get_workload("lstm_lm", vocab=64, dim=12, hidden=8, seq_len=4, batch=8)
+    with pytest.raises(ValueError, match=r"D \(columns\) = 12, not divisible by the 8"):
+        _make("embrace", w)
+    w = get_workload("lstm_lm", vocab=60, dim=16, hidden=8, seq_len=4, batch=8)
+    with pytest.raises(ValueError, match=r"V \(rows\) = 60, not divisible by the 8"):
+        _make("embrace_rowwise", w)
+
+
+@pytest.mark.parametrize("strategy", ["dense", "dense_pmap", "embrace", "embrace_rowwise"])
+def test_token_id_out_of_range(strategy):
+    w = get_workload("lstm_lm", vocab=64, dim=16, hidden=8, seq_len=4, batch=8)
+    ts = _make(strategy, w)
+    batch = w.batch_at(0)
+    batch["tokens"][3, 2] = 64
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 64\)"):
+        ts.place_batch(batch)
+    batch["tokens"][3, 2] = -1
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ts.place_batch(batch)
+
+
+def test_capacity_too_small_and_auto_growth():
+    w = get_workload("lstm_lm", vocab=512, dim=16, hidden=8, seq_len=8, batch=16)
+    with pytest.raises(ValueError, match="capacity=1 is too small"):
+        _make("embrace_rowwise", w, capacity=1).place_batch(w.batch_at(0))
+    # auto: worker 0 asks owner 0 (rows 0-63) for 18 distinct ids -> 32 slots
+    calm = {"tokens": np.zeros((16, 9), np.int32)}
+    wild = {"tokens": np.arange(16 * 9, dtype=np.int32).reshape(16, 9)}
+    ts = _make("embrace_rowwise", w)
+    assert ts.place_batch(calm).capacity == 8
+    assert ts.place_batch(wild).capacity == 32
+    assert ts.place_batch(calm).capacity == 32  # never shrinks: no recompiles
+
+
+def test_embedding_strategy_needs_tables():
+    w = get_workload("lstm_lm", vocab=64, dim=16, hidden=8, seq_len=4, batch=8)
+    with pytest.raises(ValueError, match="needs embedding tables"):
+        train.make_train_step(
+            w.loss, optax.sgd(0.1), runtime.data_mesh(N), w.init(jax.random.key(0)), "embrace"
+        )
+    with pytest.raises(ValueError, match="not in the parameters"):
+        _make("embrace", w._replace(embedding_paths=(("nope",),)))
+
+
+def test_rowwise_capacity_growth_stays_exact():
+    """Batches of very different diversity through one auto-capacity step: exact."""
+    w = get_workload("lstm_lm", vocab=512, dim=16, hidden=8, seq_len=8, batch=16)
+    batches = [
+        {"tokens": np.zeros((16, 9), np.int32)},
+        {"tokens": np.arange(16 * 9, dtype=np.int32).reshape(16, 9)},
+    ]
+    w = w._replace(batch_at=lambda step: batches[step])
+    params = w.init(jax.random.key(0))
+    ref, _, _ = strategy_run(w, optax.sgd(0.5), params, 2, "dense")
+    got, _, _ = strategy_run(w, optax.sgd(0.5), params, 2, "embrace_rowwise")
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
