@@ -113,26 +113,30 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     """
     validate(config)
     rank = start_devices(config.devices)
+    import jax
     from tqdm import tqdm
 
     from sparsecomm_jax import hlo
     from sparsecomm_jax.train import loss_value
 
     workload, ts = build(config)
-    state = ts.state
-    t0 = time.perf_counter()
-    compiled = ts.step.lower(state, ts.place_batch(workload.batch_at(0))).compile()
-    compile_s = time.perf_counter() - t0
-    colls = hlo.parse_collectives(compiled.as_text())
+    state, programs, compile_s = ts.state, {}, 0.0
     losses, times = [], []
     bar = tqdm(range(config.steps), desc=config.strategy, disable=not progress or rank != 0)
     for step in bar:
         batch = ts.place_batch(workload.batch_at(step))
+        key = jax.tree.structure(batch)  # a new program when the batch's shape class changes
+        if key not in programs:
+            t = time.perf_counter()
+            programs[key] = ts.step.lower(state, batch).compile()
+            compile_s += time.perf_counter() - t
         t = time.perf_counter()
-        state, loss = compiled(state, batch)
+        state, loss = programs[key](state, batch)
         losses.append(loss_value(loss))
         times.append(time.perf_counter() - t)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    compiled = programs[key]  # the last program run: its collectives and memory
+    colls = hlo.parse_collectives(compiled.as_text())
     timed = times[config.warmup :] or times
     step_time = statistics.median(timed)
     return {
@@ -147,6 +151,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "collectives": [c.as_dict() for c in colls],
         "peak_memory_bytes": _peak_memory(compiled),
         "compile_s": compile_s,
+        "programs": len(programs),
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }

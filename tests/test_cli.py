@@ -97,3 +97,14 @@ def test_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["devices"] == 2 and len(result["losses"]) == 2
+
+
+def test_rowwise_run_survives_capacity_growth():
+    """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails."""
+    config = RunConfig(model="transformer", strategy="embrace_rowwise", devices=4, batch=8,
+                       steps=3, vocab=2000, dim=16, warmup=0)  # fmt: skip
+    result = train_and_evaluate(config, progress=False)
+    assert result["programs"] >= 2 and len(result["losses"]) == 3
+    dense = train_and_evaluate(RunConfig(**{**config.__dict__, "strategy": "dense"}),
+                               progress=False)  # fmt: skip
+    np.testing.assert_allclose(result["losses"], dense["losses"], rtol=1e-5)
