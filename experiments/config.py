@@ -25,17 +25,24 @@ class RunConfig:
     layers: int = 1  # recurrent or transformer layers
     heads: int = 2  # attention heads (transformer, bert, gpt2)
     masked: int = 3  # masked positions per example (bert)
+    image_size: int = 32  # image height = width (resnet, vgg)
+    width: int = 8  # channels of the first stage (resnet, vgg)
+    blocks: int = 1  # blocks per stage (resnet, vgg)
+    noise: float = 1.0  # noise std of the synthetic images (resnet, vgg)
     sampled_softmax: int = 0  # shared negative samples per step; 0 = full softmax
     tie_embeddings: bool = False  # tie the output table to the input table
     zipf_exponent: float = 1.1  # Zipf exponent of synthetic tokens
     text_file: str = ""  # word-level corpus instead of synthetic tokens
     capacity: int = 0  # embrace_rowwise slots per bucket; 0 = sized per batch
+    density: float = 0.01  # fraction sent by top-k strategies, in (0, 1]
+    selector: str = "exact"  # top-k selection: exact | threshold
+    bucket_mb: float = 64.0  # tensor-fusion threshold in MiB for top-k strategies
     out: str = ""  # JSON result path ("" = do not write)
 
     def model_overrides(self) -> dict[str, Any]:
         """The fields a model config may take (models ignore the ones they lack)."""
         skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
-                "capacity"}  # fmt: skip
+                "capacity", "density", "selector", "bucket_mb"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 

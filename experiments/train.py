@@ -27,14 +27,19 @@ OPTIMIZERS = ("sgd", "momentum", "adam")
 def validate(config: RunConfig) -> None:
     """Checks a config before JAX starts; raises ``ValueError`` naming the bad field."""
     from models import MODELS
-    from sparsecomm_jax.train import STRATEGIES
+    from sparsecomm_jax.sparsify import SELECTORS
+    from sparsecomm_jax.train import strategy_names
 
     if config.model not in MODELS:
         raise ValueError(f"unknown --model {config.model!r}; choose one of {sorted(MODELS)}")
-    if config.strategy not in STRATEGIES:
+    if config.strategy not in strategy_names():
         raise ValueError(
-            f"unknown --strategy {config.strategy!r}; choose one of {sorted(STRATEGIES)}"
+            f"unknown --strategy {config.strategy!r}; choose one of {strategy_names()}"
         )
+    if not 0 < config.density <= 1:
+        raise ValueError(f"--density must be in (0, 1], got {config.density}")
+    if config.selector not in SELECTORS:
+        raise ValueError(f"unknown --selector {config.selector!r}; choose one of {SELECTORS}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
     for name in ("steps", "devices", "batch"):
@@ -75,6 +80,18 @@ def _peak_memory(compiled) -> int | None:
         return None
 
 
+def _aggregator_options(config: RunConfig) -> dict[str, Any]:
+    from sparsecomm_jax.train import parse_strategy
+
+    agg = parse_strategy(config.strategy)[1]
+    if agg == "dense":
+        return {}
+    options = {"density": config.density, "bucket_bytes": int(config.bucket_mb * 2**20)}
+    if agg != "gtopk":
+        options["selector"] = config.selector
+    return options
+
+
 def build(config: RunConfig):
     """The workload, mesh and ``TrainStep`` of ``config`` (JAX must be started)."""
     import jax
@@ -95,6 +112,7 @@ def build(config: RunConfig):
         embedding_paths=workload.embedding_paths,
         id_keys=workload.id_keys,
         capacity=config.capacity or None,
+        **_aggregator_options(config),
     )
     return workload, ts
 

@@ -5,10 +5,19 @@ Used inside ``shard_map`` bodies: ``state = agg.init(grads_like)``, then
 ``axis_name`` workers, identical on every worker. State is a NamedTuple of arrays (a
 plain pytree), kept per worker.
 
+Error-feedback aggregators (``topk_allgather``, ``topk_a2a``, ``gtopk``) keep a
+``residual`` per worker shaped like the gradients: ``acc = grad + residual``; what is not
+sent stays in ``residual``. Leaves are fused into flat buckets (``fusion``), one
+collective per bucket. Conservation holds by construction, for any input:
+``P * mean + sum_p residual_new_p == sum_p (grad_p + residual_old_p)``.
+
 Example:
     >>> from sparsecomm_jax import aggregators
-    >>> agg = aggregators.dense_allreduce("data")
+    >>> agg = aggregators.topk_a2a(0.01, "data")
     >>> # inside shard_map: mean, state = agg.update(grads, agg.init(grads))
+
+References:
+    Peng et al., "TopKA2A", ICPP 2024; Lin et al., "Deep Gradient Compression", 2018.
 """
 
 from __future__ import annotations
@@ -17,8 +26,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+from sparsecomm_jax import collectives, fusion, sparsify
 
 PyTree = Any
+DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 class Aggregator(NamedTuple):
@@ -51,3 +64,157 @@ def dense_allreduce(axis_name: str) -> Aggregator:
         return jax.lax.pmean(grads, axis_name), state
 
     return Aggregator(init=lambda params: EmptyState(), update=update)
+
+
+class ErrorFeedbackState(NamedTuple):
+    """Per-worker state of the top-k aggregators.
+
+    Attributes:
+      residual: what this worker has not sent yet, shaped like the gradients.
+    """
+
+    residual: PyTree
+
+
+def check_float_grads(grads: PyTree) -> None:
+    """``ValueError`` naming the first non-floating-point gradient leaf."""
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        if not jnp.issubdtype(g.dtype, jnp.floating):
+            name = jax.tree_util.keystr(path)
+            raise ValueError(f"gradient {name} has dtype {g.dtype}; top-k needs floats")
+
+
+def _check_density(density: float) -> None:
+    if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+
+
+def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_workers: bool):
+    """The shared skeleton: residual add, fusion, one ``exchange`` per bucket.
+
+    ``exchange(flat) -> (total, kept)``: the sum over workers of what is sent, and what
+    this worker keeps in its residual (both float[len(flat)]).
+    """
+
+    def init(params):
+        return ErrorFeedbackState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+
+    def update(grads, state):
+        check_float_grads(grads)
+        leaves, treedef = jax.tree.flatten(grads)
+        acc = [g + r for g, r in zip(leaves, treedef.flatten_up_to(state.residual), strict=True)]
+        num = jax.lax.axis_size(axis_name)
+        mean, residual = {}, {}
+        for bucket in fusion.plan_buckets([a.size for a in acc], bucket_bytes):
+            flat = fusion.pack(acc, bucket, num if pad_to_workers else 1)  # float[d]
+            total, kept = exchange(flat)
+            mean.update(fusion.unpack(total / num, leaves, bucket))
+            residual.update(fusion.unpack(kept, acc, bucket))
+        order = range(len(leaves))
+        return (
+            treedef.unflatten([mean[i] for i in order]),
+            ErrorFeedbackState(treedef.unflatten([residual[i] for i in order])),
+        )
+
+    return Aggregator(init=init, update=update)
+
+
+def topk_allgather(
+    density: float,
+    axis_name: str,
+    selector: str = "exact",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+) -> Aggregator:
+    """Top-k with error feedback; pairs exchanged by all-gather (the common baseline).
+
+    Args:
+      density: fraction of each bucket sent, in (0, 1].
+      axis_name: the data-parallel mesh axis.
+      selector: ``"exact"`` (``lax.top_k``) or ``"threshold"`` (sampled, DGC-style).
+      bucket_bytes: fusion threshold (``None``: one bucket).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
+    """
+    _check_density(density)
+    sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
+
+    def exchange(flat):
+        d = flat.shape[0]
+        values, indices = sparsify.select(flat, sparsify.num_selected(density, d), selector)
+        total = collectives.topk_allgather(values, indices, d, axis_name)
+        return total, flat - sparsify.densify(values, indices, d)
+
+    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+
+
+def topk_a2a(
+    density: float,
+    axis_name: str,
+    selector: str = "exact",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+) -> Aggregator:
+    """TopKA2A: ceil(k/P) entries per contiguous shard, one all-to-all, local sum,
+    tiled all-gather. Buckets are zero-padded to a multiple of P.
+
+    Args: as ``topk_allgather``.
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
+    """
+    _check_density(density)
+    sparsify.select(jnp.zeros(1), 1, selector)
+
+    def exchange(flat):
+        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+        k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
+        k_shard = min(k_shard, d // num)
+        values, local = sparsify.per_shard_topk(flat, k_shard, num, selector)  # [P, k/P]
+        total = collectives.topk_a2a(values, local, d, axis_name)
+        offsets = (jnp.arange(num) * (d // num))[:, None]
+        return total, flat - sparsify.densify(values, local + offsets, d)
+
+    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
+
+
+def gtopk(
+    density: float,
+    axis_name: str,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+) -> Aggregator:
+    """gTop-k: log2(P) pairwise merge rounds; entries a merge drops go back to the
+    residual of the pair's lower rank. P must be a power of two.
+
+    Args:
+      density: fraction of each bucket kept, in (0, 1].
+      axis_name: the data-parallel mesh axis.
+      bucket_bytes: fusion threshold (``None``: one bucket).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
+    """
+    _check_density(density)
+
+    def exchange(flat):
+        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+        if num & (num - 1):
+            raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
+        k = sparsify.num_selected(density, d)
+        values, indices = sparsify.exact_topk(flat, k)
+        total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
+        return total, flat - sparsify.densify(values, indices, d) + dropped
+
+    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+
+
+def _dense(density: float, axis_name: str, **_: Any) -> Aggregator:
+    return dense_allreduce(axis_name)
+
+
+# name -> constructor(density, axis_name, **options)
+AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
+    "dense": _dense,
+    "topk_allgather": topk_allgather,
+    "topk_a2a": topk_a2a,
+    "gtopk": gtopk,
+}

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import embedding, runtime
+from sparsecomm_jax.aggregators import AGGREGATORS, Aggregator
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 
 PyTree = Any
@@ -88,6 +89,7 @@ class Setup(NamedTuple):
     vocabs: tuple[int, ...]  # distinct table vocabularies V (empty without tables)
     id_keys: tuple[str, ...] | None  # batch keys holding token ids (None: integer keys)
     capacity: int | None  # row-wise slots per bucket (None: sized per batch)
+    aggregator: Aggregator  # reduces the data-parallel gradients (dense: pmean)
 
     @property
     def num_workers(self) -> int:
@@ -193,19 +195,29 @@ def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None):
     return TrainState(params, opt_state, agg_state), jax.lax.pmean(loss, setup.axis_name)
 
 
+def _aggregate(setup: Setup, grads, agg_state):
+    """``setup.aggregator`` on local gradients; its state is stored per worker with a
+    leading axis of 1 inside ``shard_map`` (global: one slice per worker)."""
+    local = jax.tree.map(lambda x: x[0], agg_state)
+    mean, local = setup.aggregator.update(grads, local)
+    return mean, jax.tree.map(lambda x: x[None], local)
+
+
 def dense_body(setup: Setup) -> Callable:
-    """Data-parallel step: local gradients, ``pmean`` of all of them."""
+    """Data-parallel step: local gradients, all of them through the aggregator
+    (``pmean`` for ``dense``, top-k with error feedback for the sparse ones)."""
 
     def body(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, batch, DENSE_EMBEDDING)
-        return _finish(setup, state, jax.lax.pmean(grads, setup.axis_name), loss)
+        mean, agg_state = _aggregate(setup, grads, state.agg_state)
+        return _finish(setup, state, mean, loss, agg_state)
 
     return body
 
 
 def sharded_table_body(setup: Setup, make_ops: Callable[[Batch], EmbeddingOps]) -> Callable:
     """EmbRace step: tables sharded (their lookups exchange rows by all-to-all), dense
-    layers data-parallel by ``pmean``.
+    layers data-parallel through the aggregator (``pmean``, or top-k).
 
     Autodiff through the lookup's collectives already brings each owner the *sum* over
     workers of its shard's gradient; dividing by P gives the mean, as ``pmean`` does for
@@ -217,8 +229,9 @@ def sharded_table_body(setup: Setup, make_ops: Callable[[Batch], EmbeddingOps]) 
         loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, data, emb)
         tables, rest = split_tables(grads, setup.table_mask)
         tables = jax.tree.map(lambda g: g / setup.num_workers, tables)
-        rest = jax.lax.pmean(rest, setup.axis_name)
-        return _finish(setup, state, merge_tables(tables, rest, setup.table_mask), loss)
+        rest, agg_state = _aggregate(setup, rest, state.agg_state)
+        grads = merge_tables(tables, rest, setup.table_mask)
+        return _finish(setup, state, grads, loss, agg_state)
 
     return body
 
@@ -262,8 +275,10 @@ def _place_state(setup: Setup, layout: str | None):
         for name, table in _tables(host, setup.table_mask):
             embedding.check_divisible(table.shape, layout, setup.num_workers, name)
     opt_state = jax.tree.map(np.asarray, setup.optimizer.init(host))
-    state = TrainState(host, opt_state, ())
-    state_specs = TrainState(specs, _opt_specs(setup, opt_state, specs), ())
+    agg_state = _initial_agg_state(setup, host, layout)
+    state = TrainState(host, opt_state, agg_state)
+    agg_specs = jax.tree.map(lambda _: P(setup.axis_name), agg_state)
+    state_specs = TrainState(specs, _opt_specs(setup, opt_state, specs), agg_specs)
     placed = jax.tree.map(
         lambda x, s: runtime.put_global(x, setup.mesh, s),
         state,
@@ -271,6 +286,13 @@ def _place_state(setup: Setup, layout: str | None):
         is_leaf=lambda x: isinstance(x, P),
     )
     return placed, state_specs
+
+
+def _initial_agg_state(setup: Setup, host_params, layout: str | None):
+    """Zeros of the aggregator's state, one slice per worker: global [P, *shape]."""
+    reduced = split_tables(host_params, setup.table_mask)[1] if layout else host_params
+    shapes = jax.eval_shape(setup.aggregator.init, reduced)
+    return jax.tree.map(lambda s: np.zeros((setup.num_workers, *s.shape), s.dtype), shapes)
 
 
 def _place_fn(setup: Setup, capacity_fn=None) -> Callable[[Batch], Any]:
@@ -456,6 +478,31 @@ STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
 }
 
 
+def parse_strategy(strategy: str) -> tuple[str, str]:
+    """``"embrace+topk_a2a"`` -> ``("embrace", "topk_a2a")``; ``"topk_a2a"`` ->
+    ``("dense", "topk_a2a")``; ``"embrace"`` -> ``("embrace", "dense")``.
+
+    The first part says how embedding tables travel, the second how the data-parallel
+    gradients are reduced.
+    """
+    base, _, agg = strategy.partition("+")
+    if not agg and base in AGGREGATORS and base not in STRATEGIES:
+        base, agg = "dense", base
+    agg = agg or "dense"
+    if base not in STRATEGIES or agg not in AGGREGATORS:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {strategy_names()}")
+    if agg != "dense" and base in ("dense_pmap", "sparse_allgather"):
+        raise ValueError(f"strategy {base!r} cannot be combined with an aggregator ({agg!r})")
+    return base, agg
+
+
+def strategy_names() -> list[str]:
+    """Every accepted ``strategy`` name."""
+    sparse = [a for a in AGGREGATORS if a != "dense"]
+    tables = ("embrace", "embrace_rowwise")
+    return [*STRATEGIES, *sparse, *(f"{t}+{a}" for t in tables for a in sparse)]
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -468,13 +515,17 @@ def make_train_step(
     embedding_paths: Sequence[Sequence[str]] | Callable[..., bool] = (),
     id_keys: Sequence[str] | None = None,
     capacity: int | None = None,
+    density: float = 1.0,
+    **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
 
-    Strategies: ``dense_pmap`` (``pmap`` + ``pmean``), ``dense`` (the same with
-    ``shard_map``), ``sparse_allgather`` (replicated tables, all-gather of sparse rows),
-    ``embrace`` (column-sharded tables, all-to-all), ``embrace_rowwise`` (row-sharded
-    tables, de-duplicated all-to-all).
+    Strategies (``strategy_names()``): ``dense_pmap`` (``pmap`` + ``pmean``), ``dense``
+    (the same with ``shard_map``), ``sparse_allgather`` (replicated tables, all-gather
+    of sparse rows), ``embrace`` (column-sharded tables, all-to-all), ``embrace_rowwise``
+    (row-sharded tables, de-duplicated all-to-all); ``topk_allgather``, ``topk_a2a``,
+    ``gtopk`` (top-k with error feedback for all gradients); and ``embrace+topk_a2a``
+    etc. (sharded tables, top-k for the dense layers).
 
     Args:
       loss_fn: ``loss_fn(params, batch, emb) -> scalar``, mean over the batch's examples.
@@ -482,7 +533,7 @@ def make_train_step(
         its owner under sharded strategies, which is exactly equivalent).
       mesh: a mesh with axis ``axis_name`` (see ``runtime.data_mesh``).
       params: initial parameters (host or device arrays, unsharded).
-      strategy: one of ``STRATEGIES``.
+      strategy: one of ``strategy_names()``.
       axis_name: the data-parallel mesh axis.
       replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
       embedding_paths: which parameters are V x D embedding tables: paths like
@@ -492,23 +543,28 @@ def make_train_step(
       capacity: ``embrace_rowwise`` slots per (worker, owner) bucket; ``None`` sizes it
         per batch (powers of two, a new program when it grows); a fixed value too small
         for a batch raises ``ValueError`` before anything runs.
+      density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
+      **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
       A ``TrainStep``: ``state, loss = ts.step(state, ts.place_batch(batch))``.
 
     Raises:
       ValueError: unknown strategy, axis not in the mesh, embedding strategy without
-        tables, table not divisible by P, bad capacity.
+        tables, table not divisible by P, bad capacity or density.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {sorted(STRATEGIES)}")
-    runtime.mesh_axis_size(mesh, axis_name)
+    base, agg_name = parse_strategy(strategy)
+    num = runtime.mesh_axis_size(mesh, axis_name)
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+    if agg_name == "gtopk" and num & (num - 1):
+        raise ValueError(f"gtopk needs a power-of-two number of devices, got {num}")
+    aggregator = AGGREGATORS[agg_name](density, axis_name, **aggregator_options)
     mask = table_mask(params, embedding_paths)
     vocabs = tuple(sorted({int(np.shape(t)[0]) for _, t in _tables(params, mask)}))
     setup = Setup(
         loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys), mask, vocabs,
-        None if id_keys is None else tuple(id_keys), capacity,
+        None if id_keys is None else tuple(id_keys), capacity, aggregator,
     )  # fmt: skip
-    return STRATEGIES[strategy](setup)
+    built = STRATEGIES[base](setup)
+    return built._replace(strategy=strategy)

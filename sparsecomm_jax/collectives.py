@@ -1,0 +1,133 @@
+"""Sparse all-reduce collectives: pure functions for ``shard_map`` bodies.
+
+Each takes this worker's selection and returns the *sum* over workers as a dense
+vector, identical on every worker (divide by P for the mean). Volumes per worker
+(k selected of d, P workers, 4-byte values and indices):
+
+================ ====================================== ===========================
+collective       steps                                  bytes sent per worker
+================ ====================================== ===========================
+topk_allgather   all-gather (value, index), scatter-add  2 (P-1) k * 4
+topk_a2a         all-to-all per shard, add, all-gather   (2k + d) (P-1)/P * 4
+gtopk            log2 P rounds of ppermute + re-select   2 k log2(P) * 4
+================ ====================================== ===========================
+
+References:
+    Peng et al., "TopKA2A", ICPP 2024.
+    Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
+    Sparsification for Low Bandwidth Networks" (gTop-k), ICDCS 2019.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsecomm_jax import sparsify
+
+
+def topk_allgather(values, indices, size: int, axis_name: str):
+    """Sum of every worker's sparse vector by all-gather and scatter-add.
+
+    Per worker (P=2, size 4)::
+
+        before: w0 ([5.], [1])        w1 ([2.], [1])
+        all_gather: both ([5., 2.], [1, 1])
+        after:  both [0, 7, 0, 0]
+
+    Args:
+      values: float[k]; indices: int[k] into [0, size).
+      size: d, length of the dense result.
+      axis_name: the mesh axis.
+
+    Returns:
+      float[size], the sum over workers.
+    """
+    all_values = jax.lax.all_gather(values, axis_name, tiled=True)  # float[P*k]
+    all_indices = jax.lax.all_gather(indices, axis_name, tiled=True)  # int[P*k]
+    return sparsify.densify(all_values, all_indices, size)
+
+
+def topk_a2a(values, indices, size: int, axis_name: str):
+    """TopKA2A: the sparse pieces of shard i go to worker i by one all-to-all; worker i
+    sums them into its dense shard; a tiled all-gather returns the whole vector.
+
+    Per worker (P=2, size 4, shards [0:2] and [2:4], shard-local indices)::
+
+        before:     w0 vals [[5.], [1.]] idx [[1], [0]]   w1 vals [[2.], [3.]] idx [[1], [1]]
+        all_to_all: w0 vals [[5.], [2.]] idx [[1], [1]]   w1 vals [[1.], [3.]] idx [[0], [1]]
+        local add:  w0 [0, 7]                             w1 [1, 3]
+        all_gather: both [0, 7, 1, 3]
+
+    Args:
+      values: float[P, k/P], this worker's selection per destination shard.
+      indices: int[P, k/P], shard-local indices.
+      size: d (divisible by P).
+      axis_name: the mesh axis.
+
+    Returns:
+      float[size], the sum over workers.
+    """
+    num = values.shape[0]
+    got_values = jax.lax.all_to_all(values, axis_name, 0, 0)  # float[P, k/P] for my shard
+    got_indices = jax.lax.all_to_all(indices, axis_name, 0, 0)  # int[P, k/P]
+    mine = sparsify.densify(got_values, got_indices, size // num)  # float[d/P]
+    return jax.lax.all_gather(mine, axis_name, tiled=True)  # float[d]
+
+
+def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
+    """Top-k of the sum of two sparse vectors, and what the re-selection leaves out.
+
+    Returns:
+      ``(values, indices, dropped_values, dropped_indices)``: the k largest-magnitude
+      entries of a + b (duplicates summed), and the rest of a + b as 2k entries with
+      the kept ones zeroed (so ``densify(dropped)`` + ``densify(kept)`` = a + b).
+    """
+    idx = jnp.concatenate([indices_a, indices_b])  # int[2k]
+    val = jnp.concatenate([values_a, values_b])  # float[2k]
+    order = jnp.argsort(idx)
+    idx, val = idx[order], val[order]
+    first = jnp.concatenate([jnp.array([True]), idx[1:] != idx[:-1]])
+    run = jnp.cumsum(first) - 1  # run id of each entry
+    totals = jnp.zeros_like(val).at[run].add(val)[run]  # run total at every entry
+    merged = jnp.where(first, totals, 0.0)  # one entry per distinct index
+    _, pick = jax.lax.top_k(jnp.abs(merged), k)
+    kept = jnp.zeros(idx.shape, bool).at[pick].set(True)
+    return merged[pick], idx[pick], jnp.where(kept, 0.0, merged), idx
+
+
+def gtopk(values, indices, size: int, k: int, axis_name: str):
+    """gTop-k: log2(P) rounds of pairwise exchange (``ppermute`` with rank XOR 2^r),
+    each merging two k-lists and re-selecting k. All workers end with the same list.
+
+    Per worker (P=2, k=1)::
+
+        before: w0 ([5.], [1])  w1 ([2.], [3])
+        round 0: both merge {1: 5, 3: 2} and keep ([5.], [1]); w0 keeps {3: 2} aside
+        after:  both [0, 5, 0, 0]; dropped mass: w0 [0, 0, 0, 2], w1 zeros
+
+    Args:
+      values: float[k]; indices: int[k].
+      size: d.
+      k: entries kept after every merge.
+      axis_name: the mesh axis (size a power of two).
+
+    Returns:
+      ``(total, dropped)``: float[size] sum of the final global list (same on every
+      worker), and float[size] mass this worker must keep in its residual (each merge's
+      leftovers are assigned to one rank of the group that made it: nothing vanishes
+      and nothing is counted twice).
+    """
+    num = jax.lax.axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    dropped = jnp.zeros((size,), values.dtype)
+    for r in range(num.bit_length() - 1):
+        perm = [(i, i ^ (1 << r)) for i in range(num)]
+        other_v = jax.lax.ppermute(values, axis_name, perm)
+        other_i = jax.lax.ppermute(indices, axis_name, perm)
+        values, indices, left_v, left_i = merge_topk(values, indices, other_v, other_i, k)
+        # After round r the 2^(r+1) workers of a group hold the same list and made the
+        # same merge: only the group's first rank keeps what it dropped.
+        keeper = (rank & ((2 << r) - 1)) == 0
+        dropped = dropped.at[left_i].add(jnp.where(keeper, left_v, 0.0))
+    return sparsify.densify(values, indices, size), dropped

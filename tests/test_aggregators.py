@@ -1,0 +1,182 @@
+"""Aggregators inside shard_map: conservation on adversarial inputs, numpy references,
+equality with dense at density 1, and the compiled programs' collectives and bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax import aggregators, hlo, runtime
+
+N = 8
+LOSSY = ("topk_allgather", "topk_a2a", "gtopk")
+
+
+def _program(agg, devices=N):
+    """jit(shard_map) of agg.update on a two-leaf gradient tree, one row per worker."""
+    mesh = runtime.data_mesh(devices)
+
+    def body(a, b, ra, rb):
+        grads = {"a": a[0], "b": b[0]}
+        state = aggregators.ErrorFeedbackState({"a": ra[0], "b": rb[0]})
+        mean, new = agg.update(grads, state)
+        return mean["a"][None], mean["b"][None], new.residual["a"][None], new.residual["b"][None]
+
+    spec = P("data")
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4,
+                       check_vma=False)  # fmt: skip
+    return jax.jit(fn), mesh
+
+
+def run(agg, grads, residual, devices=N):
+    """grads/residual: float[P, d] (split 3:1 into two leaves). Returns (mean, residual)."""
+    fn, mesh = _program(agg, devices)
+    cut = grads.shape[1] * 3 // 4
+    args = [grads[:, :cut], grads[:, cut:], residual[:, :cut], residual[:, cut:]]
+    ma, mb, ra, rb = fn(*[runtime.put_global(x, mesh, P("data")) for x in args])
+    return np.concatenate([ma, mb], 1), np.concatenate([ra, rb], 1)
+
+
+def inputs(kind, d=512, seed=0):
+    rng = np.random.default_rng(seed)
+    g = rng.normal(size=(N, d)).astype(np.float32)
+    r = (0.1 * rng.normal(size=(N, d))).astype(np.float32)
+    if kind == "one_shard":  # all mass in the first 1/P of the vector
+        g[:, d // N :] = 0
+        r[:] = 0
+    elif kind == "ties":
+        g = np.sign(g).astype(np.float32)
+        r[:] = 0
+    elif kind == "zeros":
+        g[:], r[:] = 0, 0
+    elif kind == "negative":
+        g, r = -np.abs(g), -np.abs(r)
+    elif kind == "skewed":  # one worker much larger than the others
+        g[3] *= 1e4
+    return g, r
+
+
+@pytest.mark.parametrize("kind", ["random", "one_shard", "ties", "zeros", "negative", "skewed"])
+@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("bucket_bytes", [None, 1024])
+def test_conservation(name, kind, bucket_bytes):
+    g, r = inputs(kind)
+    agg = aggregators.AGGREGATORS[name](0.05, "data", bucket_bytes=bucket_bytes)
+    mean, new_r = run(agg, g, r)
+    np.testing.assert_array_equal(mean, np.broadcast_to(mean[0], mean.shape))  # same on all
+    total = (g + r).sum(0)
+    scale = max(1.0, float(np.abs(g + r).max()))
+    np.testing.assert_allclose(N * mean[0] + new_r.sum(0), total, atol=1e-5 * scale * N)
+    if kind != "zeros":
+        assert np.abs(mean[0]).sum() > 0  # something was actually sent
+
+
+def _topk_dense(x, k):
+    out = np.zeros_like(x)
+    idx = np.argsort(-np.abs(x), kind="stable")[:k]
+    out[idx] = x[idx]
+    return out
+
+
+def test_topk_allgather_is_mean_of_exact_topk():
+    g, _ = inputs("random", d=400, seed=3)
+    zero = np.zeros_like(g)
+    mean, _ = run(aggregators.topk_allgather(0.05, "data", bucket_bytes=None), g, zero)
+    ref = np.mean([_topk_dense(x, 20) for x in g], axis=0)
+    np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_topk_a2a_is_mean_of_per_shard_topk():
+    g, _ = inputs("random", d=800, seed=4)
+    zero = np.zeros_like(g)
+    mean, _ = run(aggregators.topk_a2a(0.04, "data", bucket_bytes=None), g, zero)
+    # k = 32 of 800, ceil(32 / 8) = 4 per shard of 100
+    ref = np.mean(
+        [np.concatenate([_topk_dense(s, 4) for s in x.reshape(N, -1)]) for x in g], axis=0
+    )
+    np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gtopk_keeps_at_most_k_and_matches_reference():
+    g, _ = inputs("random", d=256, seed=5)
+    zero = np.zeros_like(g)
+    mean, _ = run(aggregators.gtopk(1 / 16, "data", bucket_bytes=None), g, zero)
+    k = 16
+    # numpy recursive doubling: merge pairs, keep the k largest of the sum
+    lists = [_topk_dense(x, k) for x in g]
+    step = 1
+    while step < N:
+        lists = [_topk_dense(lists[i] + lists[i ^ step], k) for i in range(N)]
+        step *= 2
+    np.testing.assert_allclose(mean[0], lists[0] / N, rtol=1e-5, atol=1e-6)
+    assert np.count_nonzero(mean[0]) <= k
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_density_one_equals_dense(name):
+    g, r = inputs("random", d=256, seed=6)
+    mean, new_r = run(aggregators.AGGREGATORS[name](1.0, "data"), g, r)
+    np.testing.assert_allclose(mean[0], (g + r).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_r, 0, atol=1e-6)
+
+
+def _bytes(agg, d):
+    fn, mesh = _program(agg)
+    cut = d * 3 // 4
+    args = [np.zeros((N, c), np.float32) for c in (cut, d - cut, cut, d - cut)]
+    return hlo.collectives(fn, *[runtime.put_global(x, mesh, P("data")) for x in args])
+
+
+def test_topk_a2a_program_and_bytes():
+    d, k = 16_000, 160
+    colls = _bytes(aggregators.topk_a2a(k / d, "data", bucket_bytes=None), d)
+    kinds = [c.kind for c in colls]
+    assert "all-to-all" in kinds and "all-gather" in kinds
+    assert not [c for c in colls if c.kind == "all-reduce" and c.result_bytes >= d]
+    expected = (2 * k + d) * (N - 1) / N * 4
+    assert hlo.total_bytes(colls) == pytest.approx(expected, rel=0.05)
+
+
+def test_topk_allgather_and_gtopk_bytes():
+    d, k = 16_000, 160
+    colls = _bytes(aggregators.topk_allgather(k / d, "data", bucket_bytes=None), d)
+    assert hlo.total_bytes(colls) == pytest.approx(2 * (N - 1) * k * 4, rel=0.05)
+    colls = _bytes(aggregators.gtopk(k / d, "data", bucket_bytes=None), d)
+    assert {c.kind for c in colls} == {"collective-permute"}
+    assert hlo.total_bytes(colls) == pytest.approx(2 * k * 4 * 3, rel=0.05)  # log2(8) = 3
+
+
+@pytest.mark.parametrize("density", [0.0, 1.01, -1])
+@pytest.mark.parametrize("name", LOSSY)
+def test_bad_density(name, density):
+    with pytest.raises(ValueError, match="density must be in"):
+        aggregators.AGGREGATORS[name](density, "data")
+
+
+def test_k_rounds_to_zero_is_an_error():
+    g, r = inputs("random", d=64)
+    with pytest.raises(ValueError, match="keeps k = round"):
+        run(aggregators.topk_a2a(0.001, "data", bucket_bytes=None), g, r)
+
+
+def test_non_float_gradients_are_an_error():
+    agg = aggregators.topk_allgather(0.5, "data")
+    grads = {"w": jnp.zeros(4, jnp.int32)}
+    with pytest.raises(ValueError, match=r"\['w'\] has dtype int32"):
+        jax.eval_shape(
+            jax.shard_map(
+                lambda g: agg.update(g, agg.init(g))[0],
+                mesh=runtime.data_mesh(N),
+                in_specs=P(),
+                out_specs=P(),
+                check_vma=False,
+            ),  # fmt: skip
+            grads,
+        )
+
+
+def test_gtopk_needs_power_of_two():
+    g, r = inputs("random", d=60)
+    with pytest.raises(ValueError, match="power-of-two"):
+        run(aggregators.gtopk(0.5, "data"), g[:6], r[:6], devices=6)
