@@ -1,0 +1,116 @@
+"""Cost of top-k selection (exact, sampled threshold, per-shard) against a model step.
+
+    python -m experiments.selection_cost --size 25000000 --model resnet
+
+Times each selector, jitted, on a float32[size] vector and on a vector as long as the
+model's gradient, next to one single-device train step of the model. Writes
+``selection_cost.json`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def timed(fn, *args, repeats: int = 5) -> float:
+    """Median wall time of ``fn(*args)`` after one warm-up call (seconds)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
+    import jax
+    import numpy as np
+
+    from sparsecomm_jax import sparsify
+
+    x = jax.numpy.asarray(np.random.default_rng(0).normal(size=size).astype(np.float32))
+    k = sparsify.num_selected(density, size)
+    pad = -(-size // shards) * shards - size
+    xs = jax.numpy.pad(x, (0, pad))
+    return {
+        "exact": timed(jax.jit(lambda v: sparsify.exact_topk(v, k)), x),
+        "threshold": timed(jax.jit(lambda v: sparsify.threshold_topk(v, k)), x),
+        "per_shard": timed(
+            jax.jit(lambda v: sparsify.per_shard_topk(v, sparsify.per_shard_k(k, shards), shards)),
+            xs,
+        ),
+    }
+
+
+def model_step(model: str, **overrides) -> tuple[int, float]:
+    """(gradient length, seconds of one single-device SGD step) of ``model``."""
+    import jax
+    import numpy as np
+    import optax
+
+    from models import get_workload
+
+    w = get_workload(model, **overrides)
+    params = w.init(jax.random.key(0))
+    opt = optax.sgd(0.1)
+
+    @jax.jit
+    def step(p, s, batch):
+        g = jax.grad(w.loss)(p, batch)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+    return size, timed(step, params, opt.init(params), w.batch_at(0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.selection_cost",
+                                     description=__doc__)  # fmt: skip
+    parser.add_argument("--size", type=int, default=25_000_000, help="vector length d")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--shards", type=int, default=8, help="P for per-shard selection")
+    parser.add_argument("--model", default="resnet")
+    parser.add_argument("--width", type=int, default=32, help="vision models: first-stage width")
+    parser.add_argument("--blocks", type=int, default=2, help="vision models: blocks per stage")
+    parser.add_argument("--batch", type=int, default=32, help="examples in the timed step")
+    parser.add_argument("--out-dir", default="runs/selection_cost")
+    args = parser.parse_args(argv)
+    grad_size, step_s = model_step(
+        args.model, width=args.width, blocks=args.blocks, batch=args.batch
+    )
+    result = {
+        "density": args.density,
+        "shards": args.shards,
+        "model": args.model,
+        "width": args.width,
+        "blocks": args.blocks,
+        "batch": args.batch,
+        "model_grad_size": grad_size,
+        "model_step_s": step_s,
+        "at_model_size": selector_times(grad_size, args.density, args.shards),
+        "at_size": {"size": args.size, **selector_times(args.size, args.density, args.shards)},
+    }
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "selection_cost.json").write_text(json.dumps(result, indent=1))
+    print(f"{args.model}: {grad_size:,} parameters, single-device step {step_s * 1e3:.1f} ms")
+    for name in ("exact", "threshold", "per_shard"):
+        t_model = result["at_model_size"][name]
+        t_big = result["at_size"][name]
+        ratio = t_model / step_s
+        print(f"{name:>10}: {t_model * 1e3:8.2f} ms at d={grad_size:,} ({ratio:.2f} x step), "
+              f"{t_big * 1e3:9.1f} ms at d={args.size:,}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

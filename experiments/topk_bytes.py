@@ -1,0 +1,129 @@
+"""Bytes per worker of dense / topk_allgather / topk_a2a / gtopk, read from compiled
+programs on simulated meshes, and the density where topk_a2a starts to beat
+topk_allgather against the formula 1 / (2 (P - 1)).
+
+    python -m experiments.topk_bytes --size 25000000 --workers 4,8,16,32
+
+Nothing is allocated: the programs are lowered from shapes only. Writes
+``topk_bytes.json`` and ``topk_bytes.png`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DENSITIES = (0.001, 0.01, 0.05)
+KINDS = ("dense", "topk_allgather", "topk_a2a", "gtopk")
+
+
+def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
+    """Bytes each worker sends in one aggregation of a float32[size] gradient."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sparsecomm_jax import aggregators, hlo, runtime
+
+    mesh = runtime.data_mesh(workers)
+    agg = aggregators.AGGREGATORS[kind](density, "data", bucket_bytes=None)
+
+    def body(g, r):
+        mean, st = agg.update({"g": g[0]}, agg.init({"g": g[0]}) if kind == "dense" else
+                              aggregators.ErrorFeedbackState({"g": r[0]}))  # fmt: skip
+        return mean["g"][None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
+                               out_specs=P("data"), check_vma=False))  # fmt: skip
+    shape = jax.ShapeDtypeStruct(
+        (workers, size), np.float32, sharding=NamedSharding(mesh, P("data"))
+    )
+    return hlo.total_bytes(hlo.collectives(fn, shape, shape))
+
+
+def formula_bytes(kind: str, density: float, size: int, workers: int) -> float:
+    """The cost formulas of DESIGN.md (bytes per worker)."""
+    import math
+
+    p, k = workers, round(density * size)
+    return {
+        "dense": 2 * (p - 1) / p * size * 4,
+        "topk_allgather": 2 * (p - 1) * k * 4,
+        "topk_a2a": (2 * p * math.ceil(k / p) + size) * (p - 1) / p * 4,
+        "gtopk": 2 * k * 4 * math.log2(p),
+    }[kind]
+
+
+def crossover(size: int, workers: int, lo: float = 1e-4, hi: float = 0.5) -> float:
+    """Smallest density where topk_a2a sends fewer bytes than topk_allgather (bisection
+    on compiled-program bytes)."""
+    for _ in range(12):
+        mid = (lo * hi) ** 0.5
+        a2a = program_bytes("topk_a2a", mid, size, workers)
+        ag = program_bytes("topk_allgather", mid, size, workers)
+        lo, hi = (lo, mid) if a2a < ag else (mid, hi)
+    return hi
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DENSITIES), figsize=(4 * len(DENSITIES), 3.5), sharey=True)
+    for ax, density in zip(axes, DENSITIES, strict=True):
+        for kind in KINDS:
+            pts = [(r["workers"], r["bytes"][kind]) for r in rows if r["density"] == density]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=kind)
+        ax.set(title=f"density {density}", xlabel="workers P", xscale="log", yscale="log")
+    axes[0].set_ylabel("bytes per worker per step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.topk_bytes", description=__doc__)
+    parser.add_argument("--size", type=int, default=25_000_000, help="gradient length d")
+    parser.add_argument("--workers", default="4,8,16,32", help="comma list of P")
+    parser.add_argument("--crossover-size", type=int, default=1_000_000,
+                        help="d for the crossover bisection (many compiles)")  # fmt: skip
+    parser.add_argument("--out-dir", default="runs/topk_bytes")
+    args = parser.parse_args(argv)
+    workers = [int(p) for p in args.workers.split(",")]
+    from sparsecomm_jax import runtime
+
+    runtime.simulate_cpu_devices(max(workers))
+    from tqdm import tqdm
+
+    rows = []
+    for p in tqdm(workers, desc="workers"):
+        for density in DENSITIES:
+            measured = {k: program_bytes(k, density, args.size, p) for k in KINDS}
+            formula = {k: formula_bytes(k, density, args.size, p) for k in KINDS}
+            rows.append({"workers": p, "density": density, "bytes": measured,
+                         "formula": formula})  # fmt: skip
+    cross = [{"workers": p, "measured": crossover(args.crossover_size, p),
+              "formula": 1 / (2 * (p - 1))} for p in workers]  # fmt: skip
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "topk_bytes.json").write_text(json.dumps({"size": args.size, "rows": rows,
+                                                     "crossover": cross}, indent=1))  # fmt: skip
+    plot(rows, out / "topk_bytes.png")
+    print(f"d = {args.size:,}: MB per worker per step (compiled program; formula in brackets)")
+    for r in rows:
+        cells = "  ".join(f"{k} {r['bytes'][k] / 1e6:9.4g} ({r['formula'][k] / 1e6:.4g})"
+                          for k in KINDS)  # fmt: skip
+        print(f"P={r['workers']:>2} density={r['density']:<6} {cells}")
+    for c in cross:
+        print(f"P={c['workers']:>2} topk_a2a beats topk_allgather above density "
+              f"{c['measured']:.5f} (formula 1/(2(P-1)) = {c['formula']:.5f})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
