@@ -117,6 +117,13 @@ def build(config: RunConfig):
     return workload, ts
 
 
+def place(ts, workload, step: int, steps: int):
+    """The placed batch of ``step`` (with the next one for pipelined strategies)."""
+    if ts.lookahead and step + 1 < steps:
+        return ts.place_batch(workload.batch_at(step), workload.batch_at(step + 1))
+    return ts.place_batch(workload.batch_at(step))
+
+
 def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Runs ``config`` and returns the result record (see the module doc).
 
@@ -142,7 +149,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     losses, times = [], []
     bar = tqdm(range(config.steps), desc=config.strategy, disable=not progress or rank != 0)
     for step in bar:
-        batch = ts.place_batch(workload.batch_at(step))
+        batch = place(ts, workload, step, config.steps)
         key = jax.tree.structure(batch)  # a new program when the batch's shape class changes
         if key not in programs:
             t = time.perf_counter()

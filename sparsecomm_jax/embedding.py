@@ -292,12 +292,17 @@ def allgather_sparse_grad(ids, rows, vocab: int, axis_name: str):
 # ------------------------------------------------- sparse gradients of replicated tables
 
 
-def _recording_ops(params, mask, log: list, deltas=None) -> EmbeddingOps:
-    """Dense lookups that log each table access; with ``deltas``, each lookup's rows get
-    ``+ delta`` (zeros) so that ``grad`` w.r.t. the deltas is the per-token row gradient."""
+def recording_ops(params, mask, log: list, supply, attend_error: str = "") -> EmbeddingOps:
+    """``EmbeddingOps`` that log every table access as ``(kind, table index, ids)`` and
+    return ``supply(kind, index, table, ids)`` as the rows.
+
+    ``kind`` is ``"lookup"``, ``"lookup_shared"`` or ``"attend"`` (ids ``None``; attend
+    computes ``h @ table.T`` itself). Tables are recognised by identity among the
+    leaves of ``params`` flagged in ``mask``. With ``attend_error``, ``attend`` raises
+    ``ValueError(attend_error)`` instead (strategies that cannot serve it).
+    """
     leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)
     index = {id(x): i for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f}
-    pending = iter(deltas or [])
 
     def which(table) -> int:
         if id(table) not in index:
@@ -307,16 +312,38 @@ def _recording_ops(params, mask, log: list, deltas=None) -> EmbeddingOps:
             )
         return index[id(table)]
 
-    def lookup(table, ids):
-        log.append(("lookup", which(table), ids))
-        rows = jnp.take(jax.lax.stop_gradient(table), ids, axis=0)
-        return rows if deltas is None else rows + next(pending)
+    def access(kind):
+        def fn(table, ids):
+            i = which(table)
+            log.append((kind, i, ids))
+            return supply(kind, i, table, ids)
+
+        return fn
 
     def attend(table, h):
+        if attend_error:
+            raise ValueError(attend_error)
         log.append(("attend", which(table), None))
         return h @ table.T
 
-    return EmbeddingOps(lookup=lookup, attend=attend, lookup_shared=lookup)
+    return EmbeddingOps(
+        lookup=access("lookup"), attend=attend, lookup_shared=access("lookup_shared")
+    )
+
+
+def logged_lookups(loss_fn, params, batch, mask, widths: dict[int, int], attend_error="") -> list:
+    """The table accesses ``loss_fn`` makes on ``batch``, with their (traced) ids.
+
+    The loss itself is computed on zero rows and discarded (XLA removes it); only the
+    ids remain. ``widths``: table index -> full row width D.
+    """
+    log: list = []
+
+    def zeros(kind, i, table, ids):
+        return jnp.zeros((*ids.shape, widths[i]), table.dtype)
+
+    loss_fn(params, batch, recording_ops(params, mask, log, zeros, attend_error))
+    return log
 
 
 def sparse_table_grads(loss_fn, params, batch, mask, axis_name: str):
@@ -329,18 +356,24 @@ def sparse_table_grads(loss_fn, params, batch, mask, axis_name: str):
     Returns:
       ``(loss, grads)`` with ``grads`` shaped like ``params``.
     """
-    shapes: list = []
-    jax.eval_shape(lambda p: loss_fn(p, batch, _recording_ops(p, mask, shapes)), params)
-    widths = {i: jax.tree.leaves(params)[i].shape[1] for _, i, _ in shapes}
-    deltas = [
-        jnp.zeros((*ids.shape, widths[i]), jnp.float32)
-        for kind, i, ids in shapes
-        if kind == "lookup"
-    ]
+    widths = {i: x.shape[1] for i, x in enumerate(jax.tree.leaves(params)) if x.ndim == 2}
+    accesses: list = []  # (table index, ids shape) of every lookup, in call order
+
+    def record(p):
+        log = logged_lookups(loss_fn, p, batch, mask, widths)
+        accesses.extend((i, ids.shape) for kind, i, ids in log if kind != "attend")
+
+    jax.eval_shape(record, params)
+    deltas = [jnp.zeros((*shape, widths[i]), jnp.float32) for i, shape in accesses]
 
     def with_deltas(p, d):
         log: list = []
-        return loss_fn(p, batch, _recording_ops(p, mask, log, d)), log
+        pending = iter(d)
+
+        def take_plus_delta(kind, i, table, ids):
+            return jnp.take(jax.lax.stop_gradient(table), ids, axis=0) + next(pending)
+
+        return loss_fn(p, batch, recording_ops(p, mask, log, take_plus_delta)), log
 
     (loss, log), (g_params, g_deltas) = jax.value_and_grad(
         with_deltas, argnums=(0, 1), has_aux=True
@@ -355,7 +388,7 @@ def sparse_table_grads(loss_fn, params, batch, mask, axis_name: str):
     rows = iter(g_deltas)
     pairs: dict[int, list] = {}
     for kind, i, ids in log:
-        if kind == "lookup":
+        if kind != "attend":
             pairs.setdefault(i, []).append((ids.reshape(-1), next(rows).reshape(ids.size, -1)))
     for i, items in pairs.items():
         ids = jnp.concatenate([a for a, _ in items])

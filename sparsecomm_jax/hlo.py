@@ -171,3 +171,59 @@ def total_bytes(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> fl
 def collective_order(fn: Callable, *args, **kwargs) -> list[str]:
     """Names of the collectives in the order the compiled program issues them."""
     return [c.name for c in collectives(fn, *args, **kwargs)]
+
+
+class Instruction(NamedTuple):
+    """One instruction of the entry computation, in scheduled order.
+
+    Attributes:
+      name: instruction name.
+      opcode: e.g. ``"all-to-all"``, ``"fusion"``.
+      operands: names of the instructions it reads.
+      op_name: the JAX op path from its metadata (holds ``jax.named_scope`` names).
+    """
+
+    name: str
+    opcode: str
+    operands: tuple[str, ...]
+    op_name: str
+
+
+def entry_instructions(text: str) -> list[Instruction]:
+    """The entry computation's instructions in the order the scheduled module lists
+    them (the execution order on CPU)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    out = []
+    for line in lines[start + 1 :]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        op = _OPCODE.search(m.group(2)) if m else None
+        if not op:
+            continue
+        rest = m.group(2)[op.end() :]
+        meta = re.search(r'op_name="([^"]*)"', rest)
+        refs = tuple(re.findall(r"%([\w.\-]+)", rest.split("), ", 1)[0]))
+        out.append(Instruction(m.group(1), op.group(1), refs, meta.group(1) if meta else ""))
+    return out
+
+
+def ancestors(instructions: Sequence[Instruction], name: str) -> set[str]:
+    """Every instruction that ``name`` depends on, directly or transitively."""
+    by_name = {i.name: i for i in instructions}
+    seen: set[str] = set()
+    todo = list(by_name[name].operands)
+    while todo:
+        n = todo.pop()
+        if n in by_name and n not in seen:
+            seen.add(n)
+            todo.extend(by_name[n].operands)
+    return seen
+
+
+def scheduled_collectives(text: str) -> list[Instruction]:
+    """The entry computation's collectives (async ``-start`` halves included), in
+    scheduled order; their ``op_name`` tells which part of the step issued them."""
+    kinds = set(KINDS) | {k + "-start" for k in KINDS}
+    return [i for i in entry_instructions(text) if i.opcode in kinds]

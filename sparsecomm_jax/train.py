@@ -24,12 +24,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, runtime
+from sparsecomm_jax import embedding, runtime, schedule
 from sparsecomm_jax.aggregators import AGGREGATORS, Aggregator
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 
@@ -47,11 +48,14 @@ class TrainState(NamedTuple):
       params: model parameters (sharded tables hold only this worker's shard).
       opt_state: the optax optimizer state.
       agg_state: the gradient aggregator's state (error-feedback residuals), or ``()``.
+      carry: what a pipelined step hands to the next (``embrace_2d``: the embedding rows
+        of the next batch), ``()`` otherwise and before the first step.
     """
 
     params: PyTree
     opt_state: PyTree
     agg_state: PyTree
+    carry: PyTree = ()  # pipelined strategies: rows of the next batch, fetched early
 
 
 class TrainStep(NamedTuple):
@@ -67,13 +71,16 @@ class TrainStep(NamedTuple):
       host_params: ``state -> params`` as ordinary numpy arrays (sharded tables
         gathered back to V x D).
       strategy: the strategy's name.
+      lookahead: 1 when ``place_batch(batch, next_batch)`` wants the next step's batch
+        too (``embrace_2d``; ``None`` at the last step), else 0.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
     state: TrainState
-    place_batch: Callable[[Batch], Any]
+    place_batch: Callable[..., Any]
     host_params: Callable[[TrainState], PyTree]
     strategy: str
+    lookahead: int = 0
 
 
 class Setup(NamedTuple):
@@ -189,10 +196,11 @@ def _apply(optimizer: optax.GradientTransformation, grads, opt_state, params):
     return optax.apply_updates(params, updates), opt_state
 
 
-def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None):
+def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None, carry=()):
     params, opt_state = _apply(setup.optimizer, grads, state.opt_state, state.params)
     agg_state = state.agg_state if agg_state is None else agg_state
-    return TrainState(params, opt_state, agg_state), jax.lax.pmean(loss, setup.axis_name)
+    new = TrainState(params, opt_state, agg_state, carry)
+    return new, jax.lax.pmean(loss, setup.axis_name)
 
 
 def _aggregate(setup: Setup, grads, agg_state):
@@ -248,6 +256,178 @@ def sparse_allgather_body(setup: Setup) -> Callable:
     return body
 
 
+def _table_widths(setup: Setup) -> dict[int, int]:
+    """Leaf index -> full row width D of every table (shards hold D/P columns)."""
+    flags = jax.tree.leaves(setup.table_mask)
+    return {
+        i: int(np.shape(x)[1])
+        for i, (x, f) in enumerate(zip(jax.tree.leaves(setup.params), flags, strict=True))
+        if f
+    }
+
+
+def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
+    """Rows for each logged access, looked up in the (column-sharded) ``tables``."""
+    out = []
+    for kind, i, ids in calls:
+        if kind == "lookup":
+            out.append(embedding.column_lookup(tables[i], ids, axis_name))
+        else:
+            out.append(embedding.column_lookup_shared(tables[i], ids, axis_name))
+    return out
+
+
+def _ordered(x, after):
+    """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
+    with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
+    before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
+    adds exactly zero, and a non-finite ``after`` poisons the step anyway.)"""
+    a = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(after))
+    return x + (a - a)
+
+
+class _Plan(NamedTuple):
+    """Table ``i``'s gradient exchange in priority order (see ``schedule``)."""
+
+    rows: Any  # float[n, D]: this worker's gradient per looked-up position
+    ids: Any  # int[P, n]: every worker's ids at those positions
+    order: Any  # int[P, n]: every worker's priority order
+    chunks: list  # [start, end) of each chunk in that order
+    shared: list  # (gradient, ids) of lookups whose ids every worker holds
+    vocab: int
+
+
+def _exchange_plan(setup: Setup, calls, g_rows, next_calls, capacity, i) -> _Plan:
+    """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
+    axis = setup.axis_name
+    ids, rows, shared = [], [], []
+    for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
+        if t == i and kind == "lookup":
+            ids.append(call_ids.reshape(-1))
+            rows.append(g.reshape(call_ids.size, -1))
+        elif t == i:
+            shared.append((g, call_ids))
+    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
+    n = all_ids.shape[1]
+    if next_calls is None:  # last step: nothing to prioritise
+        order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
+        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(setup, i))
+    nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
+           jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
+           for kind, t, c_ids in next_calls if t == i]  # fmt: skip
+    order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
+    chunks = schedule.chunk_bounds(n, [capacity])
+    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(setup, i))
+
+
+def _first_chunk(setup: Setup, plan: _Plan):
+    """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
+    axis = setup.axis_name
+    out = schedule.column_grad_chunk(
+        plan.rows, plan.ids, plan.order, plan.chunks[0], plan.vocab, axis
+    )
+    for g, ids in plan.shared:  # ids every worker holds: always high priority
+        out = out + schedule.column_grad_shared(g, ids, plan.vocab, axis)
+    return out
+
+
+def _later_chunks(setup: Setup, plan: _Plan, after):
+    """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
+    table's first chunk) has arrived."""
+    rows, out = _ordered(plan.rows, after), 0.0
+    for bound in plan.chunks[1:]:
+        out = out + schedule.column_grad_chunk(
+            rows, plan.ids, plan.order, bound, plan.vocab, setup.axis_name
+        )
+    return out
+
+
+def _vocab(setup: Setup, i: int) -> int:
+    return int(np.shape(jax.tree.leaves(setup.params)[i])[0])
+
+
+NO_ATTEND_2D = (
+    "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
+    "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
+)
+
+
+def embrace_2d_body(setup: Setup) -> Callable:
+    """EmbRace with 2D scheduling, one pipelined step: batch t's forward reads rows
+    fetched during step t-1; its table gradients travel in priority chunks; the rows
+    batch t+1 needs are updated from the first chunk alone and fetched for it right
+    away; the rest of the exchange and the full update follow. Exactly equivalent to
+    ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
+    widths = _table_widths(setup)
+    num = setup.num_workers
+
+    def body(state: TrainState, batch: CapacityBatch):
+        params, mask = state.params, setup.table_mask
+        calls = embedding.logged_lookups(
+            setup.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
+        )
+        tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
+        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, setup.axis_name)
+
+        def loss_of_rows(p, r):
+            pending = iter(r)
+            ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
+            return setup.loss_fn(p, batch.data, ops)
+
+        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
+        rest, agg_state = _aggregate(setup, split_tables(g_params, mask)[1], state.agg_state)
+        nxt = None
+        if batch.next is not None:
+            nxt = embedding.logged_lookups(setup.loss_fn, params, batch.next, mask, widths)
+        plans = {i: _exchange_plan(setup, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+        with jax.named_scope(schedule.SCOPE_HIGH):
+            firsts = {i: _first_chunk(setup, plan) for i, plan in plans.items()}
+        with jax.named_scope(schedule.SCOPE_LOW):
+            after = tuple(firsts.values())
+            later = {i: _later_chunks(setup, plan, after) for i, plan in plans.items()}
+        fulls = {i: (firsts[i] + later[i]) / num for i in widths}
+        firsts = {i: f / num for i, f in firsts.items()}
+        carry = ()
+        if nxt is not None:
+            with jax.named_scope(schedule.SCOPE_NEXT):
+                early = _early_tables(setup, state, firsts)
+                carry = tuple(_prefetch(early, nxt, setup.axis_name))
+        grads = _with_tables(g_params, mask, fulls, rest)
+        return _finish(setup, state, grads, loss, agg_state, carry)
+
+    return body
+
+
+def _with_tables(like, mask, tables: dict[int, Any], rest=None):
+    """A gradient tree: ``tables[i]`` at table leaves, ``rest`` (or zeros) elsewhere."""
+    leaves, treedef = jax.tree.flatten(like)
+    others = iter(jax.tree.leaves(rest))  # rest has None at the tables
+    flags = jax.tree.leaves(mask)
+    out = [
+        tables[i] if f else (jnp.zeros_like(x) if rest is None else next(others))
+        for i, (x, f) in enumerate(zip(leaves, flags, strict=True))
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _early_tables(setup: Setup, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
+    """The tables after an optimizer step on the first chunk alone (zero gradient for
+    every other leaf, so nothing here waits for the dense all-reduce). Exact for the
+    rows batch t+1 reads: all of their gradient is in the first chunk."""
+    grads = _with_tables(state.params, setup.table_mask, firsts)
+    params, _ = _apply(setup.optimizer, grads, state.opt_state, state.params)
+    leaves = jax.tree.leaves(params)
+    return {i: leaves[i] for i in firsts}
+
+
+def _priority_need(setup: Setup, batch: Batch, next_batch: Batch) -> int:
+    """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
+    always travel in the first chunk, by reduce-scatter)."""
+    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, setup.id_keys).values()])
+    own = {k: v for k, v in batch.items() if k not in setup.replicated_keys}
+    return schedule.high_priority_capacity(_worker_ids(own, setup), next_ids)
+
+
 # ---------------------------------------------------------------- the builders
 
 
@@ -295,15 +475,23 @@ def _initial_agg_state(setup: Setup, host_params, layout: str | None):
     return jax.tree.map(lambda s: np.zeros((setup.num_workers, *s.shape), s.dtype), shapes)
 
 
-def _place_fn(setup: Setup, capacity_fn=None) -> Callable[[Batch], Any]:
-    def place(batch: Batch):
-        check_batch(batch, setup.num_workers, setup.replicated_keys)
-        if setup.vocabs:
-            check_ids(batch, min(setup.vocabs), setup.id_keys)
-        specs = _batch_specs(batch, setup.axis_name, setup.replicated_keys)
-        data = {
-            k: runtime.put_global(np.asarray(v), setup.mesh, specs[k]) for k, v in batch.items()
-        }
+def _put_batch(setup: Setup, batch: Batch) -> dict:
+    check_batch(batch, setup.num_workers, setup.replicated_keys)
+    if setup.vocabs:
+        check_ids(batch, min(setup.vocabs), setup.id_keys)
+    specs = _batch_specs(batch, setup.axis_name, setup.replicated_keys)
+    return {k: runtime.put_global(np.asarray(v), setup.mesh, specs[k]) for k, v in batch.items()}
+
+
+def _place_fn(setup: Setup, capacity_fn=None, lookahead: int = 0) -> Callable[..., Any]:
+    def place(batch: Batch, next_batch: Batch | None = None):
+        data = _put_batch(setup, batch)
+        if lookahead:
+            if next_batch is None:
+                return CapacityBatch(data, 0, None)
+            return CapacityBatch(
+                data, capacity_fn(batch, next_batch), _put_batch(setup, next_batch)
+            )
         return CapacityBatch(data, capacity_fn(batch)) if capacity_fn else data
 
     return place
@@ -311,13 +499,18 @@ def _place_fn(setup: Setup, capacity_fn=None) -> Callable[[Batch], Any]:
 
 def _batch_in_specs(batch, axis_name, replicated_keys):
     if isinstance(batch, CapacityBatch):
-        return CapacityBatch(_batch_specs(batch.data, axis_name, replicated_keys), batch.capacity)
+        nxt = None if batch.next is None else _batch_specs(batch.next, axis_name, replicated_keys)
+        data = _batch_specs(batch.data, axis_name, replicated_keys)
+        return CapacityBatch(data, batch.capacity, nxt)
     return _batch_specs(batch, axis_name, replicated_keys)
 
 
-def build_sharded(setup: Setup, name: str, body, layout=None, capacity_fn=None) -> TrainStep:
+def build_sharded(
+    setup: Setup, name: str, body, layout=None, capacity_fn=None, lookahead: int = 0
+) -> TrainStep:
     """A ``jax.jit(jax.shard_map(body))`` strategy (every strategy except ``dense_pmap``)."""
     state, state_specs = _place_state(setup, layout)
+    state_specs = state_specs._replace(carry=P(setup.axis_name))  # per-worker rows
 
     def step(state, batch):
         batch_specs = _batch_in_specs(batch, setup.axis_name, setup.replicated_keys)
@@ -333,40 +526,57 @@ def build_sharded(setup: Setup, name: str, body, layout=None, capacity_fn=None) 
     return TrainStep(
         step=jax.jit(step, donate_argnums=0),
         state=state,
-        place_batch=_place_fn(setup, capacity_fn),
+        place_batch=_place_fn(setup, capacity_fn, lookahead),
         host_params=lambda s: jax.tree.map(runtime.to_host, s.params),
         strategy=name,
+        lookahead=lookahead,
     )
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CapacityBatch:
-    """A placed batch with its row-wise bucket capacity (static: one program per value)."""
+    """A placed batch with a capacity (static: one program per value) and, for
+    pipelined strategies, the next step's batch (``None`` at the last step)."""
 
     data: dict = dataclasses.field(metadata=dict(static=False))
     capacity: int = dataclasses.field(metadata=dict(static=True))
+    next: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
 
 
-def _capacity_fn(setup: Setup) -> Callable[[Batch], int]:
-    """Bucket capacity per batch: fixed (error when too small) or grown in powers of two."""
-    grown = [8]
+def _rowwise_need(setup: Setup, batch: Batch) -> int:
+    workers = _worker_ids(batch, setup)
+    return max(embedding.rowwise_capacity(workers, v, setup.num_workers) for v in setup.vocabs)
 
-    def capacity(batch: Batch) -> int:
-        workers = _worker_ids(batch, setup)
-        need = max(embedding.rowwise_capacity(workers, v, setup.num_workers) for v in setup.vocabs)
+
+def _capacity_fn(
+    setup: Setup, need_fn=_rowwise_need, what="distinct rows from one owner", grow=None
+):
+    """Capacity per batch: fixed (error when too small) or grown when a batch needs more
+    (never shrinks, so a run compiles a handful of programs at most). ``grow(need)``
+    gives the new capacity: the next power of two by default."""
+    grow = grow or (lambda need: 1 << max(3, (need - 1).bit_length()))
+    current = [0]
+
+    def capacity(*batches) -> int:
+        need = need_fn(setup, *batches)
         if setup.capacity is not None:
             if need > setup.capacity:
                 raise ValueError(
                     f"capacity={setup.capacity} is too small: this batch needs {need} "
-                    "distinct rows from one owner; pass a larger capacity or None (auto)"
+                    f"{what}; pass a larger capacity or None (auto)"
                 )
             return setup.capacity
-        while grown[0] < need:
-            grown[0] *= 2
-        return grown[0]
+        if need > current[0] or not current[0]:
+            current[0] = max(current[0], grow(need))
+        return current[0]
 
     return capacity
+
+
+def _grow_by_quarter(need: int) -> int:
+    """25% headroom, in multiples of 8: the first chunk stays close to what it carries."""
+    return max(8, -(-int(need * 1.25) // 8) * 8)
 
 
 def _tables(params: PyTree, mask: PyTree) -> list[tuple[str, Any]]:
@@ -475,6 +685,19 @@ STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
             capacity_fn=_capacity_fn(s),
         ),
     ),
+    "embrace_2d": _needs_tables(
+        "embrace_2d",
+        lambda s: build_sharded(
+            s,
+            "embrace_2d",
+            embrace_2d_body(s),
+            layout="column",
+            capacity_fn=_capacity_fn(
+                s, _priority_need, "high-priority positions", _grow_by_quarter
+            ),
+            lookahead=1,
+        ),
+    ),
 }
 
 
@@ -499,7 +722,7 @@ def parse_strategy(strategy: str) -> tuple[str, str]:
 def strategy_names() -> list[str]:
     """Every accepted ``strategy`` name."""
     sparse = [a for a in AGGREGATORS if a != "dense"]
-    tables = ("embrace", "embrace_rowwise")
+    tables = ("embrace", "embrace_rowwise", "embrace_2d")
     return [*STRATEGIES, *sparse, *(f"{t}+{a}" for t in tables for a in sparse)]
 
 

@@ -35,9 +35,16 @@ def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwar
     )
     state, losses = ts.state, []
     for step in range(steps):
-        state, loss = ts.step(state, ts.place_batch(workload.batch_at(step)))
+        state, loss = ts.step(state, place(ts, workload, step, steps))
         losses.append(train.loss_value(loss))
     return losses, ts.host_params(state), ts
+
+
+def place(ts, workload, step, steps):
+    """The placed batch of ``step``, with the next one for pipelined strategies."""
+    if ts.lookahead and step + 1 < steps:
+        return ts.place_batch(workload.batch_at(step), workload.batch_at(step + 1))
+    return ts.place_batch(workload.batch_at(step))
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):

@@ -1,0 +1,133 @@
+"""2D scheduling: planning on hand examples, exact equivalence with embrace and dense,
+and the order and dependencies of the compiled step's collectives."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, place, reference_run, strategy_run
+
+from models import get_workload
+from sparsecomm_jax import hlo, runtime, schedule, train
+
+V, B, T = 256, 16, 8
+
+
+def test_planning_hand_example():
+    ids = np.array([5, 7, 2, 5])
+    levels = schedule.priority_levels(ids, np.array([7, 2]))
+    np.testing.assert_array_equal(levels, [1, 0, 0, 1])
+    np.testing.assert_array_equal(schedule.priority_order(levels), [1, 2, 0, 3])
+    assert schedule.chunk_bounds(4, [2]) == [(0, 2), (2, 4)]
+    assert schedule.chunk_bounds(4, [8]) == [(0, 4)]
+    assert schedule.chunk_bounds(5, [2, 2]) == [(0, 2), (2, 4), (4, 5)]
+    workers = [np.array([5, 7, 2, 5]), np.array([1, 1, 9, 9])]
+    assert schedule.high_priority_capacity(workers, np.array([7, 2, 1])) == 2
+
+
+def test_more_than_two_levels():
+    levels = np.array([2, 0, 1, 0, 2, 1])  # e.g. needed by t+1, by t+2, later
+    np.testing.assert_array_equal(schedule.priority_order(levels), [1, 3, 2, 5, 0, 4])
+
+
+def _lm(batches=None):
+    w = get_workload("lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B,
+                     sampled_softmax=16, seed=2)  # fmt: skip
+    if batches is None:
+        return w
+    return w._replace(batch_at=lambda s: {**w.batch_at(s), "tokens": batches(s)})
+
+
+def _disjoint(step):  # t and t+1 share no id
+    rng = np.random.default_rng(step)
+    return rng.integers(0, V // 2, (B, T + 1)).astype(np.int32) + (step % 2) * (V // 2)
+
+
+def _same(step):  # every step reads the same ids
+    return np.random.default_rng(0).integers(0, V, (B, T + 1)).astype(np.int32)
+
+
+def _repeats(step):  # few distinct ids, repeated within rows and across workers
+    return np.random.default_rng(step).integers(0, 3, (B, T + 1)).astype(np.int32) * 7
+
+
+CASES = {"zipf": None, "disjoint": _disjoint, "same": _same, "repeats": _repeats}
+
+
+@pytest.mark.parametrize(
+    "case, opt",
+    [
+        ("zipf", "adam"),
+        ("zipf", "sgd"),
+        ("disjoint", "sgd"),
+        ("same", "sgd"),
+        ("repeats", "adam"),
+    ],  # fmt: skip
+)
+def test_embrace_2d_equals_embrace_and_dense(case, opt):
+    w = _lm(CASES[case])
+    params = w.init(jax.random.key(0))
+    optimizer = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2, eps=1e-3)
+    steps = 5
+    ref_losses, ref_params = reference_run(w, optimizer, params, steps)
+    embrace, _, _ = strategy_run(w, optimizer, params, steps, "embrace")
+    losses, got, _ = strategy_run(w, optimizer, params, steps, "embrace_2d")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, embrace, rtol=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_first_and_last_steps(steps):
+    """One step (no t-1, no t+1) and two steps (a first and a last) are exact."""
+    w = _lm()
+    params = w.init(jax.random.key(1))
+    ref_losses, ref_params = reference_run(w, optax.sgd(0.5), params, steps)
+    losses, got, ts = strategy_run(w, optax.sgd(0.5), params, steps, "embrace_2d")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(got, ref_params)
+    assert ts.lookahead == 1
+
+
+def _middle_step_program():
+    """The compiled program of a middle step (rows carried in, next batch given)."""
+    w = _lm(_disjoint)  # disjoint halves: a real low-priority chunk exists
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)),
+        "embrace_2d", replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+    )  # fmt: skip
+    state, _ = ts.step(ts.state, place(ts, w, 0, 3))
+    return hlo.compiled_text(ts.step, state, place(ts, w, 1, 3))
+
+
+def test_compiled_order_and_dependencies():
+    text = _middle_step_program()
+    instrs = hlo.entry_instructions(text)
+    colls = hlo.scheduled_collectives(text)
+    order = [c.name for c in instrs]
+
+    def named(scope, kind="all-to-all"):
+        return [c for c in colls if scope in c.op_name and c.opcode == kind]
+
+    high, low, nxt = (named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW,
+                                          schedule.SCOPE_NEXT))  # fmt: skip
+    assert high and low and nxt
+    # horizontal: every high-priority all-to-all is issued before any low-priority one
+    assert max(order.index(c.name) for c in high) < min(order.index(c.name) for c in low)
+    # the lookup of batch t+1 does not wait for the low-priority exchange
+    low_names = {c.name for c in low}
+    for c in nxt:
+        assert not hlo.ancestors(instrs, c.name) & low_names
+    # vertical: the dense layers' all-reduce and the embedding exchange are independent
+    dense = [c for c in colls if c.opcode == "all-reduce"]
+    assert dense
+    for d in dense:
+        assert not hlo.ancestors(instrs, d.name) & {c.name for c in high + low}
+        for c in high:
+            assert d.name not in hlo.ancestors(instrs, c.name)
+
+
+def test_full_softmax_is_refused_clearly():
+    w = get_workload("lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B)
+    with pytest.raises(ValueError, match="use sampled softmax"):
+        strategy_run(w, optax.sgd(0.1), w.init(jax.random.key(0)), 1, "embrace_2d")
