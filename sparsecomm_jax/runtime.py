@@ -30,6 +30,22 @@ ENV_PROCESS_ID = "SPARSECOMM_PROCESS_ID"
 ENV_LOCAL_DEVICES = "SPARSECOMM_LOCAL_DEVICES"
 
 
+# XLA flags that let collectives run asynchronously and overlap computation on GPU
+# (the latency-hiding scheduler reorders async collective start/done pairs around
+# compute). The CPU backend ignores them.
+GPU_OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+)
+
+
+def enable_collective_overlap() -> None:
+    """Adds ``GPU_OVERLAP_FLAGS`` to ``XLA_FLAGS`` (call before JAX starts)."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    missing = [f for f in GPU_OVERLAP_FLAGS if f.split("=")[0] not in " ".join(flags)]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, *missing])
+
+
 def backend_started() -> bool:
     """Whether JAX has already created its backends (device counts are then fixed)."""
     return xla_bridge.backends_are_initialized()

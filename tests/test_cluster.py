@@ -1,0 +1,67 @@
+"""The emulated cluster: argument checks, clean-up, and a small throttled run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from experiments import cluster
+
+
+def test_argument_checks():
+    cluster.check_args(2, 1, "100mbit", "")
+    cluster.check_args(2, 1, "1gbit", "50us")
+    for args, message in [((0, 1, "1gbit", ""), "--nproc"), ((2, 1, "1gb", ""), "--bandwidth"),
+                          ((2, 1, "1gbit", "fast"), "--latency")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            cluster.check_args(*args)
+    assert cluster.qdisc_args("1gbit", "")[:3] == ["tbf", "rate", "1gbit"]
+    assert cluster.qdisc_args("1gbit", "1ms")[:3] == ["netem", "delay", "1ms"]
+    assert cluster.main(["--nproc", "2", "--bandwidth", "fast", "--", "--steps", "1"]) == 2
+
+
+CAN_RUN = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+WHY = "needs root and iproute2 (ip, tc) for a network namespace with a rate limit"
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _cluster(tmp_path, strategy, extra=()):
+    out = tmp_path / f"{strategy}.json"
+    cmd = [sys.executable, "-m", "experiments.cluster", "--nproc", "2", "--bandwidth",
+           "100mbit", "--", "--strategy", strategy, "--devices", "2", "--batch", "8",
+           "--steps", "4", "--warmup", "1", "--vocab", "10000", "--dim", "64",
+           "--sampled-softmax", "64", "--out", str(out), *extra]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+@pytest.mark.skipif(not CAN_RUN, reason=WHY)
+@pytest.mark.slow
+def test_sparse_strategy_is_faster_on_a_slow_link(tmp_path):
+    before = _namespaces()
+    results = {}
+    for strategy in ("dense", "embrace"):
+        proc, out = _cluster(tmp_path, strategy)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        results[strategy] = json.loads(out.read_text())
+    dense, embrace = results["dense"], results["embrace"]
+    assert embrace["losses"] == pytest.approx(dense["losses"], rel=1e-5)
+    assert embrace["comm_bytes_per_step"] < dense["comm_bytes_per_step"] / 10
+    assert embrace["step_time_s"] < dense["step_time_s"] / 3
+    assert _namespaces() == before  # cleaned up
+
+
+@pytest.mark.skipif(not CAN_RUN, reason=WHY)
+def test_cleanup_when_training_fails(tmp_path):
+    before = _namespaces()
+    proc, _ = _cluster(tmp_path, "dense", ["--model", "nope"])
+    assert proc.returncode != 0
+    assert _namespaces() == before
