@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -51,6 +52,12 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
     if config.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {config.lr}")
+    if config.nonfinite not in ("skip", "error", "off"):
+        raise ValueError(f"--nonfinite must be skip, error or off, got {config.nonfinite!r}")
+    if config.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
+    if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
+        raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
 
 
 def start_devices(devices: int) -> int:
@@ -114,9 +121,41 @@ def build(config: RunConfig):
         embedding_paths=workload.embedding_paths,
         id_keys=workload.id_keys,
         capacity=config.capacity or None,
+        nonfinite=config.nonfinite,
         **_aggregator_options(config),
     )
     return workload, ts
+
+
+def _start_state(config: RunConfig, ts):
+    """(checkpointer or None, state, first step): fresh, or from the newest checkpoint."""
+    if not config.checkpoint_dir:
+        return None, ts.state, 0
+    from sparsecomm_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(config.checkpoint_dir, every=config.checkpoint_every or config.steps)
+    if not config.resume:
+        return ckpt, ts.state, 0
+    state, start = ckpt.restore(ts)
+    return ckpt, state, start
+
+
+def _on_nonfinite(config: RunConfig, step: int) -> None:
+    if config.nonfinite == "error":
+        raise FloatingPointError(
+            f"non-finite gradient at step {step}: the step was not applied "
+            "(use --nonfinite skip to skip such steps)"
+        )
+
+
+def _runner(ts, compiled):
+    """The compiled program, except for multi-process ``pmap``: its AOT executable wants
+    global arrays where ``pmap`` takes this process's devices' slices."""
+    import jax
+
+    if ts.strategy == "dense_pmap" and jax.process_count() > 1:
+        return ts.step
+    return compiled
 
 
 def place(ts, workload, step: int, steps: int):
@@ -147,9 +186,10 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     from sparsecomm_jax.train import loss_value
 
     workload, ts = build(config)
-    state, programs, runs, compile_s = ts.state, {}, {}, 0.0
-    losses, times = [], []
-    bar = tqdm(range(config.steps), desc=config.strategy, disable=not progress or rank != 0)
+    ckpt, state, start = _start_state(config, ts)
+    programs, runs, compile_s = {}, {}, 0.0
+    losses, times, skipped = [], [], []
+    bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not progress or rank)
     for step in bar:
         batch = place(ts, workload, step, config.steps)
         key = jax.tree.structure((state, batch))  # new program: new capacity or carry
@@ -158,11 +198,19 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             programs[key] = ts.step.lower(state, batch).compile()
             compile_s += time.perf_counter() - t
         t = time.perf_counter()
-        state, loss = programs[key](state, batch)
+        state, loss = _runner(ts, programs[key])(state, batch)
         runs[key] = runs.get(key, 0) + 1
         losses.append(loss_value(loss))
         times.append(time.perf_counter() - t)
+        if not math.isfinite(losses[-1]):
+            _on_nonfinite(config, step)
+            skipped.append(step)
+            state = state._replace(carry=())  # the early-fetched rows may hold NaN
+        if ckpt:
+            ckpt.save(step + 1, ts, state, force=step + 1 == config.steps)
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    if not programs:
+        raise ValueError(f"nothing to run: the checkpoint is at step {start} >= --steps")
     compiled = programs[max(runs, key=runs.get)]  # the steady-state program
     colls = hlo.parse_collectives(compiled.as_text())
     timed = times[config.warmup :] or times
@@ -180,6 +228,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "peak_memory_bytes": _peak_memory(compiled),
         "compile_s": compile_s,
         "programs": len(programs),
+        "start_step": start,
+        "skipped_steps": skipped,
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
@@ -197,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     config = from_namespace(parser.parse_args(argv))
     try:
         result = train_and_evaluate(config)
-    except ValueError as e:
+    except (ValueError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if result["rank"] == 0:

@@ -97,6 +97,7 @@ class Setup(NamedTuple):
     id_keys: tuple[str, ...] | None  # batch keys holding token ids (None: integer keys)
     capacity: int | None  # row-wise slots per bucket (None: sized per batch)
     aggregator: Aggregator  # reduces the data-parallel gradients (dense: pmean)
+    nonfinite: str  # "skip" (keep the state, NaN loss), "error" (the same; callers stop), "off"
 
     @property
     def num_workers(self) -> int:
@@ -196,11 +197,26 @@ def _apply(optimizer: optax.GradientTransformation, grads, opt_state, params):
     return optax.apply_updates(params, updates), opt_state
 
 
+def _all_finite(setup: Setup, tree) -> jax.Array:
+    """True on every worker when no worker has a NaN or Inf in ``tree``."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    local = jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    return jax.lax.pmin(local.astype(jnp.int32), setup.axis_name) == 1
+
+
 def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None, carry=()):
+    """Optimizer step; with ``nonfinite`` on, a step whose mean gradient or new residuals
+    hold NaN/Inf on any worker leaves the state as it was and reports a NaN loss."""
     params, opt_state = _apply(setup.optimizer, grads, state.opt_state, state.params)
     agg_state = state.agg_state if agg_state is None else agg_state
     new = TrainState(params, opt_state, agg_state, carry)
-    return new, jax.lax.pmean(loss, setup.axis_name)
+    loss = jax.lax.pmean(loss, setup.axis_name)
+    if setup.nonfinite == "off":
+        return new, loss
+    ok = _all_finite(setup, (grads, agg_state))
+    keep = TrainState(state.params, state.opt_state, state.agg_state, carry)
+    new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, keep)
+    return new, jnp.where(ok, loss, jnp.nan)
 
 
 def _aggregate(setup: Setup, grads, agg_state):
@@ -701,6 +717,9 @@ STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
 }
 
 
+NONFINITE = ("skip", "error", "off")
+
+
 def parse_strategy(strategy: str) -> tuple[str, str]:
     """``"embrace+topk_a2a"`` -> ``("embrace", "topk_a2a")``; ``"topk_a2a"`` ->
     ``("dense", "topk_a2a")``; ``"embrace"`` -> ``("embrace", "dense")``.
@@ -739,6 +758,7 @@ def make_train_step(
     id_keys: Sequence[str] | None = None,
     capacity: int | None = None,
     density: float = 1.0,
+    nonfinite: str = "skip",
     **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
@@ -767,6 +787,10 @@ def make_train_step(
         per batch (powers of two, a new program when it grows); a fixed value too small
         for a batch raises ``ValueError`` before anything runs.
       density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
+      nonfinite: what a step does when a gradient or residual holds NaN/Inf on any
+        worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
+        state, residuals untouched) and report a NaN loss, so the caller counts the
+        step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -782,12 +806,14 @@ def make_train_step(
         raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
     if agg_name == "gtopk" and num & (num - 1):
         raise ValueError(f"gtopk needs a power-of-two number of devices, got {num}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     aggregator = AGGREGATORS[agg_name](density, axis_name, **aggregator_options)
     mask = table_mask(params, embedding_paths)
     vocabs = tuple(sorted({int(np.shape(t)[0]) for _, t in _tables(params, mask)}))
     setup = Setup(
         loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys), mask, vocabs,
-        None if id_keys is None else tuple(id_keys), capacity, aggregator,
+        None if id_keys is None else tuple(id_keys), capacity, aggregator, nonfinite,
     )  # fmt: skip
     built = STRATEGIES[base](setup)
     return built._replace(strategy=strategy)
