@@ -37,6 +37,8 @@ class RunConfig:
     density: float = 0.01  # fraction sent by top-k strategies, in (0, 1]
     selector: str = "exact"  # top-k selection: exact | threshold
     bucket_mb: float = 64.0  # tensor-fusion threshold in MiB for top-k strategies
+    link_gbit: float = 10.0  # adaptive: link bandwidth of the cost model (Gbit/s)
+    link_alpha_us: float = 50.0  # adaptive: latency per message of the cost model (us)
     nonfinite: str = "skip"  # NaN/Inf gradient: skip the step (counted) | error | off
     checkpoint_dir: str = ""  # where checkpoints go ("" = none)
     checkpoint_every: int = 0  # save every N steps (0 = only at the end)
@@ -46,7 +48,8 @@ class RunConfig:
     def model_overrides(self) -> dict[str, Any]:
         """The fields a model config may take (models ignore the ones they lack)."""
         skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
-                "capacity", "density", "selector", "bucket_mb", "nonfinite",
+                "capacity", "density", "selector", "bucket_mb", "nonfinite", "link_gbit",
+                "link_alpha_us",
                 "checkpoint_dir", "checkpoint_every", "resume"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 

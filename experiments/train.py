@@ -98,6 +98,10 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     options = {"density": config.density, "bucket_bytes": int(config.bucket_mb * 2**20)}
     if agg != "gtopk":
         options["selector"] = config.selector
+    if agg == "adaptive":
+        from sparsecomm_jax.costmodel import Link
+
+        options["link"] = Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
     return options
 
 

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax import collectives, fusion, sparsify
+from sparsecomm_jax import collectives, costmodel, fusion, sparsify
 
 PyTree = Any
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -84,9 +84,10 @@ def check_float_grads(grads: PyTree) -> None:
             raise ValueError(f"gradient {name} has dtype {g.dtype}; top-k needs floats")
 
 
-def _check_density(density: float) -> None:
+def _check(density: float, selector: str) -> None:
     if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
+    sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
 
 
 def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_workers: bool):
@@ -119,6 +120,53 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_wor
     return Aggregator(init=init, update=update)
 
 
+def allgather_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+    """``flat -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
+
+    def exchange(flat):
+        d = flat.shape[0]
+        values, indices = sparsify.select(flat, sparsify.num_selected(density, d), selector)
+        total = collectives.topk_allgather(values, indices, d, axis_name)
+        return total, flat - sparsify.densify(values, indices, d)
+
+    return exchange
+
+
+def a2a_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+    """``flat -> (total, kept)`` of TopKA2A; ``flat`` divisible by P."""
+
+    def exchange(flat):
+        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+        k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
+        k_shard = min(k_shard, d // num)
+        values, local = sparsify.per_shard_topk(flat, k_shard, num, selector)  # [P, k/P]
+        total = collectives.topk_a2a(values, local, d, axis_name)
+        offsets = (jnp.arange(num) * (d // num))[:, None]
+        return total, flat - sparsify.densify(values, local + offsets, d)
+
+    return exchange
+
+
+def gtopk_exchange(density: float, axis_name: str) -> Callable:
+    """``flat -> (total, kept)`` of gTop-k (P a power of two)."""
+
+    def exchange(flat):
+        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+        if num & (num - 1):
+            raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
+        k = sparsify.num_selected(density, d)
+        values, indices = sparsify.exact_topk(flat, k)
+        total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
+        return total, flat - sparsify.densify(values, indices, d) + dropped
+
+    return exchange
+
+
+def dense_exchange(axis_name: str) -> Callable:
+    """``flat -> (total, kept)`` sending everything: ``psum``, nothing kept."""
+    return lambda flat: (jax.lax.psum(flat, axis_name), jnp.zeros_like(flat))
+
+
 def topk_allgather(
     density: float,
     axis_name: str,
@@ -136,15 +184,8 @@ def topk_allgather(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check_density(density)
-    sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
-
-    def exchange(flat):
-        d = flat.shape[0]
-        values, indices = sparsify.select(flat, sparsify.num_selected(density, d), selector)
-        total = collectives.topk_allgather(values, indices, d, axis_name)
-        return total, flat - sparsify.densify(values, indices, d)
-
+    _check(density, selector)
+    exchange = allgather_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
 
 
@@ -162,18 +203,8 @@ def topk_a2a(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check_density(density)
-    sparsify.select(jnp.zeros(1), 1, selector)
-
-    def exchange(flat):
-        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
-        k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
-        k_shard = min(k_shard, d // num)
-        values, local = sparsify.per_shard_topk(flat, k_shard, num, selector)  # [P, k/P]
-        total = collectives.topk_a2a(values, local, d, axis_name)
-        offsets = (jnp.arange(num) * (d // num))[:, None]
-        return total, flat - sparsify.densify(values, local + offsets, d)
-
+    _check(density, selector)
+    exchange = a2a_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
 
 
@@ -183,7 +214,7 @@ def gtopk(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """gTop-k: log2(P) pairwise merge rounds; entries a merge drops go back to the
-    residual of the pair's lower rank. P must be a power of two.
+    residual of one rank of the group that merged. P must be a power of two.
 
     Args:
       density: fraction of each bucket kept, in (0, 1].
@@ -193,18 +224,46 @@ def gtopk(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check_density(density)
+    _check(density, "exact")
+    exchange = gtopk_exchange(density, axis_name)
+    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+
+
+def adaptive(
+    density: float,
+    axis_name: str,
+    link: costmodel.Link | None = None,
+    selector: str = "exact",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+) -> Aggregator:
+    """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the
+    alpha-beta model of ``link`` (chosen when the step is traced: bucket size, density
+    and P are static). Beyond both papers: small or dense-ish buckets go dense,
+    large sparse ones by all-gather or all-to-all, whichever the model favours.
+
+    Args:
+      density: fraction of each bucket the sparse choices send, in (0, 1].
+      axis_name: the data-parallel mesh axis.
+      link: the calibrated link (``costmodel.calibrate``); default 10 Gbit/s, 50 us.
+      selector: top-k selection for the sparse choices.
+      bucket_bytes: fusion threshold (``None``: one bucket).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
+    """
+    _check(density, selector)
+    link = link or costmodel.Link.from_bandwidth(10.0)
+    builders = {
+        "dense": lambda: dense_exchange(axis_name),
+        "topk_allgather": lambda: allgather_exchange(density, axis_name, selector),
+        "topk_a2a": lambda: a2a_exchange(density, axis_name, selector),
+    }
 
     def exchange(flat):
-        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
-        if num & (num - 1):
-            raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
-        k = sparsify.num_selected(density, d)
-        values, indices = sparsify.exact_topk(flat, k)
-        total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
-        return total, flat - sparsify.densify(values, indices, d) + dropped
+        num = jax.lax.axis_size(axis_name)
+        return builders[costmodel.choose(flat.shape[0], density, num, link)]()(flat)
 
-    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
 
 
 def _dense(density: float, axis_name: str, **_: Any) -> Aggregator:
@@ -217,4 +276,5 @@ AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
     "topk_allgather": topk_allgather,
     "topk_a2a": topk_a2a,
     "gtopk": gtopk,
+    "adaptive": adaptive,
 }

@@ -1,0 +1,148 @@
+"""Alpha-beta cost model of every strategy; calibration; per-bucket strategy choice.
+
+A collective among P workers costs ``messages * alpha + bytes_sent * beta`` per worker,
+with ``bytes_sent`` as in ``hlo`` and the message counts of the standard algorithms
+(ring all-reduce 2(P-1), all-gather and reduce-scatter and all-to-all P-1, permute 1).
+For a gradient of d float32 entries and k = density * d:
+
+============== ========================= ==============================
+strategy       messages                  bytes per worker
+============== ========================= ==============================
+dense          2(P-1)                    2(P-1)/P * 4d
+topk_allgather 2(P-1)                    2(P-1) * 4k
+topk_a2a       3(P-1)                    (P-1)/P * 4(2k + d)
+gtopk          2 log2 P                  2 log2(P) * 4k
+============== ========================= ==============================
+
+Example:
+    >>> from sparsecomm_jax import costmodel
+    >>> link = costmodel.Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
+    >>> costmodel.choose(25_000_000, 0.01, 32, link)
+    'topk_allgather'
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from sparsecomm_jax import hlo
+
+CHOICES = ("dense", "topk_allgather", "topk_a2a")
+_MESSAGES = {
+    "all-reduce": lambda p: 2 * (p - 1),
+    "all-gather": lambda p: p - 1,
+    "reduce-scatter": lambda p: p - 1,
+    "all-to-all": lambda p: p - 1,
+    "collective-permute": lambda p: 1,
+}
+
+
+class Link(NamedTuple):
+    """Latency per message (s) and time per byte (s/B) of one worker's link."""
+
+    alpha: float
+    beta: float
+
+    @classmethod
+    def from_bandwidth(cls, gbit_per_s: float, alpha: float = 50e-6) -> Link:
+        """A link of ``gbit_per_s`` Gbit/s and ``alpha`` seconds per message."""
+        return cls(alpha, 8 / (gbit_per_s * 1e9))
+
+
+def collective_time(c: hlo.Collective, link: Link) -> float:
+    """Modelled seconds of one compiled collective."""
+    if c.group_size <= 1:
+        return 0.0
+    return _MESSAGES[c.kind](c.group_size) * link.alpha + c.bytes_sent * link.beta
+
+
+def program_time(colls: Sequence[hlo.Collective], link: Link) -> float:
+    """Modelled communication seconds of a compiled program (collectives in sequence)."""
+    return sum(collective_time(c, link) for c in colls)
+
+
+def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
+    """``(messages, bytes per worker)`` of one exchange of ``size`` float32 entries."""
+    p, k = workers, max(1, round(density * size))
+    if p <= 1:
+        return 0, 0.0
+    table = {
+        "dense": (2 * (p - 1), 2 * (p - 1) / p * 4 * size),
+        "topk_allgather": (2 * (p - 1), 2 * (p - 1) * 4 * k),
+        "topk_a2a": (3 * (p - 1), (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + size)),
+        "gtopk": (2 * math.log2(p), 2 * math.log2(p) * 4 * k),
+    }
+    if strategy not in table:
+        raise ValueError(f"strategy must be one of {sorted(table)}, got {strategy!r}")
+    return table[strategy]
+
+
+def strategy_time(strategy: str, size: int, density: float, workers: int, link: Link) -> float:
+    """Modelled seconds to exchange one bucket of ``size`` entries with ``strategy``."""
+    messages, nbytes = messages_and_bytes(strategy, size, density, workers)
+    return messages * link.alpha + nbytes * link.beta
+
+
+def choose(
+    size: int, density: float, workers: int, link: Link, choices: Sequence[str] = CHOICES
+) -> str:
+    """The cheapest strategy for one bucket (ties go to the earlier choice)."""
+    return min(choices, key=lambda s: strategy_time(s, size, density, workers, link))
+
+
+def crossover_density(workers: int) -> float:
+    """Density above which topk_a2a sends fewer bytes than topk_allgather: 1/(2(P-1))."""
+    return 1 / (2 * (workers - 1))
+
+
+def fit(points: Sequence[tuple[float, float, float]]) -> Link:
+    """Least-squares ``(alpha, beta)`` from ``(messages, bytes, seconds)`` points
+    (clipped at zero)."""
+    n = len(points)
+    if n < 2:
+        raise ValueError("fit needs at least two timed points")
+    sxx = sum(m * m for m, _, _ in points)
+    sxy = sum(m * b for m, b, _ in points)
+    syy = sum(b * b for _, b, _ in points)
+    sxt = sum(m * t for m, _, t in points)
+    syt = sum(b * t for _, b, t in points)
+    det = sxx * syy - sxy * sxy
+    if abs(det) < 1e-30:  # all points have the same messages/bytes ratio
+        return Link(0.0, sum(t for _, _, t in points) / max(sum(b for _, b, _ in points), 1))
+    alpha = (sxt * syy - syt * sxy) / det
+    beta = (syt * sxx - sxt * sxy) / det
+    return Link(max(alpha, 0.0), max(beta, 0.0))
+
+
+def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), repeats=5):
+    """Fits ``Link`` from timed all-reduces of a few sizes on ``mesh`` (the current
+    cluster: simulated devices, processes, or the emulated network).
+
+    Returns:
+      ``(link, points)`` with points ``(messages, bytes, median seconds)``.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from sparsecomm_jax import runtime
+
+    p = runtime.mesh_axis_size(mesh, axis_name)
+    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis_name), mesh=mesh,
+                               in_specs=P(axis_name), out_specs=P(axis_name),
+                               check_vma=False))  # fmt: skip
+    points = []
+    for n in sizes:
+        x = runtime.put_global(np.ones((p * n,), np.float32), mesh, P(axis_name))
+        jax.block_until_ready(fn(x))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - t)
+        points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, statistics.median(times)))
+    return fit(points), points
