@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.blocks import Stack, init_stack
+from models.blocks import Stack, transformer_params
 from models.data import ZipfStream, _step_rng
-from models.workload import init_table, lm_loss, lm_workload, output_params, with_negatives
+from models.workload import lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 MASK_ID = 0
@@ -50,13 +50,7 @@ def _stack(cfg: BERTConfig) -> Stack:
 
 
 def init_params(cfg: BERTConfig, key: jax.Array) -> dict:
-    k_emb, k_pos, k_stack, k_out = jax.random.split(key, 4)
-    return {
-        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
-        "pos": init_table(k_pos, cfg.seq_len, cfg.dim),
-        "encoder": init_stack(_stack(cfg), k_stack, cfg.seq_len, cfg.dim),
-        **output_params(cfg, k_out),
-    }
+    return transformer_params(cfg, key, {"encoder": (_stack(cfg), 0)})
 
 
 def loss_fn(cfg: BERTConfig, params, batch, emb=None) -> jax.Array:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+
+from models.workload import init_table, output_params
 
 
 class Block(nn.Module):
@@ -46,3 +49,17 @@ def init_stack(stack: Stack, key, length: int, dim: int, memory_length: int = 0)
     """Parameters of ``stack`` for inputs of ``length`` positions."""
     memory = jnp.zeros((1, memory_length, dim)) if stack.cross else None
     return stack.init(key, jnp.zeros((1, length, dim)), memory)["params"]
+
+
+def transformer_params(cfg, key, stacks: dict) -> dict:
+    """``embed`` (V x D), learned positions ``pos`` (T x D), the output table (unless
+    tied), and each named stack: ``stacks`` maps a name to ``(stack, memory_length)``."""
+    keys = jax.random.split(key, 3 + len(stacks))
+    params = {
+        "embed": init_table(keys[0], cfg.vocab, cfg.dim),
+        "pos": init_table(keys[1], cfg.seq_len, cfg.dim),
+        **output_params(cfg, keys[2]),
+    }
+    for k, (name, (stack, memory)) in zip(keys[3:], stacks.items(), strict=True):
+        params[name] = init_stack(stack, k, cfg.seq_len, cfg.dim, memory)
+    return params

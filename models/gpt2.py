@@ -17,9 +17,9 @@ import dataclasses
 
 import jax
 
-from models.blocks import Stack, init_stack
+from models.blocks import Stack, transformer_params
 from models.data import ZipfStream
-from models.workload import init_table, lm_loss, lm_workload, output_params, with_negatives
+from models.workload import lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 
@@ -42,13 +42,7 @@ def _stack(cfg: GPT2Config) -> Stack:
 
 
 def init_params(cfg: GPT2Config, key: jax.Array) -> dict:
-    k_emb, k_pos, k_stack, k_out = jax.random.split(key, 4)
-    return {
-        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
-        "pos": init_table(k_pos, cfg.seq_len, cfg.dim),
-        "decoder": init_stack(_stack(cfg), k_stack, cfg.seq_len, cfg.dim),
-        **output_params(cfg, k_out),
-    }
+    return transformer_params(cfg, key, {"decoder": (_stack(cfg), 0)})
 
 
 def loss_fn(cfg: GPT2Config, params, batch, emb=None) -> jax.Array:

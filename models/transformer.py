@@ -21,9 +21,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from models.blocks import Stack, init_stack
+from models.blocks import Stack, transformer_params
 from models.data import ZipfStream
-from models.workload import init_table, lm_loss, lm_workload, output_params, with_negatives
+from models.workload import lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 BOS_ID = 0
@@ -51,15 +51,8 @@ def _stacks(cfg: TransformerConfig) -> tuple[Stack, Stack]:
 
 
 def init_params(cfg: TransformerConfig, key: jax.Array) -> dict:
-    k_emb, k_pos, k_enc, k_dec, k_out = jax.random.split(key, 5)
     enc, dec = _stacks(cfg)
-    return {
-        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
-        "pos": init_table(k_pos, cfg.seq_len, cfg.dim),
-        "encoder": init_stack(enc, k_enc, cfg.seq_len, cfg.dim),
-        "decoder": init_stack(dec, k_dec, cfg.seq_len, cfg.dim, cfg.seq_len),
-        **output_params(cfg, k_out),
-    }
+    return transformer_params(cfg, key, {"encoder": (enc, 0), "decoder": (dec, cfg.seq_len)})
 
 
 def loss_fn(cfg: TransformerConfig, params, batch, emb=None) -> jax.Array:

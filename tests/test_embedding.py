@@ -99,18 +99,22 @@ def _lm(batch, **kw):
     )
 
 
-def _program(strategy, devices, batch):
-    w = _lm(batch)
-    mesh = runtime.data_mesh(devices)
-    ts = train.make_train_step(
+def _make(strategy, w, devices=N, **kw):
+    return train.make_train_step(
         w.loss,
         optax.sgd(0.1),
-        mesh,
+        runtime.data_mesh(devices),
         w.init(jax.random.key(0)),
         strategy,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
+        **kw,
     )
+
+
+def _program(strategy, devices, batch):
+    w = _lm(batch)
+    ts = _make(strategy, w, devices)
     return ts, hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
 
 
@@ -149,15 +153,7 @@ def test_bytes_scale_with_workers():
 def test_embrace_memory_is_a_shard():
     def arg_bytes(strategy):
         w = _lm(2 * N)
-        ts = train.make_train_step(
-            w.loss,
-            optax.sgd(0.1),
-            runtime.data_mesh(N),
-            w.init(jax.random.key(0)),
-            strategy,
-            replicated_keys=w.replicated_keys,
-            embedding_paths=w.embedding_paths,
-        )
+        ts = _make(strategy, w)
         lowered = ts.step.lower(ts.state, ts.place_batch(w.batch_at(0)))
         return lowered.compile().memory_analysis().argument_size_in_bytes
 
@@ -166,19 +162,6 @@ def test_embrace_memory_is_a_shard():
 
 
 # ------------------------------------------------------------------- bad input
-
-
-def _make(strategy, w, **kw):
-    return train.make_train_step(
-        w.loss,
-        optax.sgd(0.1),
-        runtime.data_mesh(N),
-        w.init(jax.random.key(0)),
-        strategy,
-        replicated_keys=w.replicated_keys,
-        embedding_paths=w.embedding_paths,
-        **kw,
-    )
 
 
 def test_indivisible_tables_are_rejected():
