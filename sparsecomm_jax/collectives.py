@@ -69,6 +69,11 @@ def topk_a2a(values, indices, size: int, axis_name: str):
       float[size], the sum over workers.
     """
     num = values.shape[0]
+    if values.shape != indices.shape or size % num:
+        raise ValueError(
+            f"topk_a2a needs values and indices of one shape [P, k/P] and a size divisible "
+            f"by P={num}; got {values.shape}, {indices.shape}, {size}"
+        )
     got_values = jax.lax.all_to_all(values, axis_name, 0, 0)  # float[P, k/P] for my shard
     got_indices = jax.lax.all_to_all(indices, axis_name, 0, 0)  # int[P, k/P]
     mine = sparsify.densify(got_values, got_indices, size // num)  # float[d/P]
@@ -119,6 +124,8 @@ def gtopk(values, indices, size: int, k: int, axis_name: str):
       and nothing is counted twice).
     """
     num = jax.lax.axis_size(axis_name)
+    if num & (num - 1):
+        raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
     rank = jax.lax.axis_index(axis_name)
     dropped = jnp.zeros((size,), values.dtype)
     for r in range(num.bit_length() - 1):

@@ -720,6 +720,26 @@ STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
 NONFINITE = ("skip", "error", "off")
 
 
+def check_arguments(loss_fn, optimizer, mesh, params) -> None:
+    """``ValueError`` for arguments of the wrong kind, before anything is traced."""
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ValueError("optimizer must be an optax GradientTransformation (init, update)")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
+        raise ValueError("params has no arrays")
+    for path, x in leaves:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} must be a floating-point array, "
+                f"got {type(x).__name__} of dtype {dtype}"
+            )
+
+
 def parse_strategy(strategy: str) -> tuple[str, str]:
     """``"embrace+topk_a2a"`` -> ``("embrace", "topk_a2a")``; ``"topk_a2a"`` ->
     ``("dense", "topk_a2a")``; ``"embrace"`` -> ``("embrace", "dense")``.
@@ -801,6 +821,7 @@ def make_train_step(
         tables, table not divisible by P, bad capacity or density.
     """
     base, agg_name = parse_strategy(strategy)
+    check_arguments(loss_fn, optimizer, mesh, params)
     num = runtime.mesh_axis_size(mesh, axis_name)
     if capacity is not None and capacity < 1:
         raise ValueError(f"capacity must be >= 1 or None, got {capacity}")

@@ -73,3 +73,21 @@ def test_errors_before_compiling(lm):
         ts.place_batch({"tokens": np.zeros((12, 9), np.int32)})
     with pytest.raises(ValueError, match="only 8 cpu devices"):
         runtime.data_mesh(16)
+
+
+def test_arguments_of_the_wrong_kind(lm):
+    workload, params = lm
+    mesh = runtime.data_mesh(8)
+    sgd = optax.sgd(0.1)
+    cases = [
+        ((None, sgd, mesh, params), "loss_fn must be callable"),
+        ((workload.loss, "sgd", mesh, params), "optax GradientTransformation"),
+        ((workload.loss, sgd, "mesh", params), "jax.sharding.Mesh"),
+        ((workload.loss, sgd, mesh, {}), "params has no arrays"),
+        ((workload.loss, sgd, mesh, {"w": np.zeros(3, np.int32)}), r"\['w'\] must be a float"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train.make_train_step(*args)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        train.make_train_step(workload.loss, sgd, mesh, params, nonfinite="ignore")
