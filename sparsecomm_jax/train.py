@@ -30,7 +30,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, runtime, schedule
+from sparsecomm_jax import embedding, runtime
 from sparsecomm_jax.aggregators import AGGREGATORS, Aggregator
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 
@@ -192,7 +192,7 @@ def merge_tables(tables: PyTree, rest: PyTree, mask: PyTree) -> PyTree:
 # ------------------------------------------------------------------- the steps
 
 
-def _apply(optimizer: optax.GradientTransformation, grads, opt_state, params):
+def apply_optimizer(optimizer: optax.GradientTransformation, grads, opt_state, params):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -204,10 +204,10 @@ def _all_finite(setup: Setup, tree) -> jax.Array:
     return jax.lax.pmin(local.astype(jnp.int32), setup.axis_name) == 1
 
 
-def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None, carry=()):
+def finish_step(setup: Setup, state: TrainState, grads, loss, agg_state=None, carry=()):
     """Optimizer step; with ``nonfinite`` on, a step whose mean gradient or new residuals
     hold NaN/Inf on any worker leaves the state as it was and reports a NaN loss."""
-    params, opt_state = _apply(setup.optimizer, grads, state.opt_state, state.params)
+    params, opt_state = apply_optimizer(setup.optimizer, grads, state.opt_state, state.params)
     agg_state = state.agg_state if agg_state is None else agg_state
     new = TrainState(params, opt_state, agg_state, carry)
     loss = jax.lax.pmean(loss, setup.axis_name)
@@ -219,7 +219,7 @@ def _finish(setup: Setup, state: TrainState, grads, loss, agg_state=None, carry=
     return new, jnp.where(ok, loss, jnp.nan)
 
 
-def _aggregate(setup: Setup, grads, agg_state):
+def aggregate(setup: Setup, grads, agg_state):
     """``setup.aggregator`` on local gradients; its state is stored per worker with a
     leading axis of 1 inside ``shard_map`` (global: one slice per worker)."""
     local = jax.tree.map(lambda x: x[0], agg_state)
@@ -233,8 +233,8 @@ def dense_body(setup: Setup) -> Callable:
 
     def body(state: TrainState, batch: Batch):
         loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, batch, DENSE_EMBEDDING)
-        mean, agg_state = _aggregate(setup, grads, state.agg_state)
-        return _finish(setup, state, mean, loss, agg_state)
+        mean, agg_state = aggregate(setup, grads, state.agg_state)
+        return finish_step(setup, state, mean, loss, agg_state)
 
     return body
 
@@ -253,9 +253,9 @@ def sharded_table_body(setup: Setup, make_ops: Callable[[Batch], EmbeddingOps]) 
         loss, grads = jax.value_and_grad(setup.loss_fn)(state.params, data, emb)
         tables, rest = split_tables(grads, setup.table_mask)
         tables = jax.tree.map(lambda g: g / setup.num_workers, tables)
-        rest, agg_state = _aggregate(setup, rest, state.agg_state)
+        rest, agg_state = aggregate(setup, rest, state.agg_state)
         grads = merge_tables(tables, rest, setup.table_mask)
-        return _finish(setup, state, grads, loss, agg_state)
+        return finish_step(setup, state, grads, loss, agg_state)
 
     return body
 
@@ -267,181 +267,9 @@ def sparse_allgather_body(setup: Setup) -> Callable:
         loss, grads = embedding.sparse_table_grads(
             setup.loss_fn, state.params, batch, setup.table_mask, setup.axis_name
         )
-        return _finish(setup, state, grads, loss)
+        return finish_step(setup, state, grads, loss)
 
     return body
-
-
-def _table_widths(setup: Setup) -> dict[int, int]:
-    """Leaf index -> full row width D of every table (shards hold D/P columns)."""
-    flags = jax.tree.leaves(setup.table_mask)
-    return {
-        i: int(np.shape(x)[1])
-        for i, (x, f) in enumerate(zip(jax.tree.leaves(setup.params), flags, strict=True))
-        if f
-    }
-
-
-def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
-    """Rows for each logged access, looked up in the (column-sharded) ``tables``."""
-    out = []
-    for kind, i, ids in calls:
-        if kind == "lookup":
-            out.append(embedding.column_lookup(tables[i], ids, axis_name))
-        else:
-            out.append(embedding.column_lookup_shared(tables[i], ids, axis_name))
-    return out
-
-
-def _ordered(x, after):
-    """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
-    with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
-    before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
-    adds exactly zero, and a non-finite ``after`` poisons the step anyway.)"""
-    a = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(after))
-    return x + (a - a)
-
-
-class _Plan(NamedTuple):
-    """Table ``i``'s gradient exchange in priority order (see ``schedule``)."""
-
-    rows: Any  # float[n, D]: this worker's gradient per looked-up position
-    ids: Any  # int[P, n]: every worker's ids at those positions
-    order: Any  # int[P, n]: every worker's priority order
-    chunks: list  # [start, end) of each chunk in that order
-    shared: list  # (gradient, ids) of lookups whose ids every worker holds
-    vocab: int
-
-
-def _exchange_plan(setup: Setup, calls, g_rows, next_calls, capacity, i) -> _Plan:
-    """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
-    axis = setup.axis_name
-    ids, rows, shared = [], [], []
-    for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
-        if t == i and kind == "lookup":
-            ids.append(call_ids.reshape(-1))
-            rows.append(g.reshape(call_ids.size, -1))
-        elif t == i:
-            shared.append((g, call_ids))
-    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
-    n = all_ids.shape[1]
-    if next_calls is None:  # last step: nothing to prioritise
-        order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(setup, i))
-    nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
-           jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
-           for kind, t, c_ids in next_calls if t == i]  # fmt: skip
-    order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
-    chunks = schedule.chunk_bounds(n, [capacity])
-    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(setup, i))
-
-
-def _first_chunk(setup: Setup, plan: _Plan):
-    """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
-    axis = setup.axis_name
-    out = schedule.column_grad_chunk(
-        plan.rows, plan.ids, plan.order, plan.chunks[0], plan.vocab, axis
-    )
-    for g, ids in plan.shared:  # ids every worker holds: always high priority
-        out = out + schedule.column_grad_shared(g, ids, plan.vocab, axis)
-    return out
-
-
-def _later_chunks(setup: Setup, plan: _Plan, after):
-    """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
-    table's first chunk) has arrived."""
-    rows, out = _ordered(plan.rows, after), 0.0
-    for bound in plan.chunks[1:]:
-        out = out + schedule.column_grad_chunk(
-            rows, plan.ids, plan.order, bound, plan.vocab, setup.axis_name
-        )
-    return out
-
-
-def _vocab(setup: Setup, i: int) -> int:
-    return int(np.shape(jax.tree.leaves(setup.params)[i])[0])
-
-
-NO_ATTEND_2D = (
-    "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
-    "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
-)
-
-
-def embrace_2d_body(setup: Setup) -> Callable:
-    """EmbRace with 2D scheduling, one pipelined step: batch t's forward reads rows
-    fetched during step t-1; its table gradients travel in priority chunks; the rows
-    batch t+1 needs are updated from the first chunk alone and fetched for it right
-    away; the rest of the exchange and the full update follow. Exactly equivalent to
-    ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
-    widths = _table_widths(setup)
-    num = setup.num_workers
-
-    def body(state: TrainState, batch: CapacityBatch):
-        params, mask = state.params, setup.table_mask
-        calls = embedding.logged_lookups(
-            setup.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
-        )
-        tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
-        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, setup.axis_name)
-
-        def loss_of_rows(p, r):
-            pending = iter(r)
-            ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
-            return setup.loss_fn(p, batch.data, ops)
-
-        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
-        rest, agg_state = _aggregate(setup, split_tables(g_params, mask)[1], state.agg_state)
-        nxt = None
-        if batch.next is not None:
-            nxt = embedding.logged_lookups(setup.loss_fn, params, batch.next, mask, widths)
-        plans = {i: _exchange_plan(setup, calls, g_rows, nxt, batch.capacity, i) for i in widths}
-        with jax.named_scope(schedule.SCOPE_HIGH):
-            firsts = {i: _first_chunk(setup, plan) for i, plan in plans.items()}
-        with jax.named_scope(schedule.SCOPE_LOW):
-            after = tuple(firsts.values())
-            later = {i: _later_chunks(setup, plan, after) for i, plan in plans.items()}
-        fulls = {i: (firsts[i] + later[i]) / num for i in widths}
-        firsts = {i: f / num for i, f in firsts.items()}
-        carry = ()
-        if nxt is not None:
-            with jax.named_scope(schedule.SCOPE_NEXT):
-                early = _early_tables(setup, state, firsts)
-                carry = tuple(_prefetch(early, nxt, setup.axis_name))
-        grads = _with_tables(g_params, mask, fulls, rest)
-        return _finish(setup, state, grads, loss, agg_state, carry)
-
-    return body
-
-
-def _with_tables(like, mask, tables: dict[int, Any], rest=None):
-    """A gradient tree: ``tables[i]`` at table leaves, ``rest`` (or zeros) elsewhere."""
-    leaves, treedef = jax.tree.flatten(like)
-    others = iter(jax.tree.leaves(rest))  # rest has None at the tables
-    flags = jax.tree.leaves(mask)
-    out = [
-        tables[i] if f else (jnp.zeros_like(x) if rest is None else next(others))
-        for i, (x, f) in enumerate(zip(leaves, flags, strict=True))
-    ]
-    return jax.tree.unflatten(treedef, out)
-
-
-def _early_tables(setup: Setup, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
-    """The tables after an optimizer step on the first chunk alone (zero gradient for
-    every other leaf, so nothing here waits for the dense all-reduce). Exact for the
-    rows batch t+1 reads: all of their gradient is in the first chunk."""
-    grads = _with_tables(state.params, setup.table_mask, firsts)
-    params, _ = _apply(setup.optimizer, grads, state.opt_state, state.params)
-    leaves = jax.tree.leaves(params)
-    return {i: leaves[i] for i in firsts}
-
-
-def _priority_need(setup: Setup, batch: Batch, next_batch: Batch) -> int:
-    """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
-    always travel in the first chunk, by reduce-scatter)."""
-    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, setup.id_keys).values()])
-    own = {k: v for k, v in batch.items() if k not in setup.replicated_keys}
-    return schedule.high_priority_capacity(_worker_ids(own, setup), next_ids)
 
 
 # ---------------------------------------------------------------- the builders
@@ -561,7 +389,7 @@ class CapacityBatch:
 
 
 def _rowwise_need(setup: Setup, batch: Batch) -> int:
-    workers = _worker_ids(batch, setup)
+    workers = worker_ids(batch, setup)
     return max(embedding.rowwise_capacity(workers, v, setup.num_workers) for v in setup.vocabs)
 
 
@@ -605,7 +433,7 @@ def _tables(params: PyTree, mask: PyTree) -> list[tuple[str, Any]]:
     ]
 
 
-def _worker_ids(batch: Batch, setup: Setup) -> list[np.ndarray]:
+def worker_ids(batch: Batch, setup: Setup) -> list[np.ndarray]:
     """The ids each worker's slice of ``batch`` holds (replicated ids go to all)."""
     per_worker: list[list[np.ndarray]] = [[] for _ in range(setup.num_workers)]
     for key, ids in id_leaves(batch, setup.id_keys).items():
@@ -663,6 +491,23 @@ def loss_value(loss: jax.Array) -> float:
     return float(np.asarray(loss.addressable_data(0)).reshape(-1)[0])
 
 
+def _make_embrace_2d(setup: Setup) -> TrainStep:
+    """``embrace_2d``: the pipelined step of ``pipeline`` (which builds on this module)."""
+    from sparsecomm_jax import pipeline
+
+    capacity = _capacity_fn(
+        setup, pipeline.priority_need, "high-priority positions", _grow_by_quarter
+    )
+    return build_sharded(
+        setup,
+        "embrace_2d",
+        pipeline.embrace_2d_body(setup),
+        layout="column",
+        capacity_fn=capacity,
+        lookahead=1,
+    )
+
+
 def _needs_tables(name: str, build: Callable[[Setup], TrainStep]) -> Callable:
     def checked(setup: Setup) -> TrainStep:
         if not setup.vocabs:
@@ -701,19 +546,7 @@ STRATEGIES: dict[str, Callable[[Setup], TrainStep]] = {
             capacity_fn=_capacity_fn(s),
         ),
     ),
-    "embrace_2d": _needs_tables(
-        "embrace_2d",
-        lambda s: build_sharded(
-            s,
-            "embrace_2d",
-            embrace_2d_body(s),
-            layout="column",
-            capacity_fn=_capacity_fn(
-                s, _priority_need, "high-priority positions", _grow_by_quarter
-            ),
-            lookahead=1,
-        ),
-    ),
+    "embrace_2d": _needs_tables("embrace_2d", lambda s: _make_embrace_2d(s)),
 }
 
 

@@ -1,0 +1,208 @@
+"""EmbRace's 2D scheduling as a train step: ``embrace_2d``.
+
+One pipelined step (batch t, with batch t+1 known): batch t's forward reads rows fetched
+during step t-1; each table's gradient rows are exchanged in priority chunks
+(``schedule``), every table's first chunk before any later one; the rows batch t+1 reads
+are updated from the first chunk alone and fetched for it at once; the rest of the
+exchange and the full update follow. The dense layers go through the aggregator with no
+data dependency on the table exchange. Exactly equivalent to ``embrace`` for element-wise
+optimizers.
+
+References:
+    Li et al., "EmbRace", ICPP 2022, section 4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsecomm_jax import embedding, schedule
+from sparsecomm_jax.train import (
+    Batch,
+    CapacityBatch,
+    Setup,
+    TrainState,
+    aggregate,
+    apply_optimizer,
+    finish_step,
+    id_leaves,
+    split_tables,
+    worker_ids,
+)
+
+
+def _table_widths(setup: Setup) -> dict[int, int]:
+    """Leaf index -> full row width D of every table (shards hold D/P columns)."""
+    flags = jax.tree.leaves(setup.table_mask)
+    return {
+        i: int(np.shape(x)[1])
+        for i, (x, f) in enumerate(zip(jax.tree.leaves(setup.params), flags, strict=True))
+        if f
+    }
+
+
+def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
+    """Rows for each logged access, looked up in the (column-sharded) ``tables``."""
+    out = []
+    for kind, i, ids in calls:
+        if kind == "lookup":
+            out.append(embedding.column_lookup(tables[i], ids, axis_name))
+        else:
+            out.append(embedding.column_lookup_shared(tables[i], ids, axis_name))
+    return out
+
+
+def _ordered(x, after):
+    """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
+    with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
+    before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
+    adds exactly zero, and a non-finite ``after`` poisons the step anyway.)"""
+    a = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(after))
+    return x + (a - a)
+
+
+class _Plan(NamedTuple):
+    """Table ``i``'s gradient exchange in priority order (see ``schedule``)."""
+
+    rows: Any  # float[n, D]: this worker's gradient per looked-up position
+    ids: Any  # int[P, n]: every worker's ids at those positions
+    order: Any  # int[P, n]: every worker's priority order
+    chunks: list  # [start, end) of each chunk in that order
+    shared: list  # (gradient, ids) of lookups whose ids every worker holds
+    vocab: int
+
+
+def _exchange_plan(setup: Setup, calls, g_rows, next_calls, capacity, i) -> _Plan:
+    """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
+    axis = setup.axis_name
+    ids, rows, shared = [], [], []
+    for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
+        if t == i and kind == "lookup":
+            ids.append(call_ids.reshape(-1))
+            rows.append(g.reshape(call_ids.size, -1))
+        elif t == i:
+            shared.append((g, call_ids))
+    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
+    n = all_ids.shape[1]
+    if next_calls is None:  # last step: nothing to prioritise
+        order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
+        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(setup, i))
+    nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
+           jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
+           for kind, t, c_ids in next_calls if t == i]  # fmt: skip
+    order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
+    chunks = schedule.chunk_bounds(n, [capacity])
+    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(setup, i))
+
+
+def _first_chunk(setup: Setup, plan: _Plan):
+    """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
+    axis = setup.axis_name
+    out = schedule.column_grad_chunk(
+        plan.rows, plan.ids, plan.order, plan.chunks[0], plan.vocab, axis
+    )
+    for g, ids in plan.shared:  # ids every worker holds: always high priority
+        out = out + schedule.column_grad_shared(g, ids, plan.vocab, axis)
+    return out
+
+
+def _later_chunks(setup: Setup, plan: _Plan, after):
+    """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
+    table's first chunk) has arrived."""
+    rows, out = _ordered(plan.rows, after), 0.0
+    for bound in plan.chunks[1:]:
+        out = out + schedule.column_grad_chunk(
+            rows, plan.ids, plan.order, bound, plan.vocab, setup.axis_name
+        )
+    return out
+
+
+def _vocab(setup: Setup, i: int) -> int:
+    return int(np.shape(jax.tree.leaves(setup.params)[i])[0])
+
+
+NO_ATTEND_2D = (
+    "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
+    "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
+)
+
+
+def embrace_2d_body(setup: Setup) -> Callable:
+    """EmbRace with 2D scheduling, one pipelined step: batch t's forward reads rows
+    fetched during step t-1; its table gradients travel in priority chunks; the rows
+    batch t+1 needs are updated from the first chunk alone and fetched for it right
+    away; the rest of the exchange and the full update follow. Exactly equivalent to
+    ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
+    widths = _table_widths(setup)
+    num = setup.num_workers
+
+    def body(state: TrainState, batch: CapacityBatch):
+        params, mask = state.params, setup.table_mask
+        calls = embedding.logged_lookups(
+            setup.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
+        )
+        tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
+        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, setup.axis_name)
+
+        def loss_of_rows(p, r):
+            pending = iter(r)
+            ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
+            return setup.loss_fn(p, batch.data, ops)
+
+        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
+        rest, agg_state = aggregate(setup, split_tables(g_params, mask)[1], state.agg_state)
+        nxt = None
+        if batch.next is not None:
+            nxt = embedding.logged_lookups(setup.loss_fn, params, batch.next, mask, widths)
+        plans = {i: _exchange_plan(setup, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+        with jax.named_scope(schedule.SCOPE_HIGH):
+            firsts = {i: _first_chunk(setup, plan) for i, plan in plans.items()}
+        with jax.named_scope(schedule.SCOPE_LOW):
+            after = tuple(firsts.values())
+            later = {i: _later_chunks(setup, plan, after) for i, plan in plans.items()}
+        fulls = {i: (firsts[i] + later[i]) / num for i in widths}
+        firsts = {i: f / num for i, f in firsts.items()}
+        carry = ()
+        if nxt is not None:
+            with jax.named_scope(schedule.SCOPE_NEXT):
+                early = _early_tables(setup, state, firsts)
+                carry = tuple(_prefetch(early, nxt, setup.axis_name))
+        grads = _with_tables(g_params, mask, fulls, rest)
+        return finish_step(setup, state, grads, loss, agg_state, carry)
+
+    return body
+
+
+def _with_tables(like, mask, tables: dict[int, Any], rest=None):
+    """A gradient tree: ``tables[i]`` at table leaves, ``rest`` (or zeros) elsewhere."""
+    leaves, treedef = jax.tree.flatten(like)
+    others = iter(jax.tree.leaves(rest))  # rest has None at the tables
+    flags = jax.tree.leaves(mask)
+    out = [
+        tables[i] if f else (jnp.zeros_like(x) if rest is None else next(others))
+        for i, (x, f) in enumerate(zip(leaves, flags, strict=True))
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _early_tables(setup: Setup, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
+    """The tables after an optimizer step on the first chunk alone (zero gradient for
+    every other leaf, so nothing here waits for the dense all-reduce). Exact for the
+    rows batch t+1 reads: all of their gradient is in the first chunk."""
+    grads = _with_tables(state.params, setup.table_mask, firsts)
+    params, _ = apply_optimizer(setup.optimizer, grads, state.opt_state, state.params)
+    leaves = jax.tree.leaves(params)
+    return {i: leaves[i] for i in firsts}
+
+
+def priority_need(setup: Setup, batch: Batch, next_batch: Batch) -> int:
+    """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
+    always travel in the first chunk, by reduce-scatter)."""
+    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, setup.id_keys).values()])
+    own = {k: v for k, v in batch.items() if k not in setup.replicated_keys}
+    return schedule.high_priority_capacity(worker_ids(own, setup), next_ids)
