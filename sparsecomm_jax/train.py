@@ -319,10 +319,14 @@ def _initial_agg_state(setup: Setup, host_params, layout: str | None):
     return jax.tree.map(lambda s: np.zeros((setup.num_workers, *s.shape), s.dtype), shapes)
 
 
-def _put_batch(setup: Setup, batch: Batch) -> dict:
+def _check_host_batch(setup: Setup, batch: Batch) -> None:
     check_batch(batch, setup.num_workers, setup.replicated_keys)
     if setup.vocabs:
         check_ids(batch, min(setup.vocabs), setup.id_keys)
+
+
+def _put_batch(setup: Setup, batch: Batch) -> dict:
+    _check_host_batch(setup, batch)
     specs = _batch_specs(batch, setup.axis_name, setup.replicated_keys)
     return {k: runtime.put_global(np.asarray(v), setup.mesh, specs[k]) for k, v in batch.items()}
 
@@ -454,9 +458,7 @@ def _make_dense_pmap(setup: Setup) -> TrainStep:
     num, first = len(devices), devices.index(local[0])
 
     def place(batch: Batch) -> Batch:
-        check_batch(batch, num, setup.replicated_keys)
-        if setup.vocabs:
-            check_ids(batch, min(setup.vocabs), setup.id_keys)
+        _check_host_batch(setup, batch)
         out = {}
         for k, v in batch.items():
             v = np.asarray(v)
