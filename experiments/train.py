@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from experiments.config import RunConfig, add_arguments, from_namespace
 
@@ -75,9 +75,9 @@ def start_devices(devices: int) -> int:
 def make_optimizer(name: str, lr: float):
     import optax
 
-    return {"sgd": optax.sgd, "momentum": lambda lr: optax.sgd(lr, 0.9), "adam": optax.adam}[name](
-        lr
-    )
+    if name == "momentum":
+        return optax.sgd(lr, momentum=0.9)
+    return {"sgd": optax.sgd, "adam": optax.adam}[name](lr)
 
 
 def _peak_memory(compiled) -> int | None:
@@ -169,6 +169,49 @@ def place(ts, workload, step: int, steps: int):
     return ts.place_batch(workload.batch_at(step))
 
 
+class RunLog(NamedTuple):
+    """What the step loop records."""
+
+    losses: list  # one float per step run
+    times: list  # seconds per step (compilation excluded)
+    skipped: list  # steps whose update was skipped (non-finite gradient)
+    programs: dict  # (state, batch) structure -> compiled program
+    runs: dict  # (state, batch) structure -> steps run with it
+    compile_s: float
+
+
+def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool):
+    """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
+    structure (a new row-wise capacity or the pipelined carry makes a new one)."""
+    import jax
+    from tqdm import tqdm
+
+    from sparsecomm_jax.train import loss_value
+
+    log = RunLog([], [], [], {}, {}, 0.0)
+    bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
+    for step in bar:
+        batch = place(ts, workload, step, config.steps)
+        key = jax.tree.structure((state, batch))
+        if key not in log.programs:
+            t = time.perf_counter()
+            log.programs[key] = ts.step.lower(state, batch).compile()
+            log = log._replace(compile_s=log.compile_s + time.perf_counter() - t)
+        t = time.perf_counter()
+        state, loss = _runner(ts, log.programs[key])(state, batch)
+        log.runs[key] = log.runs.get(key, 0) + 1
+        log.losses.append(loss_value(loss))
+        log.times.append(time.perf_counter() - t)
+        if not math.isfinite(log.losses[-1]):
+            _on_nonfinite(config, step)
+            log.skipped.append(step)
+            state = state._replace(carry=())  # the early-fetched rows may hold NaN
+        if ckpt:
+            ckpt.save(step + 1, ts, state, force=step + 1 == config.steps)
+        bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
+    return state, log
+
+
 def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Runs ``config`` and returns the result record (see the module doc).
 
@@ -179,61 +222,35 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     Returns:
       A JSON-ready dict: model, strategy, devices, steps, losses, step_time_s,
       tokens_per_s or samples_per_s, comm_bytes_per_step, collectives,
-      peak_memory_bytes, compile_s and the full config.
+      peak_memory_bytes, compile_s, start_step, skipped_steps and the full config.
     """
     validate(config)
     rank = start_devices(config.devices)
-    import jax
-    from tqdm import tqdm
-
     from sparsecomm_jax import hlo
-    from sparsecomm_jax.train import loss_value
 
     workload, ts = build(config)
     ckpt, state, start = _start_state(config, ts)
-    programs, runs, compile_s = {}, {}, 0.0
-    losses, times, skipped = [], [], []
-    bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not progress or rank)
-    for step in bar:
-        batch = place(ts, workload, step, config.steps)
-        key = jax.tree.structure((state, batch))  # new program: new capacity or carry
-        if key not in programs:
-            t = time.perf_counter()
-            programs[key] = ts.step.lower(state, batch).compile()
-            compile_s += time.perf_counter() - t
-        t = time.perf_counter()
-        state, loss = _runner(ts, programs[key])(state, batch)
-        runs[key] = runs.get(key, 0) + 1
-        losses.append(loss_value(loss))
-        times.append(time.perf_counter() - t)
-        if not math.isfinite(losses[-1]):
-            _on_nonfinite(config, step)
-            skipped.append(step)
-            state = state._replace(carry=())  # the early-fetched rows may hold NaN
-        if ckpt:
-            ckpt.save(step + 1, ts, state, force=step + 1 == config.steps)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    if not programs:
+    _, log = run_steps(config, ts, workload, state, start, ckpt, progress and rank == 0)
+    if not log.programs:
         raise ValueError(f"nothing to run: the checkpoint is at step {start} >= --steps")
-    compiled = programs[max(runs, key=runs.get)]  # the steady-state program
+    compiled = log.programs[max(log.runs, key=log.runs.get)]  # the steady-state program
     colls = hlo.parse_collectives(compiled.as_text())
-    timed = times[config.warmup :] or times
-    step_time = statistics.median(timed)
+    step_time = statistics.median(log.times[config.warmup :] or log.times)
     return {
         "model": config.model,
         "strategy": config.strategy,
         "devices": config.devices,
         "steps": config.steps,
-        "losses": losses,
+        "losses": log.losses,
         "step_time_s": step_time,
         f"{workload.items_name}_per_s": workload.items_per_step / step_time,
         "comm_bytes_per_step": hlo.total_bytes(colls),
         "collectives": [c.as_dict() for c in colls],
         "peak_memory_bytes": _peak_memory(compiled),
-        "compile_s": compile_s,
-        "programs": len(programs),
+        "compile_s": log.compile_s,
+        "programs": len(log.programs),
         "start_step": start,
-        "skipped_steps": skipped,
+        "skipped_steps": log.skipped,
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
