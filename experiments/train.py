@@ -162,13 +162,6 @@ def _runner(ts, compiled):
     return compiled
 
 
-def place(ts, workload, step: int, steps: int):
-    """The placed batch of ``step`` (with the next one for pipelined strategies)."""
-    if ts.lookahead and step + 1 < steps:
-        return ts.place_batch(workload.batch_at(step), workload.batch_at(step + 1))
-    return ts.place_batch(workload.batch_at(step))
-
-
 class RunLog(NamedTuple):
     """What the step loop records."""
 
@@ -186,12 +179,12 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     import jax
     from tqdm import tqdm
 
-    from sparsecomm_jax.train import loss_value
+    from sparsecomm_jax.train import loss_value, place_for_step
 
     log = RunLog([], [], [], {}, {}, 0.0)
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
     for step in bar:
-        batch = place(ts, workload, step, config.steps)
+        batch = place_for_step(ts, workload.batch_at, step, config.steps)
         key = jax.tree.structure((state, batch))
         if key not in log.programs:
             t = time.perf_counter()

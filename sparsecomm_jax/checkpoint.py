@@ -24,15 +24,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sparsecomm_jax.train import TrainState, TrainStep
+from sparsecomm_jax.train import TrainState, TrainStep, first_replica
 
 
 def _portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
     """The saved form: global arrays (``pmap`` state: its first replica)."""
     tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
     if ts.strategy == "dense_pmap":
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))[0]
-                            if isinstance(x, jax.Array) else np.asarray(x)[0], tree)  # fmt: skip
+        return jax.tree.map(first_replica, tree)
     return tree
 
 

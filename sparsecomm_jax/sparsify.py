@@ -27,14 +27,19 @@ import jax.numpy as jnp
 SELECTORS = ("exact", "threshold")
 
 
+def check_density(density: float) -> None:
+    """``ValueError`` unless density is a number in (0, 1]."""
+    if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+
+
 def num_selected(density: float, size: int) -> int:
     """k = round(density * size), checked: density in (0, 1] and k >= 1.
 
     Raises:
       ValueError: density outside (0, 1], or k rounds to 0 for this size.
     """
-    if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    check_density(density)
     k = min(size, round(density * size))
     if k < 1:
         raise ValueError(

@@ -477,12 +477,21 @@ def _make_dense_pmap(setup: Setup) -> TrainStep:
         step=jax.pmap(body, axis_name=setup.axis_name, devices=devices, donate_argnums=0),
         state=state,
         place_batch=place,
-        host_params=lambda s: jax.tree.map(_first_replica, s.params),
+        host_params=lambda s: jax.tree.map(first_replica, s.params),
         strategy="dense_pmap",
     )
 
 
-def _first_replica(x) -> np.ndarray:
+def place_for_step(ts: TrainStep, batch_at: Callable[[int], Batch], step: int, steps: int):
+    """The placed batch of ``step`` of a ``steps``-step run, with the next step's batch
+    for pipelined strategies (``ts.lookahead``; none at the last step)."""
+    if ts.lookahead and step + 1 < steps:
+        return ts.place_batch(batch_at(step), batch_at(step + 1))
+    return ts.place_batch(batch_at(step))
+
+
+def first_replica(x) -> np.ndarray:
+    """One replica of a ``pmap``-stacked array (numpy or device), as numpy."""
     if isinstance(x, np.ndarray):
         return x[0]
     return np.asarray(x.addressable_data(0)).reshape(x.shape[1:])

@@ -41,10 +41,8 @@ def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwar
 
 
 def place(ts, workload, step, steps):
-    """The placed batch of ``step``, with the next one for pipelined strategies."""
-    if ts.lookahead and step + 1 < steps:
-        return ts.place_batch(workload.batch_at(step), workload.batch_at(step + 1))
-    return ts.place_batch(workload.batch_at(step))
+    """The placed batch of ``step`` (see ``train.place_for_step``)."""
+    return train.place_for_step(ts, workload.batch_at, step, steps)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
