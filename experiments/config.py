@@ -43,6 +43,7 @@ class RunConfig:
     checkpoint_dir: str = ""  # where checkpoints go ("" = none)
     checkpoint_every: int = 0  # save every N steps (0 = only at the end)
     resume: bool = False  # continue from the newest checkpoint in --checkpoint-dir
+    calibrate: bool = False  # after training, fit the link's alpha and beta (costmodel)
     out: str = ""  # JSON result path ("" = do not write)
 
     def model_overrides(self) -> dict[str, Any]:
@@ -50,7 +51,7 @@ class RunConfig:
         skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
                 "capacity", "density", "selector", "bucket_mb", "nonfinite", "link_gbit",
                 "link_alpha_us",
-                "checkpoint_dir", "checkpoint_every", "resume"}  # fmt: skip
+                "checkpoint_dir", "checkpoint_every", "resume", "calibrate"}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 

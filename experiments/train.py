@@ -213,9 +213,10 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       progress: show a progress bar (rank 0 only).
 
     Returns:
-      A JSON-ready dict: model, strategy, devices, steps, losses, step_time_s,
-      tokens_per_s or samples_per_s, comm_bytes_per_step, collectives,
-      peak_memory_bytes, compile_s, start_step, skipped_steps and the full config.
+      A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
+      step_time_s (median after warm-up), tokens_per_s or samples_per_s,
+      comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
+      skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config.
     """
     validate(config)
     rank = start_devices(config.devices)
@@ -229,12 +230,13 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     compiled = log.programs[max(log.runs, key=log.runs.get)]  # the steady-state program
     colls = hlo.parse_collectives(compiled.as_text())
     step_time = statistics.median(log.times[config.warmup :] or log.times)
-    return {
+    result = {
         "model": config.model,
         "strategy": config.strategy,
         "devices": config.devices,
         "steps": config.steps,
         "losses": log.losses,
+        "step_times_s": log.times,
         "step_time_s": step_time,
         f"{workload.items_name}_per_s": workload.items_per_step / step_time,
         "comm_bytes_per_step": hlo.total_bytes(colls),
@@ -247,6 +249,17 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
+    if config.calibrate:
+        result["link"] = calibrated_link(config.devices)
+    return result
+
+
+def calibrated_link(devices: int) -> dict[str, Any]:
+    """``costmodel.calibrate`` on the data mesh: alpha (s), beta (s/B), the timed points."""
+    from sparsecomm_jax import costmodel, runtime
+
+    link, points = costmodel.calibrate(runtime.data_mesh(devices))
+    return {"alpha": link.alpha, "beta": link.beta, "points": points}
 
 
 def write_json(result: dict[str, Any], path: str) -> None:

@@ -21,6 +21,9 @@ def test_argument_checks():
             cluster.check_args(*args)
     assert cluster.qdisc_args("1gbit", "")[:3] == ["tbf", "rate", "1gbit"]
     assert cluster.qdisc_args("1gbit", "1ms")[:3] == ["netem", "delay", "1ms"]
+    assert cluster.loopback_rate("1gbit", 4, per_worker=False) == "1gbit"
+    assert cluster.loopback_rate("1gbit", 4, per_worker=True) == "4000000kbit"
+    assert cluster.loopback_rate("2.5mbit", 3, per_worker=True) == "7500kbit"
     assert cluster.main(["--nproc", "2", "--bandwidth", "fast", "--", "--steps", "1"]) == 2
 
 

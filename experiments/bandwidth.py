@@ -1,0 +1,80 @@
+"""Speed-up over ``dense_pmap`` against link bandwidth, per strategy, on the emulated
+cluster.
+
+    python -m experiments.bandwidth --nproc 4 --bandwidths 1gbit,10gbit,25gbit \\
+        --strategies dense_pmap,embrace,topk_a2a -- --model lstm_lm --steps 6
+
+Each worker has a link of its own of each bandwidth (``cluster --per-worker``). On a
+small host the fast links are bounded by the CPU that moves the bytes (gloo over TCP),
+so a run also reports the practically unthrottled ``--free-bandwidth`` as the ceiling.
+Writes ``bandwidth.json``, ``bandwidth.csv`` and ``bandwidth.png`` into ``--out-dir``.
+Arguments after ``--`` go to every ``experiments.train`` run. Needs root (see cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from experiments import sweep
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m experiments.bandwidth", description=__doc__)
+    parser.add_argument("--nproc", type=int, default=4, help="processes (workers)")
+    parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit", help="per worker")
+    parser.add_argument("--free-bandwidth", default="100gbit", help="'' to leave out")
+    parser.add_argument("--strategies", default="dense_pmap,embrace,topk_a2a")
+    parser.add_argument("--out-dir", default="runs/bandwidth")
+    return parser.parse_args(argv)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = sweep.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ok = [r for r in rows if "error" not in r and r["speedup"]]
+    for strategy in dict.fromkeys(r["strategy"] for r in ok):
+        pts = sorted((r["gbit"], r["speedup"]) for r in ok if r["strategy"] == strategy)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set(
+        xscale="log",
+        xlabel="link bandwidth per worker (Gbit/s)",
+        ylabel=f"speed-up over {sweep.BASELINE}",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, train_args = sweep.split_argv(argv)
+    args = parse_args(own)
+    bandwidths = args.bandwidths.split(",") + ([args.free_bandwidth] if args.free_bandwidth else [])
+    strategies = args.strategies.split(",")
+    out = Path(args.out_dir)
+
+    def run(bandwidth, strategy):
+        run_args = ["--strategy", strategy, *train_args]
+        return sweep.measure(
+            run_args,
+            out / f"{strategy}_{bandwidth}.json",
+            args.nproc,
+            bandwidth,
+            bandwidth=bandwidth,
+            gbit=sweep.gbit(bandwidth),
+        )
+
+    jobs = [(b, s) for b in bandwidths for s in strategies]
+    rows = sweep.grid(jobs, run, "bandwidth runs")
+    sweep.add_speedups(rows, ("bandwidth",))
+    sweep.save_rows(rows, out, "bandwidth", {"nproc": args.nproc})
+    plot(rows, out / "bandwidth.png")
+    print(sweep.report(rows, ("bandwidth",)))
+    print(f"results in {out}/bandwidth.json, bandwidth.csv, bandwidth.png")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

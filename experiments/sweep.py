@@ -1,0 +1,165 @@
+"""What the sweep experiments share: running one configuration as a subprocess (on the
+emulated cluster or on simulated CPU devices), a progress-reporting grid that survives a
+failed configuration, speed-ups against a baseline, and saving rows as JSON and CSV.
+
+Example:
+    >>> from experiments import sweep
+    >>> result = sweep.run_config(["--steps", "3", "--strategy", "dense"], "runs/x.json",
+    ...                           nproc=2)                    # 2 simulated devices
+    >>> result["step_time_s"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+BASELINE = "dense_pmap"
+_UNITS = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}
+
+
+def gbit(rate: str) -> float:
+    """A ``tc`` rate in Gbit/s: ``"100mbit"`` -> 0.1."""
+    for unit, scale in _UNITS.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"bandwidth must end in bit/kbit/mbit/gbit, got {rate!r}")
+
+
+def split_argv(argv: Sequence[str] | None) -> tuple[list[str], list[str]]:
+    """``(own arguments, experiments.train arguments)``, split at ``--``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    return argv[:split], argv[split + 1 :]
+
+
+def command(train_args: Sequence[str], out: str | Path, nproc: int, bandwidth: str) -> list[str]:
+    """The command line of one run: ``nproc`` processes on the emulated cluster, each with
+    a ``bandwidth`` link of its own (``cluster --per-worker``), or (``bandwidth=""``) one
+    process with ``nproc`` simulated devices and no network."""
+    train = ["--devices", str(nproc), *train_args, "--out", str(out)]
+    if not bandwidth:
+        return [sys.executable, "-m", "experiments.train", *train]
+    return [
+        sys.executable,
+        "-m",
+        "experiments.cluster",
+        "--nproc",
+        str(nproc),
+        "--bandwidth",
+        bandwidth,
+        "--per-worker",
+        "--",
+        *train,
+    ]
+
+
+def run_config(
+    train_args: Sequence[str], out: str | Path, nproc: int = 1, bandwidth: str = ""
+) -> dict[str, Any]:
+    """Runs one ``experiments.train`` configuration; returns its JSON result.
+
+    Raises:
+      RuntimeError: with the command and the end of its error output, if it failed.
+    """
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    cmd = command(train_args, out, nproc, bandwidth)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(Path(out).read_text())
+
+
+def grid(jobs: Iterable[tuple], measure: Callable[..., dict], desc: str) -> list[dict]:
+    """``measure(*job)`` for every job, with a progress bar. A job that fails is reported
+    and recorded as ``{"error": ...}`` so that one bad configuration does not lose the
+    others."""
+    from tqdm import tqdm
+
+    rows = []
+    jobs = list(jobs)
+    for job in tqdm(jobs, desc=desc):
+        try:
+            rows.append(measure(*job))
+        except RuntimeError as e:
+            print(f"\n{desc}: {job} failed: {str(e)[-600:]}", file=sys.stderr)
+            rows.append({"job": list(job), "error": str(e)[-2000:]})
+    return rows
+
+
+def throughput(result: dict[str, Any]) -> tuple[str, float]:
+    """``("tokens_per_s", value)`` or ``("samples_per_s", value)`` of one result."""
+    key = next(k for k in result if k.endswith("_per_s"))
+    return key, result[key]
+
+
+def measure(
+    train_args: Sequence[str], out: str | Path, nproc: int, bandwidth: str, **labels: Any
+) -> dict[str, Any]:
+    """One row: ``labels`` plus step time, throughput, bytes and final loss of a run."""
+    result = run_config(train_args, out, nproc, bandwidth)
+    key, value = throughput(result)
+    return {
+        **labels,
+        "strategy": result["strategy"],
+        "step_s": result["step_time_s"],
+        "throughput": value,
+        "unit": key,
+        "bytes": result["comm_bytes_per_step"],
+        "final_loss": result["losses"][-1],
+    }
+
+
+def add_speedups(rows: list[dict], group: Sequence[str], baseline: str = BASELINE) -> None:
+    """Sets ``speedup`` = baseline step time / step time, within rows that agree on the
+    ``group`` fields (e.g. the same bandwidth); None where the baseline is missing."""
+    ok = [r for r in rows if "error" not in r]
+    base = {tuple(r[g] for g in group): r["step_s"] for r in ok if r["strategy"] == baseline}
+    for r in ok:
+        b = base.get(tuple(r[g] for g in group))
+        r["speedup"] = b / r["step_s"] if b else None
+
+
+def report(rows: list[dict], labels: Sequence[str]) -> str:
+    """One line per error-free row: its ``labels``, strategy, step time, throughput and
+    speed-up over the baseline."""
+    lines = []
+    for r in (r for r in rows if "error" not in r):
+        speedup = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
+        head = " ".join(f"{r[k]!s:>8}" for k in labels)
+        lines.append(
+            f"{head} {r['strategy']:>15}  step {r['step_s'] * 1e3:9.1f} ms "
+            f"{r['throughput']:10.1f} {r['unit']}  vs {BASELINE} {speedup}"
+        )
+    return "\n".join(lines)
+
+
+def save_rows(rows: list[dict], out_dir: str | Path, name: str, extra: dict | None = None):
+    """Writes ``name.json`` (rows and ``extra``) and ``name.csv`` (the error-free rows'
+    scalar fields) into ``out_dir``; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows, **(extra or {})}, indent=1))
+    ok = [r for r in rows if "error" not in r]
+    fields = [k for k in (ok[0] if ok else {}) if not isinstance(ok[0][k], (list, dict))]
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(ok)
+    return out
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

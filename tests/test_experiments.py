@@ -1,0 +1,126 @@
+"""The sweep experiments: their helpers on small inputs, and two end-to-end runs on
+simulated devices (no network, no root) that check files, plots and exactness."""
+
+import csv
+import json
+
+import pytest
+from conftest import REPO
+
+from experiments import bandwidth, convergence, density, scaling, sweep
+
+
+def test_rates_and_arguments():
+    assert sweep.gbit("100mbit") == pytest.approx(0.1)
+    assert sweep.gbit("25gbit") == 25.0
+    with pytest.raises(ValueError, match="bandwidth"):
+        sweep.gbit("fast")
+    assert sweep.split_argv(["--nproc", "2", "--", "--steps", "3"]) == (
+        ["--nproc", "2"],
+        ["--steps", "3"],
+    )
+    assert sweep.split_argv(["--nproc", "2"]) == (["--nproc", "2"], [])
+    cmd = sweep.command(["--steps", "3"], "r.json", 4, "1gbit")
+    assert cmd[cmd.index("--nproc") + 1] == "4" and "--per-worker" in cmd
+    assert cmd[cmd.index("--devices") + 1] == "4"
+    assert "experiments.train" in sweep.command([], "r.json", 2, "")
+
+
+def test_speedups_within_groups_and_failed_rows():
+    rows = [
+        {"strategy": "dense_pmap", "bandwidth": "1gbit", "step_s": 2.0},
+        {"strategy": "embrace", "bandwidth": "1gbit", "step_s": 0.5},
+        {"strategy": "dense_pmap", "bandwidth": "10gbit", "step_s": 1.0},
+        {"strategy": "embrace", "bandwidth": "10gbit", "step_s": 0.8},
+        {"strategy": "embrace", "bandwidth": "25gbit", "step_s": 0.7},
+        {"job": ["25gbit", "dense_pmap"], "error": "boom"},
+    ]
+    sweep.add_speedups(rows, ("bandwidth",))
+    assert [r.get("speedup") for r in rows] == [1.0, 4.0, 1.0, 1.25, None, None]
+
+
+def test_grid_keeps_going_after_a_failure(capsys):
+    def measure(x):
+        if x == 2:
+            raise RuntimeError("config 2 broke")
+        return {"x": x}
+
+    rows = sweep.grid([(1,), (2,), (3,)], measure, "t")
+    assert rows[0] == {"x": 1} and rows[2] == {"x": 3}
+    assert rows[1]["job"] == [2] and "config 2 broke" in rows[1]["error"]
+    assert "config 2 broke" in capsys.readouterr().err
+
+
+def test_moving_average_and_time_to_target():
+    assert convergence.moving_average([4.0, 2.0, 6.0, 0.0], 2) == [4.0, 3.0, 4.0, 3.0]
+    result = {"strategy": "s", "losses": [3.0, 2.0, 1.0], "step_times_s": [0.5, 0.5, 1.0]}
+    rows = convergence.curve(result, window=1)
+    assert [r["wall_s"] for r in rows] == [0.5, 1.0, 2.0]
+    assert convergence.time_to_target(rows, 2.0) == 1.0
+    assert convergence.time_to_target(rows, 0.5) is None
+
+
+def test_measured_crossover():
+    rows = [
+        {"strategy": "topk_allgather", "density": 0.05, "step_s": 1.0},
+        {"strategy": "topk_a2a", "density": 0.05, "step_s": 1.5},
+        {"strategy": "topk_allgather", "density": 0.3, "step_s": 2.0},
+        {"strategy": "topk_a2a", "density": 0.3, "step_s": 1.6},
+    ]
+    assert density.measured_crossover(rows) == 0.3
+    assert density.measured_crossover(rows[:2]) is None
+
+
+def _run_in_repo(monkeypatch, main, argv):
+    monkeypatch.chdir(REPO)
+    return main(argv)
+
+
+TINY = ["--", "--steps", "4", "--warmup", "1", "--vocab", "500", "--dim", "16", "--hidden", "16"]
+
+
+@pytest.mark.slow
+def test_scaling_runs_and_saves(tmp_path, monkeypatch):
+    argv = ["--local", "--nproc", "1,2", "--strategies", "dense_pmap,embrace",
+            "--batch-per-worker", "4", "--out-dir", str(tmp_path), *TINY]  # fmt: skip
+    assert _run_in_repo(monkeypatch, scaling.main, argv) == 0
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert sorted((r["workers"], r["strategy"]) for r in rows) == [
+        (1, "dense_pmap"), (1, "embrace"), (2, "dense_pmap"), (2, "embrace")
+    ]  # fmt: skip
+    by = {(r["workers"], r["strategy"]): r for r in rows}
+    for n in (1, 2):  # embrace is exact: the same loss as dense on the same global batch
+        assert by[n, "embrace"]["final_loss"] == pytest.approx(by[n, "dense_pmap"]["final_loss"])
+        assert by[n, "dense_pmap"]["speedup"] == 1.0
+    assert by[2, "embrace"]["bytes"] < by[2, "dense_pmap"]["bytes"]
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+    with open(tmp_path / "scaling.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+
+
+@pytest.mark.slow
+def test_convergence_runs_and_saves(tmp_path, monkeypatch):
+    argv = ["--local", "--nproc", "2", "--strategies", "dense_pmap,sparse_allgather",
+            "--window", "2", "--out-dir", str(tmp_path), *TINY]  # fmt: skip
+    assert _run_in_repo(monkeypatch, convergence.main, argv) == 0
+    saved = json.loads((tmp_path / "convergence.json").read_text())
+    curves = {}
+    for r in saved["rows"]:
+        curves.setdefault(r["strategy"], []).append(r["loss"])
+    assert curves["sparse_allgather"] == pytest.approx(curves["dense_pmap"], rel=1e-5)
+    summary = {s["strategy"]: s for s in saved["summary"]}
+    # the baseline reaches its own final moving average at its last step at the latest
+    assert summary["dense_pmap"]["time_to_target_s"] <= summary["dense_pmap"]["wall_s"]
+    assert summary["sparse_allgather"]["time_to_target_s"] is not None
+    assert (tmp_path / "convergence.png").stat().st_size > 0
+
+
+def test_bandwidth_plot_from_rows(tmp_path):
+    rows = [
+        {"strategy": s, "bandwidth": b, "gbit": sweep.gbit(b), "step_s": t}
+        for s, b, t in [("dense_pmap", "1gbit", 2.0), ("embrace", "1gbit", 0.5),
+                        ("dense_pmap", "10gbit", 1.0), ("embrace", "10gbit", 0.6)]
+    ]  # fmt: skip
+    sweep.add_speedups(rows, ("bandwidth",))
+    bandwidth.plot(rows, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
