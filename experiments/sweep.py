@@ -100,7 +100,7 @@ def throughput(result: dict[str, Any]) -> tuple[str, float]:
 
 
 def measure(
-    train_args: Sequence[str], out: str | Path, nproc: int, bandwidth: str, **labels: Any
+    train_args: Sequence[str], out: str | Path, nproc: int, bandwidth: str, /, **labels: Any
 ) -> dict[str, Any]:
     """One row: ``labels`` plus step time, throughput, bytes and final loss of a run."""
     result = run_config(train_args, out, nproc, bandwidth)

@@ -115,12 +115,25 @@ def test_convergence_runs_and_saves(tmp_path, monkeypatch):
     assert (tmp_path / "convergence.png").stat().st_size > 0
 
 
-def test_bandwidth_plot_from_rows(tmp_path):
-    rows = [
-        {"strategy": s, "bandwidth": b, "gbit": sweep.gbit(b), "step_s": t}
-        for s, b, t in [("dense_pmap", "1gbit", 2.0), ("embrace", "1gbit", 0.5),
-                        ("dense_pmap", "10gbit", 1.0), ("embrace", "10gbit", 0.6)]
+def test_bandwidth_sweep_labels_and_speedups(tmp_path, monkeypatch):
+    """The sweep's wiring, with each run replaced by a result whose step time is
+    bytes / rate (no processes started)."""
+
+    def fake_run(train_args, out, nproc, rate):
+        strategy = train_args[train_args.index("--strategy") + 1]
+        nbytes = {"dense_pmap": 8e6, "embrace": 1e6}[strategy]
+        step = nbytes * 8 / (sweep.gbit(rate) * 1e9)
+        return {"strategy": strategy, "step_time_s": step, "tokens_per_s": 100 / step,
+                "comm_bytes_per_step": nbytes, "losses": [1.0]}  # fmt: skip
+
+    monkeypatch.setattr(sweep, "run_config", fake_run)
+    argv = ["--nproc", "2", "--bandwidths", "1gbit,10gbit", "--free-bandwidth", "",
+            "--strategies", "dense_pmap,embrace", "--out-dir", str(tmp_path)]  # fmt: skip
+    assert bandwidth.main(argv) == 0
+    rows = json.loads((tmp_path / "bandwidth.json").read_text())["rows"]
+    assert [(r["bandwidth"], r["gbit"], r["strategy"]) for r in rows] == [
+        ("1gbit", 1.0, "dense_pmap"), ("1gbit", 1.0, "embrace"),
+        ("10gbit", 10.0, "dense_pmap"), ("10gbit", 10.0, "embrace"),
     ]  # fmt: skip
-    sweep.add_speedups(rows, ("bandwidth",))
-    bandwidth.plot(rows, tmp_path / "b.png")
-    assert (tmp_path / "b.png").stat().st_size > 0
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 8.0, 1.0, 8.0])
+    assert (tmp_path / "bandwidth.png").stat().st_size > 0
