@@ -1,4 +1,4 @@
-"""Cost of top-k selection (exact, sampled threshold, per-shard) against a model step.
+"""Cost of top-k selection (exact, radix, sampled threshold, per-shard) against a model step.
 
     python -m experiments.selection_cost --size 25000000 --model resnet
 
@@ -30,6 +30,9 @@ def timed(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+SELECTORS = ("exact", "radix", "threshold")
+
+
 def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
     import jax
     import numpy as np
@@ -40,14 +43,12 @@ def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
     k = sparsify.num_selected(density, size)
     pad = -(-size // shards) * shards - size
     xs = jax.numpy.pad(x, (0, pad))
-    return {
-        "exact": timed(jax.jit(lambda v: sparsify.exact_topk(v, k)), x),
-        "threshold": timed(jax.jit(lambda v: sparsify.threshold_topk(v, k)), x),
-        "per_shard": timed(
-            jax.jit(lambda v: sparsify.per_shard_topk(v, sparsify.per_shard_k(k, shards), shards)),
-            xs,
-        ),
-    }
+    k_shard = sparsify.per_shard_k(k, shards)
+    times = {s: timed(jax.jit(lambda v, s=s: sparsify.select(v, k, s)), x) for s in SELECTORS}
+    for s in ("exact", "radix"):
+        per_shard = jax.jit(lambda v, s=s: sparsify.per_shard_topk(v, k_shard, shards, s))
+        times[f"per_shard_{s}"] = timed(per_shard, xs)
+    return times
 
 
 def model_step(model: str, **overrides) -> tuple[int, float]:
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "selection_cost.json").write_text(json.dumps(result, indent=1))
     print(f"{args.model}: {grad_size:,} parameters, single-device step {step_s * 1e3:.1f} ms")
-    for name in ("exact", "threshold", "per_shard"):
+    for name in result["at_size"]:
+        if name == "size":
+            continue
         t_model = result["at_model_size"][name]
         t_big = result["at_size"][name]
         ratio = t_model / step_s

@@ -175,7 +175,8 @@ def topk_allgather(
     Args:
       density: fraction of each bucket sent, in (0, 1].
       axis_name: the data-parallel mesh axis.
-      selector: ``"exact"`` (``lax.top_k``) or ``"threshold"`` (sampled, DGC-style).
+      selector: ``"exact"`` (``lax.top_k``), ``"radix"`` (the same entries without a
+        sort: faster when k is large) or ``"threshold"`` (sampled, DGC-style).
       bucket_bytes: fusion threshold (``None``: one bucket).
 
     Returns:

@@ -79,18 +79,22 @@ def _topk_dense(x, k):
     return out
 
 
-def test_topk_allgather_is_mean_of_exact_topk():
+@pytest.mark.parametrize("selector", ["exact", "radix"])
+def test_topk_allgather_is_mean_of_exact_topk(selector):
     g, _ = inputs("random", d=400, seed=3)
     zero = np.zeros_like(g)
-    mean, _ = run(aggregators.topk_allgather(0.05, "data", bucket_bytes=None), g, zero)
+    agg = aggregators.topk_allgather(0.05, "data", bucket_bytes=None, selector=selector)
+    mean, _ = run(agg, g, zero)
     ref = np.mean([_topk_dense(x, 20) for x in g], axis=0)
     np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
 
 
-def test_topk_a2a_is_mean_of_per_shard_topk():
+@pytest.mark.parametrize("selector", ["exact", "radix"])
+def test_topk_a2a_is_mean_of_per_shard_topk(selector):
     g, _ = inputs("random", d=800, seed=4)
     zero = np.zeros_like(g)
-    mean, _ = run(aggregators.topk_a2a(0.04, "data", bucket_bytes=None), g, zero)
+    agg = aggregators.topk_a2a(0.04, "data", bucket_bytes=None, selector=selector)
+    mean, _ = run(agg, g, zero)
     # k = 32 of 800, ceil(32 / 8) = 4 per shard of 100
     ref = np.mean(
         [np.concatenate([_topk_dense(s, 4) for s in x.reshape(N, -1)]) for x in g], axis=0

@@ -27,9 +27,37 @@ def test_threshold_topk_takes_large_entries_only():
     assert np.abs(values[taken]).min() >= 0.5 * kth
 
 
-def test_per_shard_topk_matches_numpy():
+def _numpy_topk(x, k):
+    """Indices of the k largest |x|, ties to the lower index (a stable sort)."""
+    return sorted(np.argsort(-np.abs(x), kind="stable")[:k].tolist())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_radix_topk_selects_the_exact_entries(seed):
+    rng = np.random.default_rng(seed)
+    d = int(rng.integers(1, 2000))
+    k = int(rng.integers(1, d + 1))
+    ties = seed % 2  # half the cases: small integers, so the k-th magnitude is tied
+    x = rng.integers(-4, 5, d) if ties else rng.normal(size=d) * 10.0 ** rng.integers(-30, 30)
+    x = x.astype(np.float32)
+    values, idx = sparsify.radix_topk(jnp.asarray(x), k)
+    assert np.asarray(idx).tolist() == _numpy_topk(x, k)  # in index order, exactly k
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    _, exact = sparsify.exact_topk(jnp.asarray(x), k)
+    assert sorted(np.asarray(exact).tolist()) == np.asarray(idx).tolist()
+
+
+def test_radix_topk_with_zeros_and_signed_zeros():
+    x = np.array([0.0, -0.0, 0.0, -2.0, 0.0], np.float32)
+    values, idx = sparsify.radix_topk(jnp.asarray(x), 3)
+    assert np.asarray(idx).tolist() == [0, 1, 3]
+    assert np.asarray(values).tolist() == [0.0, 0.0, -2.0]
+
+
+@pytest.mark.parametrize("selector", ["exact", "radix"])
+def test_per_shard_topk_matches_numpy(selector):
     x = np.random.default_rng(2).normal(size=64).astype(np.float32)
-    values, local = sparsify.per_shard_topk(jnp.asarray(x), 3, 4)
+    values, local = sparsify.per_shard_topk(jnp.asarray(x), 3, 4, selector)
     for s, shard in enumerate(x.reshape(4, 16)):
         ref = np.argsort(-np.abs(shard))[:3]
         assert set(np.asarray(local[s]).tolist()) == set(ref.tolist())
