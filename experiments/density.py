@@ -33,16 +33,17 @@ def predicted_comm_s(result: dict, link: costmodel.Link) -> float:
     return costmodel.program_time(colls, link)
 
 
-def measured_crossover(rows: list[dict]) -> float | None:
-    """Smallest density where topk_a2a's measured step time beats topk_allgather's."""
-    by = {(r["strategy"], r["density"]): r["step_s"] for r in rows if "error" not in r}
+def measured_crossover(rows: list[dict], key: str = "step_s") -> float | None:
+    """Smallest density where topk_a2a's measured ``key`` (``step_s`` or ``comm_s``) is
+    below topk_allgather's."""
+    by = {(r["strategy"], r["density"]): r[key] for r in rows if "error" not in r}
     for d in sorted({r["density"] for r in rows if "error" not in r}):
         if by.get(("topk_a2a", d), 1e9) < by.get(("topk_allgather", d), 0):
             return d
     return None
 
 
-def plot(rows, dense, path) -> None:
+def plot(rows, dense, formula: float, path) -> None:
     plt = sweep.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in STRATEGIES:
@@ -54,7 +55,11 @@ def plot(rows, dense, path) -> None:
         line = ax.plot(d, m, marker="o", label=f"{s} measured")[0]
         ax.plot(d, p, ls="--", color=line.get_color(), label=f"{s} predicted (calibrated)")
     ax.axhline(dense["step_s"], color="black", label="dense measured")
+    ax.axvline(formula, color="gray", ls=":", label="1/(2(P-1))")
+    densities = sorted({r["density"] for r in rows if "error" not in r})
     ax.set(xscale="log", xlabel="density", ylabel="step time (s)")
+    ax.set_xticks(densities, [f"{d:g}" for d in densities])
+    ax.minorticks_off()
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -98,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in [dense, *rows]:
         if "error" not in r:
             r["calibrated_comm_s"] = predicted_comm_s(r.pop("result"), link)
-    cross = {"measured": measured_crossover(rows),
-             "formula": costmodel.crossover_density(args.nproc)}  # fmt: skip
+    cross = {
+        "measured_step": measured_crossover(rows, "step_s"),
+        "measured_comm": measured_crossover(rows, "comm_s"),
+        "formula": costmodel.crossover_density(args.nproc),
+    }  # fmt: skip
     extra = {"dense": dense, "crossover": cross, "link": link._asdict(),
              "nominal_link": nominal._asdict()}  # fmt: skip
     sweep.save_rows(rows, out, "density", extra)
-    plot(rows, dense, out / "density.png")
+    plot(rows, dense, cross["formula"], out / "density.png")
     print(report(dense, rows, link, cross))
     return 0
 
@@ -119,8 +127,10 @@ def report(dense, rows, link, cross) -> str:
             f"  comm {r['comm_s'] * 1e3:8.1f} ms  predicted {r['predicted_comm_s'] * 1e3:8.1f}"
             f" / calibrated {r['calibrated_comm_s'] * 1e3:8.1f} ms  {r['bytes'] / 1e6:.3f} MB"
         )
-    lines.append(f"crossover: measured {cross['measured']}, "
-                 f"formula 1/(2(P-1)) = {cross['formula']:.4f}")  # fmt: skip
+    lines.append(
+        f"crossover: measured {cross['measured_step']} (step time), "
+        f"{cross['measured_comm']} (communication); 1/(2(P-1)) = {cross['formula']:.4f}"
+    )
     return "\n".join(lines)
 
 

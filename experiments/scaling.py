@@ -42,6 +42,7 @@ def plot(rows: list[dict], models: list[str], path: Path) -> None:
             ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
         unit = ok[0]["unit"].replace("_per_s", "/s") if ok else ""
         ax.set(title=model, xlabel="workers", ylabel=unit)
+        ax.set_xticks(sorted({r["workers"] for r in ok}))
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -58,16 +58,24 @@ def test_moving_average_and_time_to_target():
     assert [r["wall_s"] for r in rows] == [0.5, 1.0, 2.0]
     assert convergence.time_to_target(rows, 2.0) == 1.0
     assert convergence.time_to_target(rows, 0.5) is None
+    curves = {"dense_pmap": rows, "s": convergence.curve({**result, "strategy": "s"}, 1)}
+    summary = convergence.summarize(curves, "dense_pmap")  # target: dense's final loss 1.0
+    assert [r["time_to_target_s"] for r in summary] == [2.0, 2.0]
+    assert convergence.summarize(curves, "dense_pmap", target=2.5)[1]["time_to_target_s"] == 1.0
 
 
 def test_measured_crossover():
     rows = [
-        {"strategy": "topk_allgather", "density": 0.05, "step_s": 1.0},
-        {"strategy": "topk_a2a", "density": 0.05, "step_s": 1.5},
-        {"strategy": "topk_allgather", "density": 0.3, "step_s": 2.0},
-        {"strategy": "topk_a2a", "density": 0.3, "step_s": 1.6},
+        {"strategy": "topk_allgather", "density": 0.05, "step_s": 1.0, "comm_s": 0.2},
+        {"strategy": "topk_a2a", "density": 0.05, "step_s": 1.5, "comm_s": 0.5},
+        {"strategy": "topk_allgather", "density": 0.2, "step_s": 1.5, "comm_s": 0.6},
+        {"strategy": "topk_a2a", "density": 0.2, "step_s": 1.55, "comm_s": 0.55},
+        {"strategy": "topk_allgather", "density": 0.3, "step_s": 2.0, "comm_s": 1.0},
+        {"strategy": "topk_a2a", "density": 0.3, "step_s": 1.6, "comm_s": 0.6},
+        {"job": ["topk_a2a", 0.5], "error": "failed"},
     ]
     assert density.measured_crossover(rows) == 0.3
+    assert density.measured_crossover(rows, "comm_s") == 0.2
     assert density.measured_crossover(rows[:2]) is None
 
 
