@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes": slow["comm_bytes_per_step"], "final_loss": slow["losses"][-1],
                 "result": slow}  # fmt: skip
 
-    dense = measure("dense", 1.0, ["--calibrate"])
+    try:  # the dense run calibrates the link every prediction uses
+        dense = measure("dense", 1.0, ["--calibrate"])
+    except RuntimeError as e:
+        print(f"density: the dense (calibration) run failed: {e}", file=sys.stderr)
+        return 2
     link = costmodel.Link(dense["result"]["link"]["alpha"], dense["result"]["link"]["beta"])
     densities = [float(d) for d in args.densities.split(",")]
     jobs = [(s, d) for d in densities for s in STRATEGIES]

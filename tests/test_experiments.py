@@ -145,3 +145,43 @@ def test_bandwidth_sweep_labels_and_speedups(tmp_path, monkeypatch):
     ]  # fmt: skip
     assert [r["speedup"] for r in rows] == pytest.approx([1.0, 8.0, 1.0, 8.0])
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
+
+
+def test_density_sweep_predictions_with_stand_in_runs(tmp_path, monkeypatch):
+    """The density sweep's wiring: the dense run's calibrated link prices every row's
+    collectives; step times are made up so that topk_a2a wins from density 0.3."""
+    link = {"alpha": 1e-3, "beta": 1e-8}
+
+    def fake_run(train_args, out, nproc, rate):
+        strategy = train_args[train_args.index("--strategy") + 1]
+        density_ = float(train_args[train_args.index("--density") + 1])
+        nbytes = {"dense": 1e6, "topk_allgather": 2e6 * density_, "topk_a2a": 5e5}
+        sent = nbytes.get(strategy, nbytes["topk_allgather"])
+        free = "100gbit" in rate
+        step = 0.1 + (0 if free else sent * 1e-7)
+        coll = {"kind": "all-gather", "name": "ag", "group_size": nproc,
+                "result_bytes": sent * nproc / (nproc - 1), "bytes_sent": sent}  # fmt: skip
+        result = {"strategy": strategy, "step_time_s": step, "comm_bytes_per_step": sent,
+                  "losses": [1.0], "collectives": [coll]}  # fmt: skip
+        return {**result, "link": link} if "--calibrate" in train_args else result
+
+    monkeypatch.setattr(sweep, "run_config", fake_run)
+    argv = ["--nproc", "4", "--densities", "0.1,0.3", "--out-dir", str(tmp_path)]
+    assert density.main(argv) == 0
+    saved = json.loads((tmp_path / "density.json").read_text())
+    assert saved["link"] == link
+    assert saved["crossover"]["measured_step"] == 0.3  # 5e5 < 2e6 * 0.3 bytes
+    assert saved["crossover"]["measured_comm"] == 0.3
+    for r in [saved["dense"], *saved["rows"]]:  # 3 messages of an all-gather among 4
+        assert r["calibrated_comm_s"] == pytest.approx(3 * 1e-3 + r["bytes"] * 1e-8)
+        assert r["comm_s"] == pytest.approx(r["bytes"] * 1e-7)
+    assert (tmp_path / "density.png").stat().st_size > 0
+
+
+def test_density_sweep_stops_clearly_without_calibration(tmp_path, monkeypatch, capsys):
+    def failing_run(*args):
+        raise RuntimeError("no root")
+
+    monkeypatch.setattr(sweep, "run_config", failing_run)
+    assert density.main(["--densities", "0.1", "--out-dir", str(tmp_path)]) == 2
+    assert "calibration" in capsys.readouterr().err
