@@ -37,7 +37,7 @@ class RunConfig:
     density: float = 0.01  # fraction sent by top-k strategies, in (0, 1]
     selector: str = "exact"  # top-k selection: exact | radix (same, no sort) | threshold
     bucket_mb: float = 64.0  # tensor-fusion threshold in MiB for top-k strategies
-    link_gbit: float = 10.0  # adaptive: link bandwidth of the cost model (Gbit/s)
+    link_gbit: float = 10.0  # adaptive: link Gbit/s of the cost model; 0 = calibrate here
     link_alpha_us: float = 50.0  # adaptive: latency per message of the cost model (us)
     nonfinite: str = "skip"  # NaN/Inf gradient: skip the step (counted) | error | off
     checkpoint_dir: str = ""  # where checkpoints go ("" = none)

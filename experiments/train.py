@@ -50,6 +50,8 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
     if config.batch % config.devices:
         raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
+    if config.link_gbit < 0:
+        raise ValueError(f"--link-gbit must be >= 0 (0 = calibrate), got {config.link_gbit}")
     if config.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {config.lr}")
     if config.nonfinite not in ("skip", "error", "off"):
@@ -99,10 +101,19 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     if agg != "gtopk":
         options["selector"] = config.selector
     if agg == "adaptive":
-        from sparsecomm_jax.costmodel import Link
-
-        options["link"] = Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
+        options["link"] = adaptive_link(config)
     return options
+
+
+def adaptive_link(config: RunConfig):
+    """The link adaptive prices buckets with: ``--link-gbit`` and ``--link-alpha-us``,
+    or with ``--link-gbit 0`` the link calibrated on this cluster before training."""
+    from sparsecomm_jax.costmodel import Link
+
+    if config.link_gbit > 0:
+        return Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
+    fitted = calibrated_link(config.devices)
+    return Link(fitted["alpha"], fitted["beta"])
 
 
 def build(config: RunConfig):

@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO
 
 from experiments.config import RunConfig
-from experiments.train import train_and_evaluate
+from experiments.train import adaptive_link, train_and_evaluate
 
 SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)
 
@@ -30,6 +30,7 @@ def test_result_record_fields():
     ):
         assert key in result
     assert len(result["losses"]) == 3 and np.all(np.isfinite(result["losses"]))
+    assert len(result["step_times_s"]) == 3 and min(result["step_times_s"]) > 0
     assert result["comm_bytes_per_step"] > 0 and result["collectives"][0]["kind"] == "all-reduce"
     assert result["config"]["model_config"]["vocab"] == 300
     json.dumps(result)  # JSON-ready
@@ -40,6 +41,15 @@ def test_pmap_and_shard_map_agree_through_cli():
     b = train_and_evaluate(RunConfig(strategy="dense_pmap", **SMALL), progress=False)
     np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
     assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-6)
+
+
+def test_calibrated_link_for_adaptive_and_in_the_result():
+    config = RunConfig(strategy="adaptive", density=0.1, link_gbit=0, calibrate=True, **SMALL)
+    link = adaptive_link(config)  # fitted on the 8 simulated devices
+    assert link.beta > 0 and link.alpha >= 0
+    result = train_and_evaluate(config, progress=False)
+    assert result["link"]["beta"] > 0 and len(result["link"]["points"]) == 3
+    assert np.all(np.isfinite(result["losses"]))
 
 
 def test_more_devices_than_exist():
@@ -55,6 +65,7 @@ def test_more_devices_than_exist():
         (["--devices", "4", "--batch", "6"], "not divisible"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--steps", "-3"], "--steps must be >= 1"),
+        (["--link-gbit", "-1"], "--link-gbit must be >= 0"),
     ],
 )
 def test_bad_input_is_one_line_error(args, message):
