@@ -136,7 +136,7 @@ def test_sharded_lookups_match_numpy(workers, rows, width, tokens, seed, layout)
     np.testing.assert_array_equal(np.asarray(got), table[ids])
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(workers=WORKERS, rows=st.integers(1, 8), n=st.integers(1, 20),
        seed=st.integers(0, 2**31 - 1))  # fmt: skip
 def test_bucket_plan_places_every_id(workers, rows, n, seed):
