@@ -20,7 +20,7 @@ from pathlib import Path
 from experiments import sweep
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.bandwidth", description=__doc__)
     parser.add_argument("--nproc", type=int, default=4, help="processes (workers)")
     parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit", help="per worker")

@@ -24,7 +24,7 @@ from pathlib import Path
 from experiments import sweep
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.convergence", description=__doc__)
     parser.add_argument("--nproc", type=int, default=4, help="workers")
     parser.add_argument("--bandwidth", default="1gbit", help="each worker's link rate")

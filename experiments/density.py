@@ -65,7 +65,7 @@ def plot(rows, dense, formula: float, path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.density", description=__doc__)
     parser.add_argument("--nproc", type=int, default=4, help="processes (workers)")
     parser.add_argument("--bandwidth", default="100mbit", help="link rate, e.g. 1gbit")

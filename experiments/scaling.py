@@ -20,7 +20,7 @@ from pathlib import Path
 from experiments import sweep
 
 
-def parse_args(argv):
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__)
     parser.add_argument("--nproc", default="1,2,4", help="worker counts, comma-separated")
     parser.add_argument("--bandwidth", default="1gbit", help="each worker's link rate")

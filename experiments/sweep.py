@@ -140,7 +140,7 @@ def report(rows: list[dict], labels: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def save_rows(rows: list[dict], out_dir: str | Path, name: str, extra: dict | None = None):
+def save_rows(rows: list[dict], out_dir: str | Path, name: str, extra: dict | None = None) -> Path:
     """Writes ``name.json`` (rows and ``extra``) and ``name.csv`` (the error-free rows'
     scalar fields) into ``out_dir``; returns the directory."""
     out = Path(out_dir)

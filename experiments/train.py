@@ -18,9 +18,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from experiments.config import RunConfig, add_arguments, from_namespace
+
+if TYPE_CHECKING:
+    from sparsecomm_jax.costmodel import Link
 
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -105,7 +108,7 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     return options
 
 
-def adaptive_link(config: RunConfig):
+def adaptive_link(config: RunConfig) -> Link:
     """The link adaptive prices buckets with: ``--link-gbit`` and ``--link-alpha-us``,
     or with ``--link-gbit 0`` the link calibrated on this cluster before training."""
     from sparsecomm_jax.costmodel import Link
