@@ -6,7 +6,9 @@ cluster.
 
 Each worker has a link of its own of each bandwidth (``cluster --per-worker``). On a
 small host the fast links are bounded by the CPU that moves the bytes (gloo over TCP),
-so a run also reports the practically unthrottled ``--free-bandwidth`` as the ceiling.
+so a run also reports the practically unthrottled ``--free-bandwidth`` as the ceiling;
+a strategy's step time there, subtracted from its step time at each rate, is its
+measured communication, printed beside the cost model's prediction (``--alpha-us``).
 Writes ``bandwidth.json``, ``bandwidth.csv`` and ``bandwidth.png`` into ``--out-dir``.
 Arguments after ``--`` go to every ``experiments.train`` run. Needs root (see cluster).
 """
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 
 from experiments import sweep
+from sparsecomm_jax import costmodel
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -26,6 +29,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit", help="per worker")
     parser.add_argument("--free-bandwidth", default="100gbit", help="'' to leave out")
     parser.add_argument("--strategies", default="dense_pmap,embrace,topk_a2a")
+    parser.add_argument("--alpha-us", type=float, default=50.0, help="model's alpha")
     parser.add_argument("--out-dir", default="runs/bandwidth")
     return parser.parse_args(argv)
 
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             out / f"{strategy}_{bandwidth}.json",
             args.nproc,
             bandwidth,
+            link=costmodel.Link.from_bandwidth(sweep.gbit(bandwidth), args.alpha_us * 1e-6),
             bandwidth=bandwidth,
             gbit=sweep.gbit(bandwidth),
         )
@@ -69,9 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(b, s) for b in bandwidths for s in strategies]
     rows = sweep.grid(jobs, run, "bandwidth runs")
     sweep.add_speedups(rows, ("bandwidth",))
+    if args.free_bandwidth:
+        sweep.add_measured_comm(rows, {"bandwidth": args.free_bandwidth})
     sweep.save_rows(rows, out, "bandwidth", {"nproc": args.nproc})
     plot(rows, out / "bandwidth.png")
     print(sweep.report(rows, ("bandwidth",)))
+    for r in (r for r in rows if "comm_s" in r and r["bandwidth"] != args.free_bandwidth):
+        print(
+            f"{r['bandwidth']:>8} {r['strategy']:>15}  comm {r['comm_s'] * 1e3:9.1f} ms, "
+            f"predicted {r['predicted_comm_s'] * 1e3:9.1f} ms"
+        )
     print(f"results in {out}/bandwidth.json, bandwidth.csv, bandwidth.png")
     return 0 if all("error" not in r for r in rows) else 1
 

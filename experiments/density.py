@@ -21,16 +21,9 @@ import sys
 from pathlib import Path
 
 from experiments import sweep
-from sparsecomm_jax import costmodel, hlo
+from sparsecomm_jax import costmodel
 
 STRATEGIES = ("topk_allgather", "topk_a2a", "adaptive")
-
-
-def predicted_comm_s(result: dict, link: costmodel.Link) -> float:
-    """The cost model's communication seconds of ``result``'s compiled collectives."""
-    colls = [hlo.Collective(c["kind"], c["name"], (), c["group_size"], c["result_bytes"],
-                            c["bytes_sent"]) for c in result["collectives"]]  # fmt: skip
-    return costmodel.program_time(colls, link)
 
 
 def measured_crossover(rows: list[dict], key: str = "step_s") -> float | None:
@@ -91,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"strategy": strategy, "density": density, "step_s": slow["step_time_s"],
                 "free_step_s": free["step_time_s"],
                 "comm_s": slow["step_time_s"] - free["step_time_s"],
-                "predicted_comm_s": predicted_comm_s(slow, nominal),
+                "predicted_comm_s": sweep.predicted_comm_s(slow, nominal),
                 "bytes": slow["comm_bytes_per_step"], "final_loss": slow["losses"][-1],
                 "result": slow}  # fmt: skip
 
@@ -106,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = sweep.grid(jobs, measure, "density runs")
     for r in [dense, *rows]:
         if "error" not in r:
-            r["calibrated_comm_s"] = predicted_comm_s(r.pop("result"), link)
+            r["calibrated_comm_s"] = sweep.predicted_comm_s(r.pop("result"), link)
     cross = {
         "measured_step": measured_crossover(rows, "step_s"),
         "measured_comm": measured_crossover(rows, "comm_s"),

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparsecomm_jax import costmodel, hlo
+
 BASELINE = "dense_pmap"
 _UNITS = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}
 
@@ -99,13 +101,31 @@ def throughput(result: dict[str, Any]) -> tuple[str, float]:
     return key, result[key]
 
 
+def predicted_comm_s(result: dict[str, Any], link: costmodel.Link) -> float:
+    """The cost model's communication seconds of a result's compiled collectives."""
+    colls = [
+        hlo.Collective(
+            c["kind"], c["name"], (), c["group_size"], c["result_bytes"], c["bytes_sent"]
+        )
+        for c in result["collectives"]
+    ]
+    return costmodel.program_time(colls, link)
+
+
 def measure(
-    train_args: Sequence[str], out: str | Path, nproc: int, bandwidth: str, /, **labels: Any
+    train_args: Sequence[str],
+    out: str | Path,
+    nproc: int,
+    bandwidth: str,
+    /,
+    link: costmodel.Link | None = None,
+    **labels: Any,
 ) -> dict[str, Any]:
-    """One row: ``labels`` plus step time, throughput, bytes and final loss of a run."""
+    """One row: ``labels`` plus step time, throughput, bytes and final loss of a run, and
+    with a ``link`` the cost model's ``predicted_comm_s``."""
     result = run_config(train_args, out, nproc, bandwidth)
     key, value = throughput(result)
-    return {
+    row = {
         **labels,
         "strategy": result["strategy"],
         "step_s": result["step_time_s"],
@@ -114,6 +134,19 @@ def measure(
         "bytes": result["comm_bytes_per_step"],
         "final_loss": result["losses"][-1],
     }
+    if link is not None:
+        row["predicted_comm_s"] = predicted_comm_s(result, link)
+    return row
+
+
+def add_measured_comm(rows: list[dict], free: dict[str, Any]) -> None:
+    """Sets ``comm_s`` = step time - the step time of the row for the same strategy whose
+    fields match ``free`` (e.g. ``{"bandwidth": "100gbit"}``: practically no network)."""
+    ok = [r for r in rows if "error" not in r]
+    base = {r["strategy"]: r["step_s"] for r in ok if all(r[k] == v for k, v in free.items())}
+    for r in ok:
+        if r["strategy"] in base:
+            r["comm_s"] = r["step_s"] - base[r["strategy"]]
 
 
 def add_speedups(rows: list[dict], group: Sequence[str], baseline: str = BASELINE) -> None:

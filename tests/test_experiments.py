@@ -123,27 +123,35 @@ def test_convergence_runs_and_saves(tmp_path, monkeypatch):
     assert (tmp_path / "convergence.png").stat().st_size > 0
 
 
-def test_bandwidth_sweep_labels_and_speedups(tmp_path, monkeypatch):
+def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
     """The sweep's wiring, with each run replaced by a result whose step time is
-    bytes / rate (no processes started)."""
+    10 ms of compute plus bytes / rate (no processes started)."""
 
     def fake_run(train_args, out, nproc, rate):
         strategy = train_args[train_args.index("--strategy") + 1]
         nbytes = {"dense_pmap": 8e6, "embrace": 1e6}[strategy]
-        step = nbytes * 8 / (sweep.gbit(rate) * 1e9)
+        step = 0.01 + nbytes * 8 / (sweep.gbit(rate) * 1e9)
+        coll = {"kind": "all-gather", "name": "ag", "group_size": nproc,
+                "result_bytes": 2 * nbytes, "bytes_sent": nbytes}  # fmt: skip
         return {"strategy": strategy, "step_time_s": step, "tokens_per_s": 100 / step,
-                "comm_bytes_per_step": nbytes, "losses": [1.0]}  # fmt: skip
+                "comm_bytes_per_step": nbytes, "losses": [1.0], "collectives": [coll]}  # fmt: skip
 
     monkeypatch.setattr(sweep, "run_config", fake_run)
-    argv = ["--nproc", "2", "--bandwidths", "1gbit,10gbit", "--free-bandwidth", "",
-            "--strategies", "dense_pmap,embrace", "--out-dir", str(tmp_path)]  # fmt: skip
+    argv = ["--nproc", "2", "--bandwidths", "1gbit,10gbit", "--free-bandwidth", "1000gbit",
+            "--strategies", "dense_pmap,embrace", "--alpha-us", "0", "--out-dir",
+            str(tmp_path)]  # fmt: skip
     assert bandwidth.main(argv) == 0
     rows = json.loads((tmp_path / "bandwidth.json").read_text())["rows"]
-    assert [(r["bandwidth"], r["gbit"], r["strategy"]) for r in rows] == [
+    assert [(r["bandwidth"], r["gbit"], r["strategy"]) for r in rows[:4]] == [
         ("1gbit", 1.0, "dense_pmap"), ("1gbit", 1.0, "embrace"),
         ("10gbit", 10.0, "dense_pmap"), ("10gbit", 10.0, "embrace"),
     ]  # fmt: skip
-    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 8.0, 1.0, 8.0])
+    assert rows[1]["speedup"] == pytest.approx(0.074 / 0.018)
+    for r in rows[:4]:  # measured = step - step at 1000gbit; the model prices bytes / rate
+        assert r["comm_s"] == pytest.approx(
+            r["bytes"] * 8 / (r["gbit"] * 1e9) * (1 - r["gbit"] / 1000)
+        )
+        assert r["predicted_comm_s"] == pytest.approx(r["bytes"] * 8 / (r["gbit"] * 1e9))
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
 
 
