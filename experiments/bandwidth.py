@@ -37,10 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def plot(rows: list[dict], path: Path) -> None:
     plt = sweep.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    ok = [r for r in rows if "error" not in r and r["speedup"]]
-    for strategy in dict.fromkeys(r["strategy"] for r in ok):
-        pts = sorted((r["gbit"], r["speedup"]) for r in ok if r["strategy"] == strategy)
-        ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+    sweep.plot_by_strategy(ax, rows, "gbit", "speedup")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(
         xscale="log",

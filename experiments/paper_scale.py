@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from experiments import sweep
 from sparsecomm_jax import costmodel
 
 # name: (vocab V, width D, dense parameters outside the tables, tables, tokens/GPU/step,
@@ -67,11 +68,7 @@ def project() -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = sweep.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name in EMBRACE_MODELS:
         pts = [(r["gbit"], r["ratio"]) for r in result["embrace_16gpu"] if r["model"] == name]

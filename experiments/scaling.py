@@ -37,9 +37,7 @@ def plot(rows: list[dict], models: list[str], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         ok = [r for r in rows if "error" not in r and r["model"] == model]
-        for strategy in dict.fromkeys(r["strategy"] for r in ok):
-            pts = sorted((r["workers"], r["throughput"]) for r in ok if r["strategy"] == strategy)
-            ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+        sweep.plot_by_strategy(ax, ok, "workers", "throughput")
         unit = ok[0]["unit"].replace("_per_s", "/s") if ok else ""
         ax.set(title=model, xlabel="workers", ylabel=unit)
         ax.set_xticks(sorted({r["workers"] for r in ok}))

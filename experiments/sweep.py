@@ -188,6 +188,15 @@ def save_rows(rows: list[dict], out_dir: str | Path, name: str, extra: dict | No
     return out
 
 
+def plot_by_strategy(ax, rows: list[dict], x: str, y: str) -> None:
+    """One line per strategy on ``ax``: ``y`` against ``x`` over the error-free rows
+    whose ``y`` is set, sorted by ``x``."""
+    ok = [r for r in rows if "error" not in r and r.get(y) is not None]
+    for strategy in dict.fromkeys(r["strategy"] for r in ok):
+        pts = sorted((r[x], r[y]) for r in ok if r["strategy"] == strategy)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=strategy)
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only backend."""
     import matplotlib

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from experiments import sweep
+
 DENSITIES = (0.001, 0.01, 0.05)
 KINDS = ("dense", "topk_allgather", "topk_a2a", "gtopk")
 
@@ -69,11 +71,7 @@ def crossover(size: int, workers: int, lo: float = 1e-4, hi: float = 0.5) -> flo
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = sweep.pyplot()
     fig, axes = plt.subplots(1, len(DENSITIES), figsize=(4 * len(DENSITIES), 3.5), sharey=True)
     for ax, density in zip(axes, DENSITIES, strict=True):
         for kind in KINDS:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -268,8 +269,11 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     return result
 
 
+@functools.cache
 def calibrated_link(devices: int) -> dict[str, Any]:
-    """``costmodel.calibrate`` on the data mesh: alpha (s), beta (s/B), the timed points."""
+    """``costmodel.calibrate`` on the data mesh: alpha (s), beta (s/B), the timed points.
+    Once per process and device count: ``--link-gbit 0`` with ``--calibrate`` reuses the
+    link fitted before training."""
     from sparsecomm_jax import costmodel, runtime
 
     link, points = costmodel.calibrate(runtime.data_mesh(devices))
