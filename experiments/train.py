@@ -172,7 +172,7 @@ def _runner(ts, compiled):
     global arrays where ``pmap`` takes this process's devices' slices."""
     import jax
 
-    if ts.strategy == "dense_pmap" and jax.process_count() > 1:
+    if ts.per_device_state and jax.process_count() > 1:
         return ts.step
     return compiled
 

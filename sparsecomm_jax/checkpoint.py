@@ -24,13 +24,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sparsecomm_jax.train import TrainState, TrainStep, first_replica
+from sparsecomm_jax.placement import first_replica
+from sparsecomm_jax.step import TrainState, TrainStep
 
 
 def _portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
     """The saved form: global arrays (``pmap`` state: its first replica)."""
     tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
-    if ts.strategy == "dense_pmap":
+    if ts.per_device_state:
         return jax.tree.map(first_replica, tree)
     return tree
 
@@ -110,7 +111,7 @@ class Checkpointer:
         tree = self._manager.restore(step, args=ocp.args.StandardRestore(target))
         tree = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
-        if ts.strategy == "dense_pmap":
+        if ts.per_device_state:
             local = jax.local_device_count()
             state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)),
                                  state)  # fmt: skip

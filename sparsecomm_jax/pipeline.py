@@ -22,28 +22,28 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsecomm_jax import embedding, schedule
-from sparsecomm_jax.train import (
+from sparsecomm_jax.placement import (
+    CapacityPolicy,
+    PlacedBatch,
+    grow_by_quarter,
+    id_leaves,
+    worker_ids,
+)
+from sparsecomm_jax.step import (
     Batch,
-    CapacityBatch,
-    Setup,
+    StepContext,
     TrainState,
     aggregate,
     apply_optimizer,
     finish_step,
-    id_leaves,
+    named_tables,
     split_tables,
-    worker_ids,
 )
 
 
-def _table_widths(setup: Setup) -> dict[int, int]:
+def _table_widths(ctx: StepContext) -> dict[int, int]:
     """Leaf index -> full row width D of every table (shards hold D/P columns)."""
-    flags = jax.tree.leaves(setup.table_mask)
-    return {
-        i: int(np.shape(x)[1])
-        for i, (x, f) in enumerate(zip(jax.tree.leaves(setup.params), flags, strict=True))
-        if f
-    }
+    return {i: int(np.shape(x)[1]) for i, _, x in named_tables(ctx.params, ctx.table_mask)}
 
 
 def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
@@ -57,7 +57,7 @@ def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
     return out
 
 
-def _ordered(x, after):
+def _waits_for(x, after):
     """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
     with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
     before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
@@ -77,9 +77,9 @@ class _Plan(NamedTuple):
     vocab: int
 
 
-def _exchange_plan(setup: Setup, calls, g_rows, next_calls, capacity, i) -> _Plan:
+def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> _Plan:
     """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
-    axis = setup.axis_name
+    axis = ctx.axis_name
     ids, rows, shared = [], [], []
     for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
         if t == i and kind == "lookup":
@@ -91,18 +91,18 @@ def _exchange_plan(setup: Setup, calls, g_rows, next_calls, capacity, i) -> _Pla
     n = all_ids.shape[1]
     if next_calls is None:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(setup, i))
+        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(ctx, i))
     nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
            jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
            for kind, t, c_ids in next_calls if t == i]  # fmt: skip
     order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
     chunks = schedule.chunk_bounds(n, [capacity])
-    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(setup, i))
+    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(ctx, i))
 
 
-def _first_chunk(setup: Setup, plan: _Plan):
+def _first_chunk(ctx: StepContext, plan: _Plan):
     """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
-    axis = setup.axis_name
+    axis = ctx.axis_name
     out = schedule.column_grad_chunk(
         plan.rows, plan.ids, plan.order, plan.chunks[0], plan.vocab, axis
     )
@@ -111,19 +111,19 @@ def _first_chunk(setup: Setup, plan: _Plan):
     return out
 
 
-def _later_chunks(setup: Setup, plan: _Plan, after):
+def _later_chunks(ctx: StepContext, plan: _Plan, after):
     """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
     table's first chunk) has arrived."""
-    rows, out = _ordered(plan.rows, after), 0.0
+    rows, out = _waits_for(plan.rows, after), 0.0
     for bound in plan.chunks[1:]:
         out = out + schedule.column_grad_chunk(
-            rows, plan.ids, plan.order, bound, plan.vocab, setup.axis_name
+            rows, plan.ids, plan.order, bound, plan.vocab, ctx.axis_name
         )
     return out
 
 
-def _vocab(setup: Setup, i: int) -> int:
-    return int(np.shape(jax.tree.leaves(setup.params)[i])[0])
+def _vocab(ctx: StepContext, i: int) -> int:
+    return int(np.shape(jax.tree.leaves(ctx.params)[i])[0])
 
 
 NO_ATTEND_2D = (
@@ -132,48 +132,48 @@ NO_ATTEND_2D = (
 )
 
 
-def embrace_2d_body(setup: Setup) -> Callable:
+def embrace_2d_body(ctx: StepContext) -> Callable:
     """EmbRace with 2D scheduling, one pipelined step: batch t's forward reads rows
     fetched during step t-1; its table gradients travel in priority chunks; the rows
     batch t+1 needs are updated from the first chunk alone and fetched for it right
     away; the rest of the exchange and the full update follow. Exactly equivalent to
     ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
-    widths = _table_widths(setup)
-    num = setup.num_workers
+    widths = _table_widths(ctx)
+    num = ctx.num_workers
 
-    def body(state: TrainState, batch: CapacityBatch):
-        params, mask = state.params, setup.table_mask
+    def body(state: TrainState, batch: PlacedBatch):
+        params, mask = state.params, ctx.table_mask
         calls = embedding.logged_lookups(
-            setup.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
+            ctx.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
         )
         tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
-        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, setup.axis_name)
+        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, ctx.axis_name)
 
         def loss_of_rows(p, r):
             pending = iter(r)
             ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
-            return setup.loss_fn(p, batch.data, ops)
+            return ctx.loss_fn(p, batch.data, ops)
 
         loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
-        rest, agg_state = aggregate(setup, split_tables(g_params, mask)[1], state.agg_state)
+        rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         nxt = None
         if batch.next is not None:
-            nxt = embedding.logged_lookups(setup.loss_fn, params, batch.next, mask, widths)
-        plans = {i: _exchange_plan(setup, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+            nxt = embedding.logged_lookups(ctx.loss_fn, params, batch.next, mask, widths)
+        plans = {i: _exchange_plan(ctx, calls, g_rows, nxt, batch.capacity, i) for i in widths}
         with jax.named_scope(schedule.SCOPE_HIGH):
-            firsts = {i: _first_chunk(setup, plan) for i, plan in plans.items()}
+            firsts = {i: _first_chunk(ctx, plan) for i, plan in plans.items()}
         with jax.named_scope(schedule.SCOPE_LOW):
             after = tuple(firsts.values())
-            later = {i: _later_chunks(setup, plan, after) for i, plan in plans.items()}
+            later = {i: _later_chunks(ctx, plan, after) for i, plan in plans.items()}
         fulls = {i: (firsts[i] + later[i]) / num for i in widths}
         firsts = {i: f / num for i, f in firsts.items()}
         carry = ()
         if nxt is not None:
             with jax.named_scope(schedule.SCOPE_NEXT):
-                early = _early_tables(setup, state, firsts)
-                carry = tuple(_prefetch(early, nxt, setup.axis_name))
+                early = _early_tables(ctx, state, firsts)
+                carry = tuple(_prefetch(early, nxt, ctx.axis_name))
         grads = _with_tables(g_params, mask, fulls, rest)
-        return finish_step(setup, state, grads, loss, agg_state, carry)
+        return finish_step(ctx, state, grads, loss, agg_state, carry)
 
     return body
 
@@ -190,19 +190,22 @@ def _with_tables(like, mask, tables: dict[int, Any], rest=None):
     return jax.tree.unflatten(treedef, out)
 
 
-def _early_tables(setup: Setup, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
+def _early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
     """The tables after an optimizer step on the first chunk alone (zero gradient for
     every other leaf, so nothing here waits for the dense all-reduce). Exact for the
     rows batch t+1 reads: all of their gradient is in the first chunk."""
-    grads = _with_tables(state.params, setup.table_mask, firsts)
-    params, _ = apply_optimizer(setup.optimizer, grads, state.opt_state, state.params)
+    grads = _with_tables(state.params, ctx.table_mask, firsts)
+    params, _ = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
     leaves = jax.tree.leaves(params)
     return {i: leaves[i] for i in firsts}
 
 
-def priority_need(setup: Setup, batch: Batch, next_batch: Batch) -> int:
+def priority_need(ctx: StepContext, batch: Batch, next_batch: Batch) -> int:
     """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
     always travel in the first chunk, by reduce-scatter)."""
-    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, setup.id_keys).values()])
-    own = {k: v for k, v in batch.items() if k not in setup.replicated_keys}
-    return schedule.high_priority_capacity(worker_ids(own, setup), next_ids)
+    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, ctx.id_keys).values()])
+    own = {k: v for k, v in batch.items() if k not in ctx.replicated_keys}
+    return schedule.high_priority_capacity(worker_ids(ctx, own), next_ids)
+
+
+PRIORITY_CAPACITY = CapacityPolicy(priority_need, "high-priority positions", grow_by_quarter)

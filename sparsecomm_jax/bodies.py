@@ -1,0 +1,101 @@
+"""Step bodies: what one worker does in one training step, per table strategy.
+
+Each ``*_body(ctx, ...)`` returns ``body(state, batch) -> (state, loss)``, run once per
+worker inside ``jax.shard_map`` (or ``jax.pmap`` for ``dense_pmap``) with ``batch`` a
+``placement.PlacedBatch`` holding this worker's slice. The pipelined ``embrace_2d`` body
+lives in ``pipeline``.
+
+Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from sparsecomm_jax import runtime, train
+    >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> ts = train.make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(),
+    ...                            {"w": jnp.ones((3, 1))}, "dense")  # data_parallel_body
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from sparsecomm_jax import embedding
+from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
+from sparsecomm_jax.placement import PlacedBatch
+from sparsecomm_jax.step import (
+    StepContext,
+    TrainState,
+    aggregate,
+    finish_step,
+    merge_tables,
+    split_tables,
+)
+
+Body = Callable[[TrainState, PlacedBatch], tuple[TrainState, jax.Array]]
+
+
+def data_parallel_body(ctx: StepContext) -> Body:
+    """Every parameter replicated: local gradients, all of them reduced by the
+    aggregator (``pmean`` for ``dense``/``dense_pmap``, top-k with error feedback for
+    ``topk_a2a`` and the other sparse aggregators)."""
+
+    def body(state: TrainState, batch: PlacedBatch):
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, DENSE_EMBEDDING)
+        mean, agg_state = aggregate(ctx, grads, state.agg_state)
+        return finish_step(ctx, state, mean, loss, agg_state)
+
+    return body
+
+
+def sharded_table_body(ctx: StepContext, ops: Callable[[StepContext, int], EmbeddingOps]) -> Body:
+    """EmbRace step: tables sharded (their lookups exchange rows by all-to-all), dense
+    layers data-parallel through the aggregator (``pmean``, or top-k).
+
+    Autodiff through the lookup's collectives already brings each owner the *sum* over
+    workers of its shard's gradient; dividing by P gives the mean, as ``pmean`` does for
+    the dense layers. (Never ``psum`` the loss before ``grad``: that multiplies by P.)
+
+    Args:
+      ctx: the step context.
+      ops: ``ops(ctx, capacity) -> EmbeddingOps`` for the sharded tables (``capacity``
+        from the batch: row-wise buckets' slots, 0 when unused).
+
+    References:
+      Li et al., "EmbRace: Accelerating Sparse Communication for Distributed Training
+      of Deep Neural Networks", ICPP 2022.
+    """
+
+    def body(state: TrainState, batch: PlacedBatch):
+        emb = ops(ctx, batch.capacity)
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, emb)
+        tables, rest = split_tables(grads, ctx.table_mask)
+        tables = jax.tree.map(lambda g: g / ctx.num_workers, tables)
+        rest, agg_state = aggregate(ctx, rest, state.agg_state)
+        grads = merge_tables(tables, rest, ctx.table_mask)
+        return finish_step(ctx, state, grads, loss, agg_state)
+
+    return body
+
+
+def column_ops(ctx: StepContext, capacity: int) -> EmbeddingOps:
+    """``embrace``: tables sharded by columns (no capacity needed)."""
+    del capacity
+    return embedding.column_ops(ctx.axis_name)
+
+
+def row_ops(ctx: StepContext, capacity: int) -> EmbeddingOps:
+    """``embrace_rowwise``: tables sharded by rows, ``capacity`` slots per bucket."""
+    return embedding.row_ops(ctx.axis_name, capacity)
+
+
+def sparse_allgather_body(ctx: StepContext) -> Body:
+    """Replicated tables, sparse gradients: all-gather (id, row) pairs, scatter-add
+    (Horovod / PyTorch DDP with sparse embedding gradients)."""
+
+    def body(state: TrainState, batch: PlacedBatch):
+        loss, grads = embedding.sparse_table_grads(
+            ctx.loss_fn, state.params, batch.data, ctx.table_mask, ctx.axis_name
+        )
+        return finish_step(ctx, state, grads, loss)
+
+    return body
