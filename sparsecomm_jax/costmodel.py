@@ -29,7 +29,11 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from sparsecomm_jax import hlo
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax import hlo, runtime
 
 CHOICES = ("dense", "topk_allgather", "topk_a2a")
 _MESSAGES = {
@@ -125,12 +129,6 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
     Returns:
       ``(link, points)`` with points ``(messages, bytes, median seconds)``.
     """
-    import jax
-    import numpy as np
-    from jax.sharding import PartitionSpec as P
-
-    from sparsecomm_jax import runtime
-
     p = runtime.mesh_axis_size(mesh, axis_name)
     fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis_name), mesh=mesh,
                                in_specs=P(axis_name), out_specs=P(axis_name),

@@ -20,6 +20,7 @@ import os
 import jax
 import numpy as np
 from jax._src import xla_bridge
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,8 +126,6 @@ def to_host(x: jax.Array) -> np.ndarray:
         return np.asarray(x)
     if x.sharding.is_fully_replicated:
         return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
