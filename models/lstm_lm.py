@@ -60,7 +60,12 @@ class LSTMCore(nn.Module):
     @nn.compact
     def __call__(self, x):
         for _ in range(self.layers):
-            x = nn.RNN(nn.OptimizedLSTMCell(self.hidden))(x)
+            cell = nn.OptimizedLSTMCell(self.hidden)
+            zeros = cell.initialize_carry(jax.random.key(0), x[:, 0].shape)
+            # typed like x (varying over a shard_map axis), so shard_map's check_vma holds
+            first = x[:, 0, :1]
+            carry = jax.tree.map(lambda c, f=first: c + 0 * f, zeros)
+            x = nn.RNN(cell)(x, initial_carry=carry)
         return x
 
 

@@ -284,8 +284,9 @@ def allgather_sparse_grad(ids, rows, vocab: int, axis_name: str):
     Returns:
       float[V, D], identical on every worker.
     """
-    all_ids = jax.lax.all_gather(ids, axis_name, tiled=True)  # int[P*n]
-    all_rows = jax.lax.all_gather(rows, axis_name, tiled=True)  # float[P*n, D]
+    # typed invariant: every worker then holds the same sum (shard_map's check_vma)
+    all_ids = jax.lax.all_gather(ids, axis_name, tiled=True, to="invarying")  # int[P*n]
+    all_rows = jax.lax.all_gather(rows, axis_name, tiled=True, to="invarying")  # float[P*n, D]
     return jnp.zeros((vocab, rows.shape[-1]), rows.dtype).at[all_ids].add(all_rows)
 
 

@@ -150,7 +150,7 @@ def shard_map_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
             mesh=ctx.mesh,
             in_specs=(state_specs, batch_specs),
             out_specs=(state_specs, P()),
-            check_vma=False,
+            check_vma=CHECK_VMA,
         )
         return fn(state, batch)
 
@@ -178,6 +178,8 @@ def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         per_device_state=True,
     )
 
+
+CHECK_VMA = False  # on once every aggregator types its mean as replicated
 
 ENGINES = {"shard_map": shard_map_step, "pmap": pmap_step}
 
