@@ -61,9 +61,9 @@ class TrainStep(NamedTuple):
     """A built strategy.
 
     Attributes:
-      step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` or ``jax.pmap``
-        function (so ``step.lower(...)`` gives its program); ``loss`` is the mean loss
-        over the global batch (one copy per device under ``pmap``: see ``loss_value``).
+      step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function or a
+        ``jax.pmap`` one (``step.lower(...)`` gives its program); ``loss`` is the mean
+        loss over the global batch, a scalar (``placement.loss_value`` reads it).
       state: the initial ``TrainState``, placed on the devices.
       place_batch: host batch (global, identical on every process) -> device batch;
         validates it first.

@@ -164,13 +164,29 @@ def shard_map_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     )
 
 
+class PmapStep(NamedTuple):
+    """A ``jax.pmap`` step that returns the loss as one scalar, like every other step
+    (the per-device copies are equal after ``pmean``); ``lower`` is the pmap's."""
+
+    pmapped: Callable
+
+    def __call__(self, state: TrainState, batch: placement.PlacedBatch):
+        state, loss = self.pmapped(state, batch)
+        return state, loss.addressable_data(0).reshape(())
+
+    def lower(self, *args, **kwargs):
+        return self.pmapped.lower(*args, **kwargs)
+
+
 def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """The classic ``jax.pmap`` + ``lax.pmean`` baseline (``dense_pmap``)."""
     devices = list(ctx.mesh.devices.flat)
     num_local = sum(d.process_index == jax.process_index() for d in devices)
     state = TrainState(ctx.params, ctx.optimizer.init(ctx.params), ())
     return TrainStep(
-        step=jax.pmap(strategy.body(ctx), ctx.axis_name, devices=devices, donate_argnums=0),
+        step=PmapStep(
+            jax.pmap(strategy.body(ctx), ctx.axis_name, devices=devices, donate_argnums=0)
+        ),
         state=placement.stack_per_device(state, num_local),
         place_batch=placement.pmap_placer(ctx),
         host_params=lambda s: jax.tree.map(first_replica, s.params),
