@@ -234,13 +234,13 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
       skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config.
     """
+    validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
+    rank = start_devices(config.devices)
     if not config.devices:  # --devices left out: every device of the job
         import jax
 
-        start_devices(0)
         config = dataclasses.replace(config, devices=jax.device_count())
-    validate(config)
-    rank = start_devices(config.devices)
+        validate(config)
     from sparsecomm_jax import hlo
 
     workload, ts = build(config)
