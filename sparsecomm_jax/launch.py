@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from errno import EADDRNOTAVAIL, EAFNOSUPPORT  # no IPv6 on this host
 from typing import NamedTuple
 
 # Environment every rank gets (read by ``runtime.initialize_distributed``).
@@ -90,7 +91,7 @@ def port_is_free(port: int) -> bool:
                 s.bind((host, port))
                 s.listen(1)
         except OSError as e:
-            if family == socket.AF_INET or e.errno not in (97, 99):  # no IPv6 is fine
+            if family == socket.AF_INET or e.errno not in (EAFNOSUPPORT, EADDRNOTAVAIL):
                 return False
     return True
 
@@ -120,18 +121,18 @@ def process_start_time(pid: int) -> str:
 
 def process_alive(pid: int, start_time: str = "") -> bool:
     """Whether ``pid`` runs (not a zombie) and, when given, started at ``start_time``."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return fields[0] != "Z" and (not start_time or fields[19] == start_time)
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
+    if not os.path.isdir("/proc/self"):  # no /proc: ask the kernel
         try:
             os.kill(pid, 0)
             return True
         except ProcessLookupError:
             return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return fields[0] != "Z" and (not start_time or fields[19] == start_time)
+    except OSError:
+        return False
 
 
 def make_job(nproc: int, devices_per_proc: int = 1, port: int | None = None,

@@ -115,7 +115,8 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
       A ``jax.sharding.Mesh`` with one axis called ``axis_name``.
 
     Raises:
-      ValueError: more devices requested than exist, or fewer than one.
+      ValueError: more devices requested than exist, or fewer than one, or (several
+        processes) fewer than every device of the job.
     """
     devices = jax.devices()
     n = len(devices) if num_devices is None else num_devices
@@ -235,6 +236,17 @@ def distributed_args() -> dict | None:
     detection (one process per GPU: local device ``[local rank]``, or
     ``JAX_LOCAL_DEVICE_IDS``). Detection is then switched off so jax uses exactly these.
     ``SPARSECOMM_INIT_TIMEOUT`` (seconds, default 300) bounds the wait for the others.
+
+    Returns:
+      ``coordinator_address``, ``num_processes``, ``process_id``, ``local_device_ids``,
+      ``initialization_timeout`` and ``cluster_detection_method``, or ``None``.
+
+    Raises:
+      RuntimeError: a scheduler was found but jax could not read the job from it.
+
+    Example:
+      >>> distributed_args() is None  # a plain process: nothing to join
+      True
     """
     env = os.environ
     timeout = int(env.get(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT_S)
