@@ -16,14 +16,10 @@ reads; on a GPU host local rank ``r`` drives GPUs ``r * M .. r * M + M - 1`` (``
 ``--devices-per-proc``), on CPU it simulates ``M`` devices. Output lines are prefixed
 ``[rank i]``.
 
-Guarantees: the ranks die with the launcher, even when it is killed with SIGKILL (the
-kernel's parent-death signal, and a watchdog in every rank that joins the job); a rank
-that fails stops the others and the launcher exits with its code; a rank that exits 0
-while others still run is reported, and they are stopped after ``--exit-grace`` seconds
-(exit code 1) so a job with a missing rank cannot hang; SIGINT/SIGTERM stop every rank
-(SIGTERM, then SIGKILL after ``--grace`` seconds) and further signals cannot interrupt
-that clean-up; a busy port, an unreachable coordinator or a missing command is a
-one-line error before any rank starts.
+The ranks die with the launcher, even when it is killed with SIGKILL; a failing rank,
+a rank that exits 0 while others run on past ``--exit-grace``, or SIGINT/SIGTERM stops
+them all, and further signals cannot interrupt that clean-up; a busy port, an
+unreachable coordinator or a missing command is a one-line error before any rank starts.
 """
 
 from __future__ import annotations
@@ -189,16 +185,19 @@ def rank_env(job: Job, local_rank: int) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGKILL when this (the parent) process dies."""
+def _child_setup() -> Callable[[], None]:
+    """A ``preexec_fn``: unblocks SIGINT/SIGTERM (blocked while the launcher forks) and
+    makes the kernel send the child SIGKILL when this (the parent) process dies."""
     parent = os.getpid()
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
     except (OSError, AttributeError):  # not Linux: the ranks' watchdog remains
-        return lambda: None
+        prctl = None
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the parent died before prctl
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -206,20 +205,23 @@ def _die_with_parent() -> Callable[[], None]:
 
 
 def _start(cmd: Sequence[str], job: Job) -> list[subprocess.Popen]:
-    """Starts this host's ranks (each in its own process group); ``ValueError`` when the
-    command cannot be run."""
+    """Starts this host's ranks (each in its own process group; a signal waits until the
+    rank being started is recorded); ``ValueError`` when the command cannot be run."""
     if shutil.which(cmd[0]) is None:
         raise ValueError(f"command not found or not executable: {cmd[0]!r}")
-    procs, preexec = [], _die_with_parent()
+    procs, preexec = [], _child_setup()
     for local in range(job.nproc):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             procs.append(subprocess.Popen(list(cmd), env=rank_env(job, local),
-                                          stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True, preexec_fn=preexec))  # fmt: skip
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True,
+                                          preexec_fn=preexec))  # fmt: skip
         except OSError as e:
             _stop(procs, 0.0)
             raise ValueError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     return procs
 
 

@@ -118,8 +118,10 @@ def test_missing_command_busy_port_and_absent_coordinator(capsys):
 def test_failing_rank_stops_job_fast(tmp_path):
     marker = tmp_path / "pids"
     script = (
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "if {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, []):\n"
+        "    sys.exit(5)  # ranks must not inherit the launcher's blocked signals\n"
         "if os.environ['SPARSECOMM_PROCESS_ID'] == '1':\n"
         "    time.sleep(0.5); sys.exit(3)\n"
         "time.sleep(120)\n"
