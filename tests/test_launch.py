@@ -261,6 +261,40 @@ def test_two_nodes_on_the_loopback_match_single_process(tmp_path):
     np.testing.assert_allclose(multi["losses"], _single(2)["losses"], rtol=1e-6)
 
 
+HOST_MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from jax.sharding import PartitionSpec as P
+from sparsecomm_jax import runtime
+runtime.initialize_distributed()
+mesh, spec = runtime.host_mesh(), P(("hosts", "local"))
+x = runtime.put_global(np.asarray(json.loads(sys.argv[1]), np.float32), mesh, spec)
+local = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "local"), mesh=mesh, in_specs=spec,
+                              out_specs=spec))(x)
+rows = [[d.process_index for d in row] for row in mesh.devices]
+print("RESULT", json.dumps([dict(mesh.shape), rows, runtime.to_host(local).tolist()]))
+"""
+
+
+@pytest.mark.slow
+def test_host_mesh_of_two_nodes_keeps_local_collectives_inside_a_node(tmp_path):
+    x = np.random.default_rng().normal(size=4).round(3)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-c", HOST_MESH_SCRIPT, json.dumps(x.tolist())]
+    nodes = [subprocess.Popen([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--nnodes",
+                               "2", "--node-rank", str(r), "--coordinator", coordinator,
+                               "--init-timeout", "60", "--", *cmd], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]  # fmt: skip
+    for node in nodes:
+        log = node.communicate(timeout=120)[0]
+        assert node.returncode == 0, log
+        line = next(ln for ln in log.splitlines() if "RESULT" in ln)
+        shape, rows, local = json.loads(line.split("RESULT", 1)[1])
+        assert shape == {"hosts": 2, "local": 2} and rows == [[0, 0], [1, 1]]
+        np.testing.assert_allclose(local, np.repeat(x.reshape(2, 2).sum(1), 2), rtol=1e-6)
+
+
 @pytest.mark.slow
 def test_every_rank_refuses_a_mesh_smaller_than_the_job(tmp_path):
     out = tmp_path / "never.json"
