@@ -106,8 +106,7 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
 
 
 def process_start_time(pid: int) -> str:
-    """The kernel's start time of ``pid`` ("" when unknown): with the pid, an identity
-    that a later process reusing the pid does not share."""
+    """Start time of ``pid`` ("" unknown): with it, a reused pid is told apart."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rpartition(")")[2].split()[19]
@@ -325,6 +324,8 @@ def launch(
     """
     if not cmd:
         raise ValueError("no command given after --")
+    if not (grace_s >= 0 and exit_grace_s >= 0):  # NaN fails too
+        raise ValueError(f"--grace and --exit-grace must be >= 0, got {grace_s}, {exit_grace_s}")
     previous = {sig: signal.signal(sig, _on_signal) for sig in _STOP_SIGNALS}
     procs, threads = [], []
     try:

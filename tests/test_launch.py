@@ -87,6 +87,7 @@ def test_rank_env_is_complete():
         (["--nproc", "1", "--nnodes", "2"], "needs --coordinator"),
         (["--nproc", "1", "--coordinator", "nohost"], "--coordinator must be HOST:PORT"),
         (["--nproc", "1", "--port", "1", "--coordinator", "h:2"], "not both"),
+        (["--nproc", "1", "--exit-grace", "nan"], "--exit-grace must be >= 0"),
     ],
 )  # fmt: skip
 def test_bad_flags_are_one_line_errors(flags, message, capsys):
