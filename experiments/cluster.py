@@ -3,14 +3,15 @@ network namespace whose loopback is rate-limited with ``tc``, so every collectiv
 a real, slow TCP path (gloo).
 
     python -m experiments.cluster --nproc 4 --bandwidth 1gbit -- \\
-        --model lstm_lm --strategy embrace --devices 4 --steps 20 --out run.json
+        --model lstm_lm --strategy embrace --steps 20 --out run.json
 
 All processes share the one loopback, so ``--bandwidth`` is the capacity of a shared link:
 each of N workers sending at once gets about 1/N of it (measured: a 2-process all-reduce
 at 100mbit runs at 50 Mbit/s). ``--per-worker`` gives each worker ``--bandwidth`` of its
 own on average, as with one NIC per node: the loopback is set to N x ``--bandwidth``.
 
-Everything after ``--`` goes to ``experiments.train`` (rank 0 writes ``--out``). Needs
+Everything after ``--`` goes to ``experiments.train`` (rank 0 writes ``--out``; its
+``--devices`` defaults to every device of the job, ``nproc x devices-per-proc``). Needs
 root and iproute2 (``ip``, ``tc``). ``--latency`` needs the kernel's ``netem`` qdisc;
 without it only the rate is limited (``tbf``). The namespace and every process are
 removed on every exit path.

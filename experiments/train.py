@@ -67,14 +67,15 @@ def validate(config: RunConfig) -> None:
 
 
 def start_devices(devices: int) -> int:
-    """Joins a launched job or simulates ``devices`` CPU devices; returns the rank."""
+    """Joins a multi-process job (launcher or scheduler), else simulates ``devices`` CPU
+    devices (0: the default count); returns the rank."""
     from sparsecomm_jax import runtime
 
     if not runtime.backend_started():
         runtime.enable_collective_overlap()  # GPU: async collectives overlap compute
-    rank, _ = runtime.initialize_distributed()
-    if runtime.launched_env() is None and not runtime.backend_started():
-        runtime.simulate_cpu_devices(devices)
+    rank, processes = runtime.initialize_distributed()
+    if processes == 1 and not runtime.backend_started():
+        runtime.simulate_cpu_devices(devices or RunConfig.devices)
     return rank
 
 
@@ -233,8 +234,13 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
       skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config.
     """
-    validate(config)
+    validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
     rank = start_devices(config.devices)
+    if not config.devices:  # --devices left out: every device of the job
+        import jax
+
+        config = dataclasses.replace(config, devices=jax.device_count())
+        validate(config)
     from sparsecomm_jax import hlo
 
     workload, ts = build(config)
@@ -289,6 +295,7 @@ def write_json(result: dict[str, Any], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.train", description=__doc__)
     add_arguments(parser)
+    parser.set_defaults(devices=0)  # every device of the job
     config = from_namespace(parser.parse_args(argv))
     try:
         result = train_and_evaluate(config)

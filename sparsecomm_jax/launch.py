@@ -1,30 +1,74 @@
-"""Starts N processes of one command on this host as a multi-process JAX job.
+"""Starts N processes of one command per host as one multi-process JAX job.
 
-Usage::
+One host::
 
     python -m sparsecomm_jax.launch --nproc 2 --devices-per-proc 2 -- \\
-        python -m experiments.train --strategy dense --devices 4 --steps 5
+        python -m experiments.train --strategy dense --steps 5
 
-Every rank gets ``SPARSECOMM_COORDINATOR``, ``SPARSECOMM_NUM_PROCESSES``,
-``SPARSECOMM_PROCESS_ID`` and ``SPARSECOMM_LOCAL_DEVICES`` in its environment (read by
-``runtime.initialize_distributed``). Output lines are prefixed ``[rank i]``. When a rank
-exits non-zero the others are killed (whole process groups, so nothing is orphaned), the
-launcher names the rank and exits with its code.
+Two hosts (the same command on each, ``--node-rank`` 0 on the host at ``--coordinator``)::
+
+    python -m sparsecomm_jax.launch --nnodes 2 --node-rank 0 --coordinator 10.0.0.1:29500 \\
+        --nproc 4 -- python -m experiments.train --strategy embrace --steps 5
+
+Rank ``node_rank * nproc + local_rank`` gets ``SPARSECOMM_*`` variables (coordinator,
+process count and id, its local device ids) that ``runtime.initialize_distributed``
+reads; on a GPU host local rank ``r`` drives GPUs ``r * M .. r * M + M - 1`` (``M`` =
+``--devices-per-proc``), on CPU it simulates ``M`` devices. Output lines are prefixed
+``[rank i]``.
+
+The ranks die with the launcher, even when it is killed with SIGKILL; a failing rank,
+a rank that exits 0 while others run on past ``--exit-grace``, or SIGINT/SIGTERM stops
+them all, and further signals cannot interrupt that clean-up; a busy port, an
+unreachable coordinator or a missing command is a one-line error before any rank starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from errno import EADDRNOTAVAIL, EAFNOSUPPORT  # no IPv6 on this host
+from typing import NamedTuple
 
-from sparsecomm_jax import runtime
+# Environment every rank gets (read by ``runtime.initialize_distributed``).
+ENV_COORDINATOR = "SPARSECOMM_COORDINATOR"
+ENV_NUM_PROCESSES = "SPARSECOMM_NUM_PROCESSES"
+ENV_PROCESS_ID = "SPARSECOMM_PROCESS_ID"
+ENV_LOCAL_DEVICES = "SPARSECOMM_LOCAL_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "SPARSECOMM_LOCAL_DEVICE_IDS"
+ENV_NODE_RANK = "SPARSECOMM_NODE_RANK"
+ENV_INIT_TIMEOUT = "SPARSECOMM_INIT_TIMEOUT"
+ENV_LAUNCHER = "SPARSECOMM_LAUNCHER"  # "pid:start time" of the launcher (watchdog)
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Job(NamedTuple):
+    """Where this launcher's ranks sit in the job."""
+
+    nproc: int  # ranks on this host
+    devices_per_proc: int
+    nnodes: int
+    node_rank: int
+    coordinator: str  # host:port of the process with id 0
+    init_timeout_s: int
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; ``ValueError`` naming ``--coordinator``."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--coordinator must be HOST:PORT (port 1-65535), got {address!r}")
+    return host.strip("[]"), int(port)
 
 
 def free_port() -> int:
@@ -34,19 +78,150 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, nproc: int, devices_per_proc: int, coordinator: str) -> dict[str, str]:
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` on every address of this host."""
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+                s.bind((host, port))
+                s.listen(1)
+        except OSError as e:
+            if family == socket.AF_INET or e.errno not in (EAFNOSUPPORT, EADDRNOTAVAIL):
+                return False
+    return True
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection within ``timeout_s`` (retried)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+def process_start_time(pid: int) -> str:
+    """Start time of ``pid`` ("" unknown): with it, a reused pid is told apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def process_alive(pid: int, start_time: str = "") -> bool:
+    """Whether ``pid`` runs (not a zombie) and, when given, started at ``start_time``."""
+    if not os.path.isdir("/proc/self"):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return fields[0] != "Z" and (not start_time or fields[19] == start_time)
+    except OSError:
+        return False
+
+
+def make_job(nproc: int, devices_per_proc: int = 1, port: int | None = None,
+             nnodes: int = 1, node_rank: int = 0, coordinator: str | None = None,
+             init_timeout_s: int = 300) -> Job:  # fmt: skip
+    """Checks the flags and picks the coordinator; ``ValueError`` naming the bad flag."""
+    for flag, value in (("--nproc", nproc), ("--devices-per-proc", devices_per_proc),
+                        ("--nnodes", nnodes), ("--init-timeout", init_timeout_s)):  # fmt: skip
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank must be in [0, --nnodes={nnodes}), got {node_rank}")
+    if coordinator and port is not None:
+        raise ValueError("give --coordinator HOST:PORT or --port, not both")
+    if nnodes > 1 and not coordinator:
+        raise ValueError("--nnodes > 1 needs --coordinator HOST:PORT (node 0's address)")
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1-65535, got {port}")
+    coordinator = coordinator or f"127.0.0.1:{port or free_port()}"
+    parse_address(coordinator)
+    return Job(nproc, devices_per_proc, nnodes, node_rank, coordinator, init_timeout_s)
+
+
+def check_coordinator(job: Job) -> None:
+    """Node 0: the coordinator's port must be free here; other nodes: it must answer
+    within the job's ``init_timeout_s``. ``ValueError`` (one line) otherwise."""
+    host, port = parse_address(job.coordinator)
+    if job.node_rank == 0 and not port_is_free(port):
+        raise ValueError(f"port {port} of --coordinator/--port is in use on this host; "
+                         "pick another or leave --port out to use a free one")  # fmt: skip
+    if job.node_rank > 0 and not wait_for_port(host, port, job.init_timeout_s):
+        raise ValueError(f"--coordinator {job.coordinator} did not answer within "
+                         f"--init-timeout {job.init_timeout_s} s: start node 0 first and "
+                         "check the address")  # fmt: skip
+
+
+def rank_env(job: Job, local_rank: int) -> dict[str, str]:
     """The environment of one rank (pure; tested without starting anything)."""
+    first, per = local_rank * job.devices_per_proc, job.devices_per_proc
     env = dict(os.environ)
     env.update(
         {
-            runtime.ENV_COORDINATOR: coordinator,
-            runtime.ENV_NUM_PROCESSES: str(nproc),
-            runtime.ENV_PROCESS_ID: str(rank),
-            runtime.ENV_LOCAL_DEVICES: str(devices_per_proc),
+            ENV_COORDINATOR: job.coordinator,
+            ENV_NUM_PROCESSES: str(job.nnodes * job.nproc),
+            ENV_PROCESS_ID: str(job.node_rank * job.nproc + local_rank),
+            ENV_LOCAL_DEVICES: str(per),
+            ENV_LOCAL_DEVICE_IDS: ",".join(map(str, range(first, first + per))),
+            ENV_NODE_RANK: str(job.node_rank),
+            ENV_INIT_TIMEOUT: str(job.init_timeout_s),
+            ENV_LAUNCHER: f"{os.getpid()}:{process_start_time(os.getpid())}",
             "PYTHONUNBUFFERED": "1",
         }
     )
     return env
+
+
+def _child_setup() -> Callable[[], None]:
+    """A ``preexec_fn``: unblocks SIGINT/SIGTERM (blocked while the launcher forks) and
+    makes the kernel send the child SIGKILL when this (the parent) process dies."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+    except (OSError, AttributeError):  # not Linux: the ranks' watchdog remains
+        prctl = None
+
+    def preexec() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _start(cmd: Sequence[str], job: Job) -> list[subprocess.Popen]:
+    """Starts this host's ranks (each in its own process group; a signal waits until the
+    rank being started is recorded); ``ValueError`` when the command cannot be run."""
+    if shutil.which(cmd[0]) is None:
+        raise ValueError(f"command not found or not executable: {cmd[0]!r}")
+    procs, preexec = [], _child_setup()
+    for local in range(job.nproc):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            procs.append(subprocess.Popen(list(cmd), env=rank_env(job, local),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True,
+                                          preexec_fn=preexec))  # fmt: skip
+        except OSError as e:
+            _stop(procs, 0.0)
+            raise ValueError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return procs
 
 
 def _stream(rank: int, pipe, out) -> None:
@@ -55,104 +230,170 @@ def _stream(rank: int, pipe, out) -> None:
         out.flush()
 
 
-def _kill_all(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every rank's process group, SIGKILL after ``grace_s``; SIGINT and
+    SIGTERM to the launcher are ignored meanwhile so nothing interrupts it."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for p in procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
 
 
+def _say(message: str) -> None:
+    print(f"launch: {message}", file=sys.stderr, flush=True)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+def _wait(procs: Sequence[subprocess.Popen], first: int, poll_s: float, exit_grace_s: float) -> int:
+    """The job's exit code: the first failure's, 0 when all succeed, 1 when ranks still
+    run ``exit_grace_s`` after another one exited 0 (``0``: wait for them). Ranks still
+    running 5 s after another one exited 0 are reported."""
+    early_since, reported = None, False
+    while True:
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes, first):
+            if code not in (None, 0):
+                how = f"signal {-code}" if code < 0 else f"code {code}"
+                _say(f"rank {rank} exited with {how}; stopping the other ranks")
+                return code if code > 0 else 1
+        running = [rank for rank, code in enumerate(codes, first) if code is None]
+        if not running:
+            return 0
+        if early_since is None and len(running) < len(codes):
+            early_since = time.monotonic()
+        waited = time.monotonic() - early_since if early_since is not None else 0.0
+        done = _ranks([rank for rank, code in enumerate(codes, first) if code == 0])
+        if exit_grace_s and waited > exit_grace_s:
+            _say(f"{done} exited 0 but {_ranks(running)} still ran {exit_grace_s:g} s later "
+                 "(see --exit-grace); stopping them")  # fmt: skip
+            return 1
+        if waited > min(5.0, exit_grace_s or 5.0) and not reported:
+            limit = f"up to {exit_grace_s:g} s" if exit_grace_s else "without limit"
+            _say(f"{done} exited 0 while {_ranks(running)} still run; waiting {limit}")
+            reported = True
+        time.sleep(poll_s)
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM reached the launcher."""
+
+
+def _on_signal(signum: int, _frame) -> None:
+    for sig in _STOP_SIGNALS:  # the clean-up that follows must not be interrupted
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
 def launch(
     cmd: Sequence[str],
-    nproc: int,
-    devices_per_proc: int = 1,
-    port: int | None = None,
+    job: Job,
+    grace_s: float = 10.0,
+    exit_grace_s: float = 60.0,
     poll_s: float = 0.1,
 ) -> int:
-    """Runs ``cmd`` as ``nproc`` ranks and waits; returns the job's exit code.
+    """Runs ``cmd`` as this host's ranks of ``job`` and waits.
 
     Args:
       cmd: the command every rank runs.
-      nproc: number of processes, >= 1.
-      devices_per_proc: simulated CPU devices per process (ignored on GPU hosts).
-      port: coordinator port on 127.0.0.1; a free one when ``None``.
+      job: from ``make_job`` (processes, devices per process, nodes, coordinator).
+      grace_s: time between SIGTERM and SIGKILL when the ranks are stopped.
+      exit_grace_s: how long ranks may run on after one exited 0 (0: no limit).
       poll_s: how often the ranks are checked.
 
     Returns:
-      0 when every rank succeeded, else the exit code of the first rank that failed
-      (1 when it was killed by a signal).
+      0 when every rank succeeded, else the code of the first rank that failed (1 when
+      killed by a signal or stopped after ``exit_grace_s``), 128 + signal number when
+      the launcher was interrupted.
+
+    Raises:
+      ValueError: a busy port, an unreachable coordinator or a missing command.
+
+    Example:
+      >>> launch([sys.executable, "-c", "print('hi')"], make_job(nproc=2))  # doctest: +SKIP
     """
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if devices_per_proc < 1:
-        raise ValueError(f"--devices-per-proc must be >= 1, got {devices_per_proc}")
     if not cmd:
         raise ValueError("no command given after --")
-    coordinator = f"127.0.0.1:{port or free_port()}"
-    procs: list[subprocess.Popen] = []
-    threads = []
+    if not (grace_s >= 0 and exit_grace_s >= 0):  # NaN fails too
+        raise ValueError(f"--grace and --exit-grace must be >= 0, got {grace_s}, {exit_grace_s}")
+    previous = {sig: signal.signal(sig, _on_signal) for sig in _STOP_SIGNALS}
+    procs, threads = [], []
     try:
-        for rank in range(nproc):
-            p = subprocess.Popen(
-                list(cmd),
-                env=rank_env(rank, nproc, devices_per_proc, coordinator),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-            procs.append(p)
-            t = threading.Thread(target=_stream, args=(rank, p.stdout, sys.stdout), daemon=True)
-            t.start()
-            threads.append(t)
-        return _wait(procs, poll_s)
+        check_coordinator(job)
+        procs += _start(cmd, job)
+        first = job.node_rank * job.nproc
+        for rank, p in enumerate(procs, first):
+            threads.append(threading.Thread(target=_stream, args=(rank, p.stdout, sys.stdout),
+                                            daemon=True))  # fmt: skip
+            threads[-1].start()
+        return _wait(procs, first, poll_s, exit_grace_s)
+    except _Stopped as stop:
+        previous = {}  # interrupted: SIGINT/SIGTERM stay ignored while the caller exits
+        name = signal.Signals(stop.args[0]).name
+        _say(f"got {name}; stopping the ranks (further signals are ignored)")
+        return 128 + stop.args[0]
     finally:
-        _kill_all(procs)
+        _stop(procs, grace_s)
         for t in threads:
             t.join(timeout=1.0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _wait(procs: Sequence[subprocess.Popen], poll_s: float) -> int:
-    while True:
-        codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                how = f"signal {-code}" if code < 0 else f"code {code}"
-                print(
-                    f"launch: rank {rank} exited with {how}; stopping the other ranks",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return code if code > 0 else 1
-        if all(c == 0 for c in codes):
-            return 0
-        time.sleep(poll_s)
+_FLAGS = (  # flag, type, default, help
+    ("--nproc", int, None, "processes on this host (required)"),
+    ("--devices-per-proc", int, 1, "GPUs per process (local rank r drives GPUs r*M..r*M+M-1), "
+     "or simulated CPU devices per process"),
+    ("--port", int, None, "coordinator port on 127.0.0.1 (one host; default: a free one)"),
+    ("--nnodes", int, 1, "hosts in the job"),
+    ("--node-rank", int, 0, "this host's index, 0..nnodes-1"),
+    ("--coordinator", str, None, "HOST:PORT of node 0, the same on every node (needed with "
+     "--nnodes > 1)"),
+    ("--init-timeout", int, 300, "seconds to wait for the coordinator and the other ranks"),
+    ("--grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping the ranks"),
+    ("--exit-grace", float, 60.0, "seconds the other ranks may run on after one exited 0; "
+     "then they are stopped and the job fails (0: no limit)"),
+)  # fmt: skip
+
+
+def parser() -> argparse.ArgumentParser:
+    """The launcher's flags (everything after ``--`` is the command)."""
+    p = argparse.ArgumentParser(prog="python -m sparsecomm_jax.launch",
+                                usage="%(prog)s --nproc N [options] -- CMD ...")  # fmt: skip
+    for flag, kind, default, text in _FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=text, required=default is None
+                       and flag == "--nproc")  # fmt: skip
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        print("launch: usage: launch --nproc N [--devices-per-proc M] -- CMD ...", file=sys.stderr)
+        if {"-h", "--help"} & set(argv):
+            parser().print_help()
+            return 0
+        _say("usage: launch --nproc N [options] -- CMD ... (see --help)")
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m sparsecomm_jax.launch")
-    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
-    parser.add_argument("--devices-per-proc", type=int, default=1, help="CPU devices per proc")
-    parser.add_argument("--port", type=int, default=None, help="coordinator port")
-    args = parser.parse_args(argv[:split])
+    args = parser().parse_args(argv[:split])
     try:
-        return launch(argv[split + 1 :], args.nproc, args.devices_per_proc, args.port)
+        job = make_job(args.nproc, args.devices_per_proc, args.port, args.nnodes,
+                       args.node_rank, args.coordinator, args.init_timeout)  # fmt: skip
+        return launch(argv[split + 1 :], job, args.grace, args.exit_grace)
     except ValueError as e:
-        print(f"launch: {e}", file=sys.stderr)
+        _say(str(e))
         return 2
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.exit(main())

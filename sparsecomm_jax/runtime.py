@@ -1,34 +1,64 @@
 """Devices, meshes and multi-process start.
 
-Three ways to get P workers:
+Four ways to get P workers:
 
 * real accelerators (GPU hosts): ``data_mesh(P)`` over ``jax.devices()``;
 * simulated CPU devices (tests, laptops): ``simulate_cpu_devices(8)`` before JAX starts;
-* several processes on one host: ``python -m sparsecomm_jax.launch --nproc N -- CMD``
-  sets the environment that ``initialize_distributed()`` reads.
+* several processes, one host or several: ``python -m sparsecomm_jax.launch --nproc N
+  [--nnodes H --node-rank h --coordinator HOST:PORT] -- CMD`` sets the environment that
+  ``initialize_distributed()`` reads;
+* a scheduler (SLURM ``srun``, Open MPI ``mpirun``, a Kubernetes indexed Job):
+  ``initialize_distributed()`` lets ``jax.distributed`` read the job from its variables.
+
+``host_mesh()`` arranges the devices as ``(hosts, local)`` so a collective can stay
+inside a host.
 
 Example:
     >>> from sparsecomm_jax import runtime
     >>> runtime.simulate_cpu_devices(8)          # before any other JAX call
     >>> mesh = runtime.data_mesh(8, axis_name="data")
+    >>> runtime.host_mesh(hosts=2).shape         # 8 devices as 2 simulated hosts x 4
+    OrderedDict([('hosts', 2), ('local', 4)])
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import threading
+import time
+import zlib
 
 import jax
 import numpy as np
-from jax._src import xla_bridge
+from jax._src import clusters, xla_bridge
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Environment set by ``sparsecomm_jax.launch`` for every rank.
-ENV_COORDINATOR = "SPARSECOMM_COORDINATOR"
-ENV_NUM_PROCESSES = "SPARSECOMM_NUM_PROCESSES"
-ENV_PROCESS_ID = "SPARSECOMM_PROCESS_ID"
-ENV_LOCAL_DEVICES = "SPARSECOMM_LOCAL_DEVICES"
+from sparsecomm_jax import launch
+from sparsecomm_jax.launch import (
+    ENV_COORDINATOR,
+    ENV_INIT_TIMEOUT,
+    ENV_LAUNCHER,
+    ENV_LOCAL_DEVICE_IDS,
+    ENV_LOCAL_DEVICES,
+    ENV_NODE_RANK,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+DEFAULT_INIT_TIMEOUT_S = 300
+
+# The variables jax.distributed's cluster detectors read (jax/_src/clusters), in its order.
+SCHEDULER_VARS = {
+    "ompi": ("OMPI_MCA_orte_hnp_uri",),  # mpirun / mpiexec (Open MPI)
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+              "SLURM_LOCALID"),  # srun
+    "k8s": ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"),  # an indexed Job
+}  # fmt: skip
+_TASK_COUNT = {"ompi": "OMPI_COMM_WORLD_SIZE", "slurm": "SLURM_NTASKS"}
 
 
 # XLA flags that let collectives run asynchronously and overlap computation on GPU
@@ -74,11 +104,6 @@ def simulate_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-def has_accelerator() -> bool:
-    """True when the default backend is not the CPU."""
-    return jax.default_backend() != "cpu"
-
-
 def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
     """A 1-D mesh over the first ``num_devices`` global devices (all processes).
 
@@ -90,7 +115,8 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
       A ``jax.sharding.Mesh`` with one axis called ``axis_name``.
 
     Raises:
-      ValueError: more devices requested than exist, or fewer than one.
+      ValueError: more devices requested than exist, or fewer than one, or (several
+        processes) fewer than every device of the job.
     """
     devices = jax.devices()
     n = len(devices) if num_devices is None else num_devices
@@ -103,7 +129,65 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
         )
     if not axis_name or not isinstance(axis_name, str):
         raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
+    _check_spans_job(n)
     return Mesh(np.asarray(devices[:n]), (axis_name,))
+
+
+def _check_spans_job(n: int) -> None:
+    """A multi-process mesh must use every device of the job: a smaller one would leave
+    some processes without a device. Every process decides from the same global facts."""
+    total, procs = jax.device_count(), jax.process_count()
+    if procs > 1 and n != total:
+        raise ValueError(
+            f"num_devices={n} (--devices) but this job of {procs} processes has {total} "
+            f"devices: a multi-process mesh uses every one; pass --devices {total} or leave "
+            "it out"
+        )
+
+
+def host_mesh(hosts: int | None = None, axis_names: tuple[str, str] = ("hosts", "local")) -> Mesh:
+    """A 2-D mesh ``(hosts, local)`` over every device: row ``h`` holds host ``h``'s
+    devices, so a collective over ``"local"`` stays inside a host and one over
+    ``"hosts"`` crosses hosts (one device per host). A collective over both axes spans
+    the whole job, as on ``data_mesh``.
+
+    Args:
+      hosts: ``None``: the job's real hosts (processes grouped by the launcher's node
+        rank, else by host name; collective, call on every process); an int splits the
+        devices in order into that many equal simulated hosts.
+      axis_names: the names of the two axes.
+
+    Returns:
+      A ``Mesh`` of shape ``(hosts, devices per host)``; devices in ``jax.devices()`` order.
+
+    Raises:
+      ValueError: hosts that do not divide the devices or hold unequal numbers of them.
+
+    Example:
+      >>> mesh = host_mesh(hosts=2)  # 8 simulated devices -> {'hosts': 2, 'local': 4}
+    """
+    devices = jax.devices()
+    if hosts is None:
+        node = dict(enumerate(_process_nodes()))
+        keys = [node[d.process_index] for d in devices]
+    elif not isinstance(hosts, int) or hosts < 1 or len(devices) % hosts:
+        raise ValueError(f"hosts={hosts!r} must be an integer >= 1 dividing {len(devices)}")
+    else:
+        keys = [i * hosts // len(devices) for i in range(len(devices))]
+    groups = {k: [d for d, kd in zip(devices, keys, strict=True) if kd == k] for k in keys}
+    sizes = sorted({len(g) for g in groups.values()})
+    if len(sizes) > 1:
+        raise ValueError(f"hosts hold different numbers of devices {sizes}: no (hosts, local) mesh")
+    return Mesh(np.asarray(list(groups.values())), axis_names)
+
+
+def _process_nodes() -> list[int]:
+    """One node id per process (launcher node rank, else a hash of the host name)."""
+    rank = os.environ.get(ENV_NODE_RANK)
+    mine = int(rank) if rank else zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
+    if jax.process_count() == 1:
+        return [mine]
+    return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(mine)))]
 
 
 def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
@@ -129,30 +213,118 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def launched_env() -> dict[str, str] | None:
-    """The launcher's environment for this rank, or ``None`` outside the launcher."""
-    if ENV_NUM_PROCESSES not in os.environ:
+def detect_scheduler() -> str | None:
+    """The scheduler that started this process as one task of several: ``"slurm"``,
+    ``"ompi"`` or ``"k8s"`` (by the variables jax's cluster detectors read), else
+    ``None`` (also for a job of one task, which needs no coordination)."""
+    for name, names in SCHEDULER_VARS.items():
+        if all(v in os.environ for v in names):
+            count = os.environ.get(_TASK_COUNT.get(name, ""), "")
+            return None if count == "1" else name
+    return None
+
+
+def _int_list(text: str) -> list[int] | None:
+    return [int(i) for i in text.split(",")] if text.strip() else None
+
+
+def distributed_args() -> dict | None:
+    """The ``jax.distributed.initialize`` arguments of this process, ``None`` alone.
+
+    The launcher's ``SPARSECOMM_*`` variables come first (explicit coordinator, process
+    count and id, local device ids); else a scheduler's, resolved by jax's own cluster
+    detection (one process per GPU: local device ``[local rank]``, or
+    ``JAX_LOCAL_DEVICE_IDS``). Detection is then switched off so jax uses exactly these.
+    ``SPARSECOMM_INIT_TIMEOUT`` (seconds, default 300) bounds the wait for the others.
+
+    Returns:
+      ``coordinator_address``, ``num_processes``, ``process_id``, ``local_device_ids``,
+      ``initialization_timeout`` and ``cluster_detection_method``, or ``None``.
+
+    Raises:
+      RuntimeError: a scheduler was found but jax could not read the job from it.
+
+    Example:
+      >>> distributed_args() is None  # a plain process: nothing to join
+      True
+    """
+    env = os.environ
+    timeout = int(env.get(ENV_INIT_TIMEOUT) or DEFAULT_INIT_TIMEOUT_S)
+    common = {"initialization_timeout": timeout, "cluster_detection_method": "deactivate"}
+    if ENV_NUM_PROCESSES in env:
+        explicit = (env[ENV_COORDINATOR], int(env[ENV_NUM_PROCESSES]), int(env[ENV_PROCESS_ID]))
+        ids = _int_list(env.get(ENV_LOCAL_DEVICE_IDS, ""))
+    elif detect_scheduler():
+        ids = _int_list(env.get("JAX_LOCAL_DEVICE_IDS", ""))
+        *explicit, ids = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, ids, None, timeout
+        )
+        if None in explicit:
+            raise RuntimeError(f"the {detect_scheduler()} job could not be read by jax "
+                               "(for Kubernetes: pip install 'jax[k8s]')")  # fmt: skip
+    else:
         return None
-    keys = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICES)
-    return {k: os.environ.get(k, "") for k in keys}
+    keys = ("coordinator_address", "num_processes", "process_id")
+    return {**dict(zip(keys, explicit, strict=True)), "local_device_ids": ids, **common}
 
 
 def initialize_distributed() -> tuple[int, int]:
-    """Joins the multi-process job described by the launcher's environment.
+    """Joins the multi-process job this process belongs to (see ``distributed_args``).
 
-    Call before the first JAX computation. CPU collectives go through gloo and each
-    process simulates ``SPARSECOMM_LOCAL_DEVICES`` CPU devices (both settings are
-    harmless on GPU hosts, where the GPUs are the devices). Outside the launcher this
-    does nothing: a single process.
+    Call before the first JAX computation. CPU collectives go through gloo and a
+    launched process simulates ``SPARSECOMM_LOCAL_DEVICES`` CPU devices (both harmless
+    on GPU hosts, where each process drives its local device ids). A launched process
+    also watches its launcher and exits when it is gone. Calling it again, or outside a
+    job, does nothing.
 
     Returns:
       ``(process_id, num_processes)``.
+
+    Raises:
+      RuntimeError: the coordinator's port is busy (process 0) or it does not answer
+        within the timeout (the others), instead of jax aborting the process.
     """
-    env = launched_env()
-    if env is None:
+    if jax.distributed.is_initialized():
+        return jax.process_index(), jax.process_count()
+    args = distributed_args()
+    if args is None:
         return 0, 1
-    num, pid = int(env[ENV_NUM_PROCESSES]), int(env[ENV_PROCESS_ID])
+    _check_reachable(args)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    simulate_cpu_devices(int(env[ENV_LOCAL_DEVICES] or 1))
-    jax.distributed.initialize(env[ENV_COORDINATOR], num_processes=num, process_id=pid)
-    return pid, num
+    if os.environ.get(ENV_LOCAL_DEVICES):
+        simulate_cpu_devices(int(os.environ[ENV_LOCAL_DEVICES]))
+    if os.environ.get(ENV_LAUNCHER):
+        watch_launcher()
+    jax.distributed.initialize(**args)
+    return args["process_id"], args["num_processes"]
+
+
+def _check_reachable(args: dict) -> None:
+    host, port = launch.parse_address(args["coordinator_address"])
+    timeout = args["initialization_timeout"]
+    if args["process_id"] == 0 and not launch.port_is_free(port):
+        raise RuntimeError(f"coordinator port {port} is in use on this host: pick another")
+    if args["process_id"] > 0 and not launch.wait_for_port(host, port, timeout):
+        raise RuntimeError(f"coordinator {host}:{port} did not answer within {timeout} s: is "
+                           "process 0 running and the address right?")  # fmt: skip
+
+
+def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:
+    """Ends this process (exit code 1) within ``poll_s`` once the launcher that started
+    it (``SPARSECOMM_LAUNCHER``) is gone, even if it was killed with SIGKILL and this
+    process is not its direct child; ``None`` outside the launcher."""
+    pid, _, start = os.environ.get(ENV_LAUNCHER, "").partition(":")
+    if not pid.isdigit():
+        return None
+
+    def watch() -> None:
+        while launch.process_alive(int(pid), start):
+            time.sleep(poll_s)
+        try:  # the launcher read our output: the pipe may be broken
+            print(f"the launcher (pid {pid}) is gone; exiting", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)
+    thread.start()
+    return thread

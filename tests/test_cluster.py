@@ -39,7 +39,7 @@ def _namespaces() -> set[str]:
 def _cluster(tmp_path, strategy, extra=()):
     out = tmp_path / f"{strategy}.json"
     cmd = [sys.executable, "-m", "experiments.cluster", "--nproc", "2", "--bandwidth",
-           "100mbit", "--", "--strategy", strategy, "--devices", "2", "--batch", "8",
+           "100mbit", "--", "--strategy", strategy, "--batch", "8",
            "--steps", "4", "--warmup", "1", "--vocab", "10000", "--dim", "64",
            "--sampled-softmax", "64", "--out", str(out), *extra]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -56,6 +56,7 @@ def test_sparse_strategy_is_faster_on_a_slow_link(tmp_path):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         results[strategy] = json.loads(out.read_text())
     dense, embrace = results["dense"], results["embrace"]
+    assert dense["devices"] == embrace["devices"] == 2  # --devices left out: the job's
     assert embrace["losses"] == pytest.approx(dense["losses"], rel=1e-5)
     assert embrace["comm_bytes_per_step"] < dense["comm_bytes_per_step"] / 10
     assert embrace["step_time_s"] < dense["step_time_s"] / 3

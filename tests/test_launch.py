@@ -1,82 +1,128 @@
-"""The multi-process launcher: a 2 x 2 job equals a 4-device run; failures stop fast."""
+"""The multi-process launcher and multi-host start-up: a 2 x 2 job and a two-node job equal
+single-process runs; failures, signals and a killed launcher leave nothing behind; bad
+input is a one-line error; schedulers are read the way jax.distributed reads them."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import NUM_DEVICES, REPO
+from jax.sharding import PartitionSpec as P
 
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
 from sparsecomm_jax import launch, runtime
 
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)
+LAUNCH = [sys.executable, "-m", "sparsecomm_jax.launch"]
 
 
-def _launch(nproc, per_proc, cmd, timeout=240):
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sparsecomm_jax.launch",
-            "--nproc",
-            str(nproc),
-            "--devices-per-proc",
-            str(per_proc),
-            "--",
-            *cmd,
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _launch(nproc, per_proc, cmd, timeout=240, extra=()):
+    return subprocess.run([*LAUNCH, "--nproc", str(nproc), "--devices-per-proc", str(per_proc),
+                           *extra, "--", *cmd], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def _train_cmd(out, devices=None):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
+    devices = ["--devices", str(devices)] if devices else []
+    return [sys.executable, "-m", "experiments.train", "--strategy", "dense", *devices, *flags,
+            "--out", str(out)]  # fmt: skip
+
+
+def _single(devices):
+    assert jax.device_count() == NUM_DEVICES  # JAX starts with conftest's devices, not ours
+    return train_and_evaluate(RunConfig(strategy="dense", devices=devices, **ARGS), progress=False)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_lines(path, n, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and len(path.read_text().split()) >= n):
+        assert time.monotonic() < deadline and proc.poll() is None, "ranks never started"
+        time.sleep(0.05)
+    return [int(pid) for pid in path.read_text().split()]
+
+
+def _all_gone(pids, within_s):
+    deadline = time.monotonic() + within_s
+    while any(launch.process_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_rank_env_is_complete():
-    env = launch.rank_env(1, 3, 2, "127.0.0.1:1234")
-    assert env[runtime.ENV_PROCESS_ID] == "1" and env[runtime.ENV_NUM_PROCESSES] == "3"
-    assert env[runtime.ENV_LOCAL_DEVICES] == "2"
-    assert env[runtime.ENV_COORDINATOR] == "127.0.0.1:1234"
+    job = launch.make_job(3, 2, nnodes=2, node_rank=1, coordinator="10.0.0.1:1234")
+    env = launch.rank_env(job, 2)
+    assert env[runtime.ENV_PROCESS_ID] == str(1 * 3 + 2)
+    assert env[runtime.ENV_NUM_PROCESSES] == "6" and env[runtime.ENV_NODE_RANK] == "1"
+    assert env[runtime.ENV_LOCAL_DEVICES] == "2" and env[runtime.ENV_LOCAL_DEVICE_IDS] == "4,5"
+    assert env[runtime.ENV_COORDINATOR] == "10.0.0.1:1234"
+    pid, start = env[runtime.ENV_LAUNCHER].split(":")
+    assert int(pid) == os.getpid() and launch.process_alive(int(pid), start)
+    assert not launch.process_alive(int(pid), str(int(start) + 1))  # a reused pid is not us
 
 
-@pytest.mark.slow
-def test_two_processes_match_single_process(tmp_path):
-    out = tmp_path / "mp.json"
-    flags = []
-    for k, v in ARGS.items():
-        flags += [f"--{k.replace('_', '-')}", str(v)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.train",
-        "--strategy",
-        "dense",
-        "--devices",
-        "4",
-        *flags,
-        "--out",
-        str(out),
-    ]
-    proc = _launch(2, 2, cmd)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[rank 0]" in proc.stdout and "[rank 1]" in proc.stdout
-    multi = json.loads(out.read_text())
-    single = train_and_evaluate(RunConfig(strategy="dense", devices=4, **ARGS), progress=False)
-    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-6)
-    assert multi["comm_bytes_per_step"] == pytest.approx(single["comm_bytes_per_step"])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc", "0"], "--nproc must be >= 1"),
+        (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+         "--node-rank must be in [0, --nnodes=2)"),
+        (["--nproc", "1", "--node-rank", "-1"], "--node-rank"),
+        (["--nproc", "1", "--nnodes", "2"], "needs --coordinator"),
+        (["--nproc", "1", "--coordinator", "nohost"], "--coordinator must be HOST:PORT"),
+        (["--nproc", "1", "--port", "1", "--coordinator", "h:2"], "not both"),
+        (["--nproc", "1", "--exit-grace", "nan"], "--exit-grace must be >= 0"),
+    ],
+)  # fmt: skip
+def test_bad_flags_are_one_line_errors(flags, message, capsys):
+    assert launch.main([*flags, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_command_busy_port_and_absent_coordinator(capsys):
+    assert launch.main(["--nproc", "2"]) == 2  # no "--"
+    assert launch.main(["--nproc", "2", "--", "/nonexistent/cmd"]) == 2
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        assert launch.main(["--nproc", "1", "--port", port, "--", "true"]) == 2
+    t = time.monotonic()
+    absent = f"127.0.0.1:{_free_port()}"
+    assert launch.main(["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--coordinator",
+                        absent, "--init-timeout", "1", "--", "true"]) == 2  # fmt: skip
+    assert time.monotonic() - t < 10
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and "usage" in lines[0]
+    assert "command not found" in lines[1] and "/nonexistent/cmd" in lines[1]
+    assert f"port {port}" in lines[2] and "in use" in lines[2]
+    assert absent in lines[3] and "did not answer" in lines[3]
 
 
 def test_failing_rank_stops_job_fast(tmp_path):
     marker = tmp_path / "pids"
     script = (
-        "import os, sys, time\n"
+        "import os, signal, sys, time\n"
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "if {signal.SIGINT, signal.SIGTERM} & signal.pthread_sigmask(signal.SIG_BLOCK, []):\n"
+        "    sys.exit(5)  # ranks must not inherit the launcher's blocked signals\n"
         "if os.environ['SPARSECOMM_PROCESS_ID'] == '1':\n"
         "    time.sleep(0.5); sys.exit(3)\n"
         "time.sleep(120)\n"
@@ -102,6 +148,277 @@ def test_killed_rank_is_named():
     assert f"rank 0 exited with signal {int(signal.SIGKILL)}" in proc.stderr
 
 
-def test_launcher_usage_errors():
-    assert launch.main(["--nproc", "2"]) == 2
-    assert launch.main(["--nproc", "0", "--", "true"]) == 2
+def test_rank_that_exits_early_is_reported_and_the_rest_stopped(tmp_path):
+    marker = tmp_path / "pids"
+    script = (
+        "import os, time\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "if os.environ['SPARSECOMM_PROCESS_ID'] != '1': time.sleep(120)\n"
+    )
+    t = time.monotonic()
+    proc = _launch(3, 1, [sys.executable, "-c", script], timeout=60, extra=["--exit-grace", "1"])
+    assert time.monotonic() - t < 15 and proc.returncode == 1
+    assert "rank 1 exited 0 but ranks 0, 2 still ran 1 s later" in proc.stderr
+    assert _all_gone(map(int, marker.read_text().split()), within_s=0)
+
+
+def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path):
+    """Ranks die with the launcher: its direct children by the parent-death signal, a
+    process they started (not a child of the launcher) by the runtime's watchdog."""
+    marker = tmp_path / "pids"
+    grandchild = (
+        "import os, time\n"
+        "from sparsecomm_jax import runtime\n"
+        "runtime.watch_launcher(poll_s=0.2)\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "time.sleep(120)\n"
+    )
+    rank = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {grandchild!r}])\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "time.sleep(120)\n"
+    )
+    cmd = [*LAUNCH, "--nproc", "2", "--", sys.executable, "-c", rank]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = _wait_for_lines(marker, 4, job)
+    job.kill()
+    job.wait()
+    assert _all_gone(pids, within_s=10), [p for p in pids if launch.process_alive(p)]
+
+
+def test_repeated_signals_cannot_interrupt_the_clean_up(tmp_path):
+    """Ctrl-C: no traceback; SIGINT/SIGTERM storms during the clean-up are ignored and
+    ranks that ignore SIGTERM are still killed after --grace."""
+    marker = tmp_path / "pids"
+    script = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "time.sleep(120)\n"
+    )
+    job = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "1.5", "--", sys.executable,
+                            "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pids = _wait_for_lines(marker, 2, job)
+    job.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline and job.poll() is None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            job.send_signal(sig)
+            time.sleep(0.02)
+    _, err = job.communicate(timeout=30)
+    assert job.returncode == 128 + signal.SIGINT, err
+    assert "got SIGINT" in err and "Traceback" not in err
+    assert _all_gone(pids, within_s=0)
+
+
+@pytest.mark.slow
+def test_two_processes_match_single_process(tmp_path):
+    """2 processes x 2 devices equal one process with 4; ``--devices`` left out means
+    every device of the job."""
+    out = tmp_path / "mp.json"
+    proc = _launch(2, 2, _train_cmd(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank 0]" in proc.stdout and "[rank 1]" in proc.stdout
+    multi, single = json.loads(out.read_text()), _single(4)
+    assert multi["devices"] == 4
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-6)
+    assert multi["comm_bytes_per_step"] == pytest.approx(single["comm_bytes_per_step"])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_the_loopback_match_single_process(tmp_path):
+    """Two launcher invocations (--nnodes 2, --node-rank 0 and 1) form one job."""
+    out, coordinator = tmp_path / "nodes.json", f"127.0.0.1:{_free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [
+                *LAUNCH,
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--coordinator",
+                coordinator,
+                "--init-timeout",
+                "60",
+                "--",
+                *_train_cmd(out, devices=2),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for r in (1, 0)
+    ]  # node 1 first: it waits for the coordinator
+    logs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(logs)
+    assert "[rank 1]" in logs[0] and "[rank 0]" in logs[1]
+    multi = json.loads(out.read_text())
+    np.testing.assert_allclose(multi["losses"], _single(2)["losses"], rtol=1e-6)
+
+
+HOST_MESH_SCRIPT = """
+import json, sys
+import jax, numpy as np
+from jax.sharding import PartitionSpec as P
+from sparsecomm_jax import runtime
+runtime.initialize_distributed()
+mesh, spec = runtime.host_mesh(), P(("hosts", "local"))
+x = runtime.put_global(np.asarray(json.loads(sys.argv[1]), np.float32), mesh, spec)
+local = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "local"), mesh=mesh, in_specs=spec,
+                              out_specs=spec))(x)
+rows = [[d.process_index for d in row] for row in mesh.devices]
+print("RESULT", json.dumps([dict(mesh.shape), rows, runtime.to_host(local).tolist()]))
+"""
+
+
+@pytest.mark.slow
+def test_host_mesh_of_two_nodes_keeps_local_collectives_inside_a_node(tmp_path):
+    x = np.random.default_rng().normal(size=4).round(3)
+    coordinator = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-c", HOST_MESH_SCRIPT, json.dumps(x.tolist())]
+    nodes = [subprocess.Popen([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--nnodes",
+                               "2", "--node-rank", str(r), "--coordinator", coordinator,
+                               "--init-timeout", "60", "--", *cmd], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]  # fmt: skip
+    for node in nodes:
+        log = node.communicate(timeout=120)[0]
+        assert node.returncode == 0, log
+        line = next(ln for ln in log.splitlines() if "RESULT" in ln)
+        shape, rows, local = json.loads(line.split("RESULT", 1)[1])
+        assert shape == {"hosts": 2, "local": 2} and rows == [[0, 0], [1, 1]]
+        np.testing.assert_allclose(local, np.repeat(x.reshape(2, 2).sum(1), 2), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_every_rank_refuses_a_mesh_smaller_than_the_job(tmp_path):
+    out = tmp_path / "never.json"
+    proc = _launch(2, 2, _train_cmd(out, devices=2), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "error: num_devices=2 (--devices) but this job of 2 processes has 4" in proc.stdout
+    assert not out.exists()
+
+
+def test_mesh_must_span_a_multi_process_job(monkeypatch):
+    """The rule uses only facts every process shares, so every rank decides alike."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=f"pass --devices {NUM_DEVICES}"):
+        runtime.data_mesh(NUM_DEVICES // 2)
+    assert runtime.data_mesh().size == NUM_DEVICES
+
+
+def test_host_mesh_rows_are_hosts_and_local_collectives_stay_inside():
+    devices = jax.devices()
+    n = len(devices)
+    mesh = runtime.host_mesh(hosts=2)
+    assert dict(mesh.shape) == {"hosts": 2, "local": n // 2}
+    assert mesh.devices.tolist() == [devices[: n // 2], devices[n // 2 :]]
+    assert runtime.host_mesh().devices.tolist() == [devices]  # one process: one host
+    x = np.random.default_rng().normal(size=(n, 3)).astype(np.float32)
+
+    def sums(x):  # x: f32[1, 3] per device
+        return jax.lax.psum(x, "local"), jax.lax.psum(x, "hosts")
+
+    spec = P(("hosts", "local"))
+    local, across = jax.shard_map(sums, mesh=mesh, in_specs=spec, out_specs=(spec, spec))(x)
+    rows = x.reshape(2, n // 2, 3)
+    np.testing.assert_allclose(local, np.repeat(rows.sum(1), n // 2, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(across, np.tile(rows.sum(0), (2, 1)), rtol=1e-6)
+    with pytest.raises(ValueError, match="hosts=3"):
+        runtime.host_mesh(hosts=3)
+
+
+# Variables each scheduler sets for one task (values as srun / mpirun / an indexed Job would).
+SLURM = {"SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[007-010],cpu1", "SLURM_NTASKS": "8",
+         "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}  # fmt: skip
+OMPI = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+        "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0"}  # fmt: skip
+K8S = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "SPARSECOMM_", "JAX_COORDINATOR", "KUBERNETES_")):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def _set(monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_schedulers_are_read_as_jax_distributed_reads_them(clean_env):
+    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
+    _set(clean_env, SLURM)
+    assert runtime.detect_scheduler() == "slurm"
+    args = runtime.distributed_args()  # port: the job id mapped into 61440..65535
+    assert args["coordinator_address"] == f"gpu007:{12345 % 4096 + 61440}"
+    assert (args["num_processes"], args["process_id"], args["local_device_ids"]) == (8, 5, [1])
+    assert args["cluster_detection_method"] == "deactivate"  # resolved once, used as is
+    clean_env.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
+    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
+    clean_env.setenv("SLURM_NTASKS", "8")
+    _set(clean_env, {"JAX_COORDINATOR_PORT": "4321", "JAX_LOCAL_DEVICE_IDS": "0,1"})
+    args = runtime.distributed_args()
+    assert args["coordinator_address"] == "gpu007:4321" and args["local_device_ids"] == [0, 1]
+    clean_env.delenv("JAX_COORDINATOR_PORT")
+    _set(clean_env, OMPI)  # Open MPI comes first in jax's order
+    args = runtime.distributed_args()  # port: from the job id in the ORTE URI
+    assert runtime.detect_scheduler() == "ompi"
+    assert args["coordinator_address"] == f"10.96.0.1:{(1531576320 // 4096) % 4096 + 61440}"
+    assert (args["num_processes"], args["process_id"]) == (4, 2)
+
+
+def test_kubernetes_without_its_client_is_a_clear_error(clean_env):
+    _set(clean_env, K8S)
+    assert runtime.detect_scheduler() == "k8s"
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"jax\[k8s\]"):
+        runtime.distributed_args()
+
+
+def test_launcher_environment_comes_before_a_scheduler(clean_env):
+    _set(clean_env, SLURM)
+    job = launch.make_job(2, 2, nnodes=3, node_rank=2, coordinator="10.1.1.1:29500")
+    _set(clean_env, {k: v for k, v in launch.rank_env(job, 1).items() if "SPARSECOMM" in k})
+    args = runtime.distributed_args()
+    assert args["coordinator_address"] == "10.1.1.1:29500"
+    assert (args["num_processes"], args["process_id"], args["local_device_ids"]) == (6, 5, [2, 3])
+
+
+def test_initialize_calls_jax_with_the_resolved_job(clean_env):
+    calls, port = [], _free_port()
+    clean_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    clean_env.setattr(jax.config, "update", lambda *a: None)  # keep this process's config
+    _set(clean_env, {**SLURM, "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
+                     "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(port)})  # fmt: skip
+    assert runtime.initialize_distributed() == (0, 8)
+    assert calls == [dict(coordinator_address=f"localhost:{port}", num_processes=8, process_id=0,
+                          local_device_ids=[0], initialization_timeout=300,
+                          cluster_detection_method="deactivate")]  # fmt: skip
+
+
+def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env):
+    calls = []
+    clean_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    _set(clean_env, {runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+                     runtime.ENV_NUM_PROCESSES: "2", runtime.ENV_PROCESS_ID: "1",
+                     runtime.ENV_INIT_TIMEOUT: "1"})  # fmt: skip
+    with pytest.raises(RuntimeError, match="did not answer within 1 s"):
+        runtime.initialize_distributed()
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen(1)
+        clean_env.setenv(runtime.ENV_COORDINATOR, f"127.0.0.1:{busy.getsockname()[1]}")
+        clean_env.setenv(runtime.ENV_PROCESS_ID, "0")
+        with pytest.raises(RuntimeError, match="in use"):
+            runtime.initialize_distributed()
+    assert calls == []  # jax would have aborted the process
