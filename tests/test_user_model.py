@@ -4,6 +4,8 @@
 hand-written default ``jax.shard_map`` step (``check_vma`` on) with ``topk_a2a``."""
 
 import functools
+import os
+import re
 
 import flax.linen as linen
 import jax
@@ -14,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, nn, runtime, train
+from tests.conftest import REPO
 from tests.helpers import assert_trees_close
 
 N, V, D, CLASSES, T, B = 8, 64, 16, 4, 6, 32
@@ -169,3 +172,24 @@ def test_a_shard_read_outside_a_step_names_the_fix():
         model.apply(shard, batch_at(0)["tokens"])
     with pytest.raises(ValueError, match="Input type must be an integer"):
         model.apply(params, batch_at(0)["tokens"].astype(np.float32))
+
+
+def _readme_block(marker: str) -> str:
+    """The README's python code block that contains ``marker``."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_readme_snippets_run():
+    scope = dict(globals(), P=P)
+    exec(_readme_block("nn.loss_with_embeddings(loss)"), scope)  # defines ts, loss
+    state, first = scope["ts"].step(scope["ts"].state, scope["ts"].place_batch(batch_at(0)))
+    scope.update(loss_fn=scope["loss"], opt=optax.sgd(LR), params=init(scope["model"]))
+    exec(_readme_block("aggregators.per_worker"), scope)
+    params, _, agg_state, loss = scope["step"](
+        scope["params"], scope["opt_state"], scope["agg_state"], batch_at(0)
+    )
+    np.testing.assert_allclose(float(loss), train.loss_value(first), rtol=1e-6)
+    assert agg_state.residual["params"]["embed"]["embedding"].shape == (N, V, D)
