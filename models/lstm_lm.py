@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from models.data import TextStream, ZipfStream
 from models.workload import (
     Workload,
-    init_table,
+    embed,
+    embed_params,
     lm_loss,
     lm_workload,
     output_params,
@@ -75,7 +76,7 @@ def init_params(cfg: LSTMConfig, key: jax.Array) -> dict:
     k_emb, k_core, k_proj, k_out = jax.random.split(key, 4)
     core, proj = _parts(cfg)
     params = {
-        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
+        "embed": embed_params(k_emb, cfg.vocab, cfg.dim),
         "lstm": core.init(k_core, jnp.zeros((1, 1, cfg.dim)))["params"],
         **output_params(cfg, k_out),
     }
@@ -89,7 +90,7 @@ def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
     emb = emb or DENSE_EMBEDDING
     core, proj = _parts(cfg)
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-    h = core.apply({"params": params["lstm"]}, emb.lookup(params["embed"], inputs))
+    h = core.apply({"params": params["lstm"]}, embed(cfg, params, inputs, emb))
     if proj is not None:
         h = proj.apply({"params": params["proj"]}, h)
     return lm_loss(cfg, params, h, targets, batch, emb)

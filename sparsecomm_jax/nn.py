@@ -144,10 +144,11 @@ def _table(module: linen.Embed) -> jax.Array:
     return module.param(TABLE_NAME, module.embedding_init, shape, module.param_dtype)
 
 
-def _lookup(module: linen.Embed, table: jax.Array, inputs: jax.Array) -> jax.Array:
+def _lookup(module: linen.Embed, table: jax.Array, inputs: jax.Array, shared=False) -> jax.Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
         raise ValueError("Input type must be an integer or unsigned integer.")
-    rows = (current_ops() or DENSE_EMBEDDING).lookup(table, inputs)  # [*ids, D]
+    ops = current_ops() or DENSE_EMBEDDING
+    rows = (ops.lookup_shared if shared else ops.lookup)(table, inputs)  # [*ids, D]
     return rows.astype(module.dtype or table.dtype)
 
 
@@ -165,7 +166,8 @@ class Embed(linen.Embed):
       param_dtype: of the table. embedding_init: its initializer.
 
     Lookups read the table through ``current_ops()`` (plain ``take`` outside
-    ``use_ops``); ``attend(query)`` computes ``query @ table.T`` (a tied softmax).
+    ``use_ops``); ``attend(query)`` computes ``query @ table.T`` (a tied softmax);
+    ``lookup_shared(ids)`` (not in flax) reads ids that every worker holds.
     """
 
     def setup(self) -> None:
@@ -178,6 +180,11 @@ class Embed(linen.Embed):
     def attend(self, query: jax.Array) -> jax.Array:
         """``query @ table.T``: logits ``[..., num_embeddings]``."""
         return _attend(self, self.embedding, query)
+
+    def lookup_shared(self, inputs: jax.Array) -> jax.Array:
+        """As ``__call__``, for ids every worker holds identically (e.g. negatives
+        shared by the batch): sharded strategies exchange them more cheaply."""
+        return _lookup(self, self.embedding, inputs, shared=True)
 
 
 def _serve_flax_embed(next_fun, args, kwargs, context):
