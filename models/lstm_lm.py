@@ -1,8 +1,9 @@
 """LSTM language model (the EmbRace paper's LM workload), on Zipf tokens or a text file.
 
-Parameters: ``embed`` (V x D input table), ``lstm`` (the recurrent core, H units per
-layer), ``proj`` (H -> D, when H != D) and ``softmax`` (V x D output table, absent when
-tied to ``embed``). Full softmax, or sampled softmax with N shared negatives per step.
+Parameters: ``embed`` (the input table, ``nn.Embed``'s ``{"embedding": V x D}``),
+``lstm`` (the recurrent core, H units per layer), ``proj`` (H -> D, when H != D) and
+``softmax`` (the output table, the same form, absent when tied to ``embed``). Full
+softmax, or sampled softmax with N shared negatives per step.
 
 Paper-scale config (EmbRace, 1B-word LM): ``vocab=793471, dim=512, hidden=2048,
 layers=2, seq_len=20, batch=128 per GPU, sampled_softmax=8192``.
