@@ -257,3 +257,18 @@ def test_gtopk_takes_a_selector(selector):
     if selector == "radix":  # the same entries as exact selection
         exact, _ = run(aggregators.gtopk(1 / 16, bucket_bytes=None), g, r)
         np.testing.assert_allclose(mean, exact, rtol=1e-6, atol=1e-7)
+
+
+def test_check_vma_costs_bytes_only_for_gtopk():
+    d, k = 16_000, 160
+    cut = d * 3 // 4
+    grads = {"a": np.zeros((N, cut), np.float32), "b": np.zeros((N, d - cut), np.float32)}
+    for name in LOSSY:
+        agg = aggregators.AGGREGATORS[name](k / d, bucket_bytes=None)
+        checked_fn, _ = _checked_program(aggregators.per_worker(agg, N))
+        state = aggregators.ErrorFeedbackState(jax.tree.map(np.zeros_like, grads))
+        checked = hlo.total_bytes(hlo.collectives(checked_fn, grads, state))
+        unchecked = hlo.total_bytes(_bytes(agg, d))
+        # gtopk: every worker sends 1/P of the final k-list (values and indices) once more
+        extra = 2 * (N - 1) / N * k * 4 if name == "gtopk" else 0
+        assert checked == pytest.approx(unchecked + extra, rel=1e-6), name

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -131,7 +132,7 @@ def test_every_table_strategy_equals_pmap(strategy, embed_cls, tied):
     assert_trees_close(params, ref_params, rtol=1e-6, atol=1e-6)
 
 
-def test_topk_a2a_in_a_hand_written_shard_map_step():
+def test_topk_a2a_in_a_hand_written_shard_map_step(tmp_path):
     model, steps = BagOfWords(), 40
     loss_fn, params, opt = make_loss(model), init(model), optax.adam(0.02)
     agg = aggregators.per_worker(aggregators.topk_a2a(0.1), N)
@@ -161,6 +162,12 @@ def test_topk_a2a_in_a_hand_written_shard_map_step():
     assert residual.shape == (N, V, D)  # every worker's residual, as one global array
     assert len({w.tobytes() for w in residual}) == N  # and they differ
     assert np.all(np.abs(residual).sum(axis=(1, 2)) > 0)
+    path = os.path.join(tmp_path, "residuals")
+    with ocp.StandardCheckpointer() as checkpointer:  # what a checkpoint of it keeps
+        checkpointer.save(path, {"residual": agg_state.residual})
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(path)
+    np.testing.assert_array_equal(restored["residual"]["params"]["embed"]["embedding"], residual)
 
 
 def test_a_shard_read_outside_a_step_names_the_fix():
@@ -193,3 +200,24 @@ def test_readme_snippets_run():
     )
     np.testing.assert_allclose(float(loss), train.loss_value(first), rtol=1e-6)
     assert agg_state.residual["params"]["embed"]["embedding"].shape == (N, V, D)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_embed_is_a_drop_in_for_flax_embed(dtype):
+    ids = jnp.asarray(batch_at(0)["tokens"])
+    query = jax.random.normal(jax.random.key(1), (3, D))
+    ours, theirs = nn.Embed(V, D, dtype=dtype), linen.Embed(V, D, dtype=dtype)
+    params = theirs.init(jax.random.key(0), ids)
+    assert_trees_close(ours.init(jax.random.key(0), ids), params, rtol=0, atol=0)
+    for ops in (None, nn.DENSE_EMBEDDING):
+        with nn.use_ops(ops):
+            got, want = ours.apply(params, ids), theirs.apply(params, ids)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+            got = ours.apply(params, query, method="attend")
+            want = theirs.apply(params, query, method="attend")
+            assert got.dtype == want.dtype
+            tol = 1e-6 if dtype is None else 2e-2  # bf16: the product rounds differently
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+            )
