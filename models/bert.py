@@ -24,7 +24,7 @@ import numpy as np
 
 from models.blocks import Stack, transformer_params
 from models.data import ZipfStream, _step_rng
-from models.workload import lm_loss, lm_workload, with_negatives
+from models.workload import embed, lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 MASK_ID = 0
@@ -57,7 +57,7 @@ def loss_fn(cfg: BERTConfig, params, batch, emb=None) -> jax.Array:
     """Cross-entropy at the masked positions: ``tokens`` int32[B, T] (masked),
     ``positions`` and ``labels`` int32[B, M]."""
     emb = emb or DENSE_EMBEDDING
-    x = emb.lookup(params["embed"], batch["tokens"]) + params["pos"]
+    x = embed(cfg, params, batch["tokens"], emb) + params["pos"]
     h = _stack(cfg).apply({"params": params["encoder"]}, x)
     h = jnp.take_along_axis(h, batch["positions"][..., None], axis=1)  # [B, M, D]
     return lm_loss(cfg, params, h, batch["labels"], batch, emb)

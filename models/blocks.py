@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.workload import init_table, output_params
+from models.workload import embed_params, init_table, output_params
 
 
 class Block(nn.Module):
@@ -56,7 +56,7 @@ def transformer_params(cfg, key, stacks: dict) -> dict:
     tied), and each named stack: ``stacks`` maps a name to ``(stack, memory_length)``."""
     keys = jax.random.split(key, 3 + len(stacks))
     params = {
-        "embed": init_table(keys[0], cfg.vocab, cfg.dim),
+        "embed": embed_params(keys[0], cfg.vocab, cfg.dim),
         "pos": init_table(keys[1], cfg.seq_len, cfg.dim),
         **output_params(cfg, keys[2]),
     }

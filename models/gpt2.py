@@ -19,7 +19,7 @@ import jax
 
 from models.blocks import Stack, transformer_params
 from models.data import ZipfStream
-from models.workload import lm_loss, lm_workload, with_negatives
+from models.workload import embed, lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 
@@ -49,7 +49,7 @@ def loss_fn(cfg: GPT2Config, params, batch, emb=None) -> jax.Array:
     """Next-token cross-entropy of ``batch["tokens"]``: int32[B, T+1]."""
     emb = emb or DENSE_EMBEDDING
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-    x = emb.lookup(params["embed"], inputs) + params["pos"]
+    x = embed(cfg, params, inputs, emb) + params["pos"]
     h = _stack(cfg).apply({"params": params["decoder"]}, x)
     return lm_loss(cfg, params, h, targets, batch, emb)
 

@@ -1,8 +1,9 @@
 """LSTM language model (the EmbRace paper's LM workload), on Zipf tokens or a text file.
 
-Parameters: ``embed`` (V x D input table), ``lstm`` (the recurrent core, H units per
-layer), ``proj`` (H -> D, when H != D) and ``softmax`` (V x D output table, absent when
-tied to ``embed``). Full softmax, or sampled softmax with N shared negatives per step.
+Parameters: ``embed`` (the input table, ``nn.Embed``'s ``{"embedding": V x D}``),
+``lstm`` (the recurrent core, H units per layer), ``proj`` (H -> D, when H != D) and
+``softmax`` (the output table, the same form, absent when tied to ``embed``). Full
+softmax, or sampled softmax with N shared negatives per step.
 
 Paper-scale config (EmbRace, 1B-word LM): ``vocab=793471, dim=512, hidden=2048,
 layers=2, seq_len=20, batch=128 per GPU, sampled_softmax=8192``.
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 from models.data import TextStream, ZipfStream
 from models.workload import (
     Workload,
-    init_table,
+    embed,
+    embed_params,
     lm_loss,
     lm_workload,
     output_params,
@@ -80,7 +82,7 @@ def init_params(cfg: LSTMConfig, key: jax.Array) -> dict:
     k_emb, k_core, k_proj, k_out = jax.random.split(key, 4)
     core, proj = _parts(cfg)
     params = {
-        "embed": init_table(k_emb, cfg.vocab, cfg.dim),
+        "embed": embed_params(k_emb, cfg.vocab, cfg.dim),
         "lstm": core.init(k_core, jnp.zeros((1, 1, cfg.dim)))["params"],
         **output_params(cfg, k_out),
     }
@@ -94,7 +96,7 @@ def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
     emb = emb or DENSE_EMBEDDING
     core, proj = _parts(cfg)
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
-    h = core.apply({"params": params["lstm"]}, emb.lookup(params["embed"], inputs))
+    h = core.apply({"params": params["lstm"]}, embed(cfg, params, inputs, emb))
     if proj is not None:
         h = proj.apply({"params": params["proj"]}, h)
     return lm_loss(cfg, params, h, targets, batch, emb)

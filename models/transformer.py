@@ -23,7 +23,7 @@ import numpy as np
 
 from models.blocks import Stack, transformer_params
 from models.data import ZipfStream
-from models.workload import lm_loss, lm_workload, with_negatives
+from models.workload import embed, lm_loss, lm_workload, with_negatives
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 BOS_ID = 0
@@ -60,9 +60,9 @@ def loss_fn(cfg: TransformerConfig, params, batch, emb=None) -> jax.Array:
     emb = emb or DENSE_EMBEDDING
     enc, dec = _stacks(cfg)
     memory = enc.apply(
-        {"params": params["encoder"]}, emb.lookup(params["embed"], batch["src"]) + params["pos"]
+        {"params": params["encoder"]}, embed(cfg, params, batch["src"], emb) + params["pos"]
     )
-    x = emb.lookup(params["embed"], batch["tgt"][:, :-1]) + params["pos"]
+    x = embed(cfg, params, batch["tgt"][:, :-1], emb) + params["pos"]
     h = dec.apply({"params": params["decoder"]}, x, memory)
     return lm_loss(cfg, params, h, batch["tgt"][:, 1:], batch, emb)
 

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsecomm_jax.nn import TABLE_NAME, Embed, use_ops
+
 
 class Workload(NamedTuple):
     """A model with its data, as the train-step builders consume it.
@@ -45,15 +47,14 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
-def sampled_softmax_loss(h, out_table, targets, negatives, emb) -> jax.Array:
+def sampled_softmax_loss(h, out: Embed, targets, negatives) -> jax.Array:
     """Softmax over each position's target and ``N`` negatives shared by the batch.
 
     Args:
       h: float[..., D] hidden states.
-      out_table: the V x D output table (a shard under sharded strategies).
+      out: the output table, a bound ``Embed`` (read inside ``use_ops``).
       targets: int[...] target ids.
       negatives: int[N] shared negative ids; a negative equal to the target is masked.
-      emb: the ``EmbeddingOps`` that reads ``out_table``.
 
     Returns:
       The mean loss (scalar).
@@ -61,8 +62,8 @@ def sampled_softmax_loss(h, out_table, targets, negatives, emb) -> jax.Array:
     References:
       Jean et al., "On Using Very Large Target Vocabulary for NMT", ACL 2015.
     """
-    pos = jnp.sum(h * emb.lookup(out_table, targets), axis=-1, keepdims=True)
-    neg = h @ emb.lookup_shared(out_table, negatives).T
+    pos = jnp.sum(h * out(targets), axis=-1, keepdims=True)
+    neg = h @ out.lookup_shared(negatives).T
     neg = jnp.where(negatives == targets[..., None], -1e9, neg)
     logits = jnp.concatenate([pos, neg], axis=-1)
     return cross_entropy(logits, jnp.zeros(targets.shape, jnp.int32))
@@ -73,22 +74,41 @@ def init_table(key: jax.Array, vocab: int, dim: int) -> jax.Array:
     return jax.random.normal(key, (vocab, dim)) * dim**-0.5
 
 
+def embed_params(key: jax.Array, vocab: int, dim: int) -> dict:
+    """The parameters of an ``Embed`` table: ``{"embedding": V x D}``, N(0, 1/D)."""
+    return {TABLE_NAME: init_table(key, vocab, dim)}
+
+
+def table(cfg, table_params: dict) -> Embed:
+    """The ``Embed`` (V x D of ``cfg``) bound to ``table_params``; call it, its
+    ``attend`` or ``lookup_shared`` inside ``use_ops(emb)``."""
+    return Embed(cfg.vocab, cfg.dim).bind({"params": table_params})
+
+
+def embed(cfg, params, ids, emb) -> jax.Array:
+    """Rows of the input table ``embed`` for ``ids``, read through ``emb``."""
+    with use_ops(emb):
+        return table(cfg, params["embed"])(ids)
+
+
 def output_params(cfg, key: jax.Array) -> dict:
     """The output table ``softmax`` (V x D), or nothing when tied to ``embed``."""
-    return {} if cfg.tie_embeddings else {"softmax": init_table(key, cfg.vocab, cfg.dim)}
+    return {} if cfg.tie_embeddings else {"softmax": embed_params(key, cfg.vocab, cfg.dim)}
 
 
 def table_paths(cfg) -> tuple[tuple[str, ...], ...]:
     """Parameter paths of a language model's embedding tables."""
-    return (("embed",),) if cfg.tie_embeddings else (("embed",), ("softmax",))
+    names = ("embed",) if cfg.tie_embeddings else ("embed", "softmax")
+    return tuple((name, TABLE_NAME) for name in names)
 
 
 def lm_loss(cfg, params, h, targets, batch, emb) -> jax.Array:
     """Full or sampled softmax over the (tied or separate) output table."""
-    out_table = params["embed"] if cfg.tie_embeddings else params["softmax"]
-    if cfg.sampled_softmax:
-        return sampled_softmax_loss(h, out_table, targets, batch["negatives"], emb)
-    return cross_entropy(emb.attend(out_table, h), targets)
+    out = table(cfg, params["embed"] if cfg.tie_embeddings else params["softmax"])
+    with use_ops(emb):
+        if cfg.sampled_softmax:
+            return sampled_softmax_loss(h, out, targets, batch["negatives"])
+        return cross_entropy(out.attend(h), targets)
 
 
 def with_negatives(cfg, batch: dict, step: int) -> dict:

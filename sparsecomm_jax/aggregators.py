@@ -1,9 +1,13 @@
 """Gradient aggregators, optax-style: ``Aggregator(init, update)``.
 
-Used inside ``shard_map`` bodies: ``state = agg.init(grads_like)``, then
-``mean_grads, state = agg.update(grads, state)`` returns the mean gradient over the
-``axis_name`` workers, identical on every worker. State is a NamedTuple of arrays (a
-plain pytree), kept per worker.
+Used inside ``shard_map`` bodies, with ``check_vma`` (``jax.shard_map``'s default) or
+without: ``mean_grads, state = agg.update(grads, state)`` returns the mean gradient
+over the ``axis_name`` workers, identical on every worker and typed replicated (so
+``out_specs=P()`` accepts it). ``grads`` are each worker's own gradients: under
+``check_vma`` take them with respect to ``vary(params)``, since ``jax.grad`` of a
+``P()`` input is already summed over the workers. State is a NamedTuple of arrays kept
+per worker: ``per_worker(agg, P)`` holds it with a leading worker axis, passed with
+``state_spec()``, so every worker's residual is visible.
 
 Error-feedback aggregators (``topk_allgather``, ``topk_a2a``, ``gtopk``) keep a
 ``residual`` per worker shaped like the gradients: ``acc = grad + residual``; what is not
@@ -13,8 +17,11 @@ collective per bucket. Conservation holds by construction, for any input:
 
 Example:
     >>> from sparsecomm_jax import aggregators
-    >>> agg = aggregators.topk_a2a(0.01, "data")
-    >>> # inside shard_map: mean, state = agg.update(grads, agg.init(grads))
+    >>> agg = aggregators.per_worker(aggregators.topk_a2a(0.01), num_workers=8)
+    >>> # state = agg.init(params)  # residual leaves [8, ...], spec state_spec()
+    >>> # in jax.shard_map(body, in_specs=(P(), state_spec(), P("data")), ...):
+    >>> #   grads = jax.grad(loss)(aggregators.vary(params), batch)
+    >>> #   mean, state = agg.update(grads, state)
 
 References:
     Peng et al., "TopKA2A", ICPP 2024; Lin et al., "Deep Gradient Compression", 2018.
@@ -27,6 +34,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import collectives, costmodel, fusion, sparsify
 
@@ -50,7 +59,7 @@ class EmptyState(NamedTuple):
     """State of a stateless aggregator."""
 
 
-def dense_allreduce(axis_name: str) -> Aggregator:
+def dense_allreduce(axis_name: str = "data") -> Aggregator:
     """Mean of the gradients by ``lax.pmean`` (ring all-reduce).
 
     Args:
@@ -61,7 +70,8 @@ def dense_allreduce(axis_name: str) -> Aggregator:
     """
 
     def update(grads, state):
-        return jax.lax.pmean(grads, axis_name), state
+        check_per_worker(grads, axis_name)
+        return jax.lax.pmean(grads, axis_name), state  # typed replicated
 
     return Aggregator(init=lambda params: EmptyState(), update=update)
 
@@ -84,6 +94,86 @@ def check_float_grads(grads: PyTree) -> None:
             raise ValueError(f"gradient {name} has dtype {g.dtype}; top-k needs floats")
 
 
+def check_per_worker(grads: PyTree, axis_name: str) -> None:
+    """``ValueError`` when, inside a ``check_vma`` ``shard_map``, a gradient is typed
+    replicated over ``axis_name``: ``jax.grad`` has then already summed it over the
+    workers (the gradient of a ``P()`` input), and averaging it again would be wrong."""
+    if not collectives.vma_checked(axis_name):
+        return  # check_vma=False or pmap: nothing is typed
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        if axis_name not in collectives.varying_axes(g):
+            raise ValueError(
+                f"gradient {jax.tree_util.keystr(path)} is replicated over {axis_name!r}, so "
+                "jax.grad already summed it over the workers; differentiate with respect to "
+                f"aggregators.vary(params, {axis_name!r}) to get each worker's own gradient"
+            )
+
+
+def vary(tree: PyTree, axis_name: str = "data") -> PyTree:
+    """``tree`` typed as varying over ``axis_name`` (inside ``shard_map``).
+
+    Under ``check_vma`` (``jax.shard_map``'s default) the gradient of a replicated
+    (``P()``) input is summed over the workers by ``jax.grad`` itself. Differentiating
+    with respect to ``vary(params)`` instead gives each worker its own gradient, which an
+    aggregator then reduces. Without ``check_vma`` (or under ``pmap``) returns ``tree``.
+
+    Example:
+        >>> # in a shard_map body:
+        >>> # grads = jax.grad(loss)(aggregators.vary(params), batch)
+        >>> # mean, agg_state = agg.update(grads, agg_state)
+    """
+    if not collectives.vma_checked(axis_name):
+        return tree
+
+    def cast(x):
+        if axis_name in collectives.varying_axes(x):
+            return x
+        return jax.lax.pcast(x, axis_name, to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+def per_worker(agg: Aggregator, num_workers: int) -> Aggregator:
+    """``agg`` with its state held per worker, as one global array per leaf.
+
+    ``init(params)`` (outside ``shard_map``) gives the state with a leading axis of
+    ``num_workers``: zeros, one slice per worker, so ``np.asarray`` and checkpoints see
+    every worker's residual. Pass it with ``state_spec(axis_name)`` as in- and out-spec;
+    inside the body ``update(grads, state)`` reads and returns this worker's [1, ...]
+    slice.
+
+    Args:
+      agg: any aggregator (``topk_a2a(...)``, ...).
+      num_workers: P, the size of the mesh axis.
+
+    Returns:
+      An ``Aggregator`` on per-worker state.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> agg = per_worker(topk_a2a(0.1), num_workers=8)
+        >>> agg.init({"w": jnp.zeros(3)}).residual["w"].shape
+        (8, 3)
+    """
+
+    def init(params):
+        shapes = jax.eval_shape(agg.init, params)
+        return jax.tree.map(lambda s: np.zeros((num_workers, *s.shape), s.dtype), shapes)
+
+    def update(grads, state):
+        local = jax.tree.map(lambda x: x[0], state)  # [1, ...] -> [...]
+        mean, local = agg.update(grads, local)
+        return mean, jax.tree.map(lambda x: x[None], local)
+
+    return Aggregator(init=init, update=update)
+
+
+def state_spec(axis_name: str = "data") -> P:
+    """The ``PartitionSpec`` of ``per_worker`` state: one slice per worker along
+    ``axis_name`` (a prefix for the whole state pytree in ``in_specs``/``out_specs``)."""
+    return P(axis_name)
+
+
 def _check(density: float, selector: str) -> None:
     sparsify.check_density(density)
     sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
@@ -101,6 +191,7 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_wor
 
     def update(grads, state):
         check_float_grads(grads)
+        check_per_worker(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
         acc = [g + r for g, r in zip(leaves, treedef.flatten_up_to(state.residual), strict=True)]
         num = jax.lax.axis_size(axis_name)
@@ -146,13 +237,14 @@ def a2a_exchange(density: float, axis_name: str, selector: str = "exact") -> Cal
     return exchange
 
 
-def gtopk_exchange(density: float, axis_name: str) -> Callable:
-    """``flat -> (total, kept)`` of gTop-k (P a power of two)."""
+def gtopk_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+    """``flat -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
+    worker's first k, the merges re-select exactly."""
 
     def exchange(flat):
         d = flat.shape[0]
         k = sparsify.num_selected(density, d)  # collectives.gtopk checks P
-        values, indices = sparsify.exact_topk(flat, k)
+        values, indices = sparsify.select(flat, k, selector)
         total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
         return total, flat - sparsify.densify(values, indices, d) + dropped
 
@@ -166,7 +258,7 @@ def dense_exchange(axis_name: str) -> Callable:
 
 def topk_allgather(
     density: float,
-    axis_name: str,
+    axis_name: str = "data",
     selector: str = "exact",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
@@ -189,7 +281,7 @@ def topk_allgather(
 
 def topk_a2a(
     density: float,
-    axis_name: str,
+    axis_name: str = "data",
     selector: str = "exact",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
@@ -208,7 +300,8 @@ def topk_a2a(
 
 def gtopk(
     density: float,
-    axis_name: str,
+    axis_name: str = "data",
+    selector: str = "exact",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """gTop-k: log2(P) pairwise merge rounds; entries a merge drops go back to the
@@ -217,19 +310,20 @@ def gtopk(
     Args:
       density: fraction of each bucket kept, in (0, 1].
       axis_name: the data-parallel mesh axis.
+      selector: how each worker selects its first k (as ``topk_allgather``).
       bucket_bytes: fusion threshold (``None``: one bucket).
 
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check(density, "exact")
-    exchange = gtopk_exchange(density, axis_name)
+    _check(density, selector)
+    exchange = gtopk_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
 
 
 def adaptive(
     density: float,
-    axis_name: str,
+    axis_name: str = "data",
     link: costmodel.Link | None = None,
     selector: str = "exact",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
@@ -264,7 +358,7 @@ def adaptive(
     return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
 
 
-def _dense(density: float, axis_name: str, **_: Any) -> Aggregator:
+def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:
     return dense_allreduce(axis_name)
 
 

@@ -1,8 +1,9 @@
 """Sparse all-reduce collectives: pure functions for ``shard_map`` bodies.
 
 Each takes this worker's selection and returns the *sum* over workers as a dense
-vector, identical on every worker (divide by P for the mean). Volumes per worker
-(k selected of d, P workers, 4-byte values and indices):
+vector, identical on every worker (divide by P for the mean) and typed so: under
+``jax.shard_map``'s ``check_vma`` it is replicated, usable with ``out_specs=P()``.
+Volumes per worker (k selected of d, P workers, 4-byte values and indices):
 
 ================ ====================================== ===========================
 collective       steps                                  bytes sent per worker
@@ -26,6 +27,26 @@ import jax.numpy as jnp
 from sparsecomm_jax import sparsify
 
 
+def varying_axes(x) -> frozenset:
+    """The mesh axes over which ``x`` is typed as varying (``jax.typeof(x)``)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax >= 0.10; earlier versions: ``aval.vma``
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def vma_checked(axis_name: str) -> bool:
+    """True inside a ``shard_map`` that types values as varying or replicated over
+    ``axis_name`` (``check_vma=True``, the default); False under ``check_vma=False``
+    and ``pmap``, where nothing is typed."""
+    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
+
+
+def all_gather_replicated(x, axis_name: str):
+    """Tiled all-gather typed replicated (the same HLO all-gather as
+    ``lax.all_gather``): under ``check_vma`` a ``P()`` output of it is accepted."""
+    return jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
+
+
 def topk_allgather(values, indices, size: int, axis_name: str):
     """Sum of every worker's sparse vector by all-gather and scatter-add.
 
@@ -43,8 +64,8 @@ def topk_allgather(values, indices, size: int, axis_name: str):
     Returns:
       float[size], the sum over workers.
     """
-    all_values = jax.lax.all_gather(values, axis_name, tiled=True)  # float[P*k]
-    all_indices = jax.lax.all_gather(indices, axis_name, tiled=True)  # int[P*k]
+    all_values = all_gather_replicated(values, axis_name)  # float[P*k]
+    all_indices = all_gather_replicated(indices, axis_name)  # int[P*k]
     return sparsify.densify(all_values, all_indices, size)
 
 
@@ -77,7 +98,7 @@ def topk_a2a(values, indices, size: int, axis_name: str):
     got_values = jax.lax.all_to_all(values, axis_name, 0, 0)  # float[P, k/P] for my shard
     got_indices = jax.lax.all_to_all(indices, axis_name, 0, 0)  # int[P, k/P]
     mine = sparsify.densify(got_values, got_indices, size // num)  # float[d/P]
-    return jax.lax.all_gather(mine, axis_name, tiled=True)  # float[d]
+    return all_gather_replicated(mine, axis_name)  # float[d]
 
 
 def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
@@ -121,7 +142,8 @@ def gtopk(values, indices, size: int, k: int, axis_name: str):
       ``(total, dropped)``: float[size] sum of the final global list (same on every
       worker), and float[size] mass this worker must keep in its residual (each merge's
       leftovers are assigned to one rank of the group that made it: nothing vanishes
-      and nothing is counted twice).
+      and nothing is counted twice). Under ``check_vma`` the final list is typed
+      replicated by one tiled all-gather of 1/P of it per worker (bytes above + 2k/P).
     """
     num = jax.lax.axis_size(axis_name)
     if num & (num - 1):
@@ -137,4 +159,21 @@ def gtopk(values, indices, size: int, k: int, axis_name: str):
         # same merge: only the group's first rank keeps what it dropped.
         keeper = (rank & ((2 << r) - 1)) == 0
         dropped = dropped.at[left_i].add(jnp.where(keeper, left_v, 0.0))
+    if vma_checked(axis_name):  # every worker holds this list; type it so
+        values, indices = _replicated_list(values, indices, axis_name)
     return sparsify.densify(values, indices, size), dropped
+
+
+def _replicated_list(values, indices, axis_name: str):
+    """A list every worker holds identically, typed replicated: each worker sends 1/P
+    of it by a tiled all-gather ((P-1)/P * 2k * 4 more bytes per worker)."""
+    num = jax.lax.axis_size(axis_name)
+    pad = -values.shape[0] % num  # padding entries add 0 at index 0
+    values, indices = jnp.pad(values, (0, pad)), jnp.pad(indices, (0, pad))
+    n = values.shape[0] // num
+    start = jax.lax.axis_index(axis_name) * n
+
+    def gather(x):
+        return all_gather_replicated(jax.lax.dynamic_slice_in_dim(x, start, n), axis_name)
+
+    return gather(values), gather(indices)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, hlo, runtime
+from sparsecomm_jax import aggregators, costmodel, hlo, runtime
 
 N = 8
 LOSSY = ("topk_allgather", "topk_a2a", "gtopk")
@@ -184,3 +184,91 @@ def test_gtopk_needs_power_of_two():
     g, r = inputs("random", d=60)
     with pytest.raises(ValueError, match="power-of-two"):
         run(aggregators.gtopk(0.5, "data"), g[:6], r[:6], devices=6)
+
+
+# ------------------------------------------- a user's own step: check_vma, per-worker state
+
+
+def _checked_program(agg, devices=N):
+    """A default ``jax.shard_map`` (check_vma on): mean out as ``P()``, state per worker."""
+    mesh = runtime.data_mesh(devices)
+    spec = aggregators.state_spec()
+
+    def body(grads, state):
+        grads = jax.tree.map(lambda x: x[0], grads)  # {"a": float[cut], "b": float[d - cut]}
+        return agg.update(grads, state)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), spec), out_specs=(P(), spec))
+    return jax.jit(fn), mesh
+
+
+@pytest.mark.parametrize("name", [*LOSSY, "adaptive"])
+def test_check_vma_mean_is_replicated_and_equal_to_unchecked(name):
+    g, r = inputs("random", d=512, seed=7)
+    options = {"link": costmodel.Link(alpha=0.0, beta=1.0)} if name == "adaptive" else {}
+    agg = aggregators.AGGREGATORS[name](0.05, bucket_bytes=1024, **options)  # axis "data"
+    wrapped = aggregators.per_worker(agg, N)
+    state = wrapped.init({"a": np.zeros(384, np.float32), "b": np.zeros(128, np.float32)})
+    assert state.residual["a"].shape == (N, 384)
+    state = aggregators.ErrorFeedbackState({"a": r[:, :384], "b": r[:, 384:]})
+    fn, mesh = _checked_program(wrapped)
+    mean, new = fn({"a": g[:, :384], "b": g[:, 384:]}, state)
+    ref_mean, ref_r = run(agg, g, r)  # check_vma=False, per-worker outputs
+    np.testing.assert_array_equal(np.concatenate([mean["a"], mean["b"]]), ref_mean[0])
+    residual = np.concatenate([np.asarray(new.residual["a"]), np.asarray(new.residual["b"])], 1)
+    np.testing.assert_array_equal(residual, ref_r)  # every worker's residual, shape [P, d]
+    assert len({row.tobytes() for row in residual}) == N
+
+
+def test_check_vma_dense_allreduce_is_the_mean():
+    g, _ = inputs("random", d=64, seed=8)
+    fn, _ = _checked_program(aggregators.per_worker(aggregators.dense_allreduce(), N))
+    mean, state = fn({"a": g[:, :48], "b": g[:, 48:]}, aggregators.EmptyState())
+    np.testing.assert_allclose(np.concatenate([mean["a"], mean["b"]]), g.mean(0), rtol=1e-6)
+
+
+def _grad_step(agg, use_vary):
+    """One hand-written step: local gradient of sum(x * w), aggregated; check_vma on."""
+
+    def body(w, x):
+        w_in = aggregators.vary(w) if use_vary else w
+        grads = jax.grad(lambda w: jnp.sum(x * w))(w_in)  # float[d]
+        return agg.update(grads, agg.init(grads))[0]
+
+    mesh = runtime.data_mesh(N)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+
+
+@pytest.mark.parametrize("name", ["dense", "topk_a2a"])
+def test_vary_gives_each_worker_its_own_gradient(name):
+    x = np.random.default_rng(9).normal(size=(N, 64)).astype(np.float32)
+    agg = aggregators.AGGREGATORS[name](1.0)
+    mean = _grad_step(agg, use_vary=True)(np.ones(64, np.float32), x)
+    np.testing.assert_allclose(mean, x.mean(0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"already summed.*aggregators.vary\(params"):
+        _grad_step(agg, use_vary=False)(np.ones(64, np.float32), x)
+
+
+@pytest.mark.parametrize("selector", ["radix", "threshold"])
+def test_gtopk_takes_a_selector(selector):
+    g, r = inputs("random", d=256, seed=10)
+    mean, new_r = run(aggregators.gtopk(1 / 16, selector=selector, bucket_bytes=None), g, r)
+    np.testing.assert_allclose(N * mean[0] + new_r.sum(0), (g + r).sum(0), atol=1e-4)
+    if selector == "radix":  # the same entries as exact selection
+        exact, _ = run(aggregators.gtopk(1 / 16, bucket_bytes=None), g, r)
+        np.testing.assert_allclose(mean, exact, rtol=1e-6, atol=1e-7)
+
+
+def test_check_vma_costs_bytes_only_for_gtopk():
+    d, k = 16_000, 160
+    cut = d * 3 // 4
+    grads = {"a": np.zeros((N, cut), np.float32), "b": np.zeros((N, d - cut), np.float32)}
+    for name in LOSSY:
+        agg = aggregators.AGGREGATORS[name](k / d, bucket_bytes=None)
+        checked_fn, _ = _checked_program(aggregators.per_worker(agg, N))
+        state = aggregators.ErrorFeedbackState(jax.tree.map(np.zeros_like, grads))
+        checked = hlo.total_bytes(hlo.collectives(checked_fn, grads, state))
+        unchecked = hlo.total_bytes(_bytes(agg, d))
+        # gtopk: every worker sends 1/P of the final k-list (values and indices) once more
+        extra = 2 * (N - 1) / N * k * 4 if name == "gtopk" else 0
+        assert checked == pytest.approx(unchecked + extra, rel=1e-6), name

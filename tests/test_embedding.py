@@ -130,7 +130,7 @@ def test_embrace_program_bytes():
     expected = lookups * (2 * (N - 1) / N * n * D * 4 + (N - 1) * n * 4)
     assert a2a + ids == pytest.approx(expected, rel=0.05)
     # the table never travels whole, and each worker holds V x D/P of it
-    assert ts.state.params["embed"].addressable_shards[0].data.shape == (V, D // N)
+    assert ts.state.params["embed"]["embedding"].addressable_shards[0].data.shape == (V, D // N)
 
 
 def test_bytes_scale_with_workers():

@@ -1,0 +1,223 @@
+"""A model the library does not ship (a flax bag-of-words classifier on
+``sparsecomm_jax.nn.Embed``), trained as a user would: every table strategy through
+``make_train_step`` against a hand-written ``jax.pmap`` + ``lax.pmean`` step, and a
+hand-written default ``jax.shard_map`` step (``check_vma`` on) with ``topk_a2a``."""
+
+import functools
+import os
+import re
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax import aggregators, nn, runtime, train
+from tests.conftest import REPO
+from tests.helpers import assert_trees_close
+
+N, V, D, CLASSES, T, B = 8, 64, 16, 4, 6, 32
+LR = 0.5
+
+
+class BagOfWords(linen.Module):
+    """Mean of the token embeddings, then an MLP; ``tied`` scores classes against
+    the first ``CLASSES`` rows of the table instead (``Embed.attend``)."""
+
+    embed_cls: type = nn.Embed
+    tied: bool = False
+
+    @linen.compact
+    def __call__(self, tokens):
+        embed = self.embed_cls(V, D, name="embed")
+        h = embed(tokens).mean(axis=1)  # float[B, D]
+        h = linen.relu(linen.Dense(32)(h))
+        if self.tied:
+            return embed.attend(linen.Dense(D)(h))[:, :CLASSES]
+        return linen.Dense(CLASSES)(h)
+
+
+def batch_at(step: int) -> dict:
+    """Learnable data: class c draws most tokens from its own quarter of the vocabulary."""
+    rng = np.random.default_rng(step)
+    labels = rng.integers(0, CLASSES, B)
+    own = labels[:, None] * (V // CLASSES) + rng.integers(0, V // CLASSES, (B, T))
+    tokens = np.where(rng.random((B, T)) < 0.7, own, rng.integers(0, V, (B, T)))
+    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32)}
+
+
+def make_loss(model):
+    def loss(params, batch):
+        logits = model.apply(params, batch["tokens"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    return loss
+
+
+def init(model):
+    return model.init(jax.random.key(0), jnp.zeros((1, T), jnp.int32))
+
+
+@functools.cache
+def pmap_reference(tied, steps):
+    """Hand-written data parallelism: ``jax.pmap``, ``lax.pmean`` of the gradients, SGD."""
+    model = BagOfWords(linen.Embed, tied)  # plain flax: no strategy involved
+    loss_fn = make_loss(model)
+
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        grads = jax.lax.pmean(grads, "data")
+        params = jax.tree.map(lambda p, g: p - LR * g, params, grads)
+        return params, jax.lax.pmean(loss, "data")
+
+    step = jax.pmap(step, axis_name="data")
+    params = jax.tree.map(lambda x: np.broadcast_to(x, (N, *x.shape)), init(model))
+    losses = []
+    for s in range(steps):
+        batch = {k: v.reshape(N, -1, *v.shape[1:]) for k, v in batch_at(s).items()}
+        params, loss = step(params, batch)
+        losses.append(float(loss[0]))
+    return losses, jax.tree.map(lambda x: np.asarray(x[0]), params)
+
+
+def library_run(model, strategy, steps):
+    params = init(model)
+    ts = train.make_train_step(
+        nn.loss_with_embeddings(make_loss(model)),
+        optax.sgd(LR),
+        runtime.data_mesh(N),
+        params,
+        strategy,
+        embedding_paths=nn.embedding_paths(params),
+        id_keys=("tokens",),
+    )
+    state, losses = ts.state, []
+    for s in range(steps):
+        state, loss = ts.step(state, train.place_for_step(ts, batch_at, s, steps))
+        losses.append(train.loss_value(loss))
+    return losses, ts.host_params(state)
+
+
+def test_embedding_paths_of_a_flax_model():
+    assert nn.embedding_paths(init(BagOfWords())) == (("params", "embed", "embedding"),)
+    assert nn.embedding_paths(init(BagOfWords())["params"]) == (("embed", "embedding"),)
+
+
+def test_embrace_equals_hand_written_pmap():
+    ref_losses, ref_params = pmap_reference(False, steps=5)
+    losses, params = library_run(BagOfWords(), "embrace", steps=5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    assert_trees_close(params, ref_params, rtol=1e-6, atol=1e-6)
+    assert ref_losses[-1] < ref_losses[0]
+
+
+@pytest.mark.parametrize(
+    "strategy, embed_cls, tied",
+    [
+        ("embrace_rowwise", nn.Embed, True),  # attend: a tied output layer
+        ("sparse_allgather", nn.Embed, False),
+        ("embrace_2d", nn.Embed, False),
+        ("embrace", linen.Embed, True),  # an unmodified flax Embed, served by use_ops
+    ],
+)
+def test_every_table_strategy_equals_pmap(strategy, embed_cls, tied):
+    model = BagOfWords(embed_cls, tied)
+    ref_losses, ref_params = pmap_reference(tied, steps=3)
+    losses, params = library_run(model, strategy, steps=3)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    assert_trees_close(params, ref_params, rtol=1e-6, atol=1e-6)
+
+
+def test_topk_a2a_in_a_hand_written_shard_map_step(tmp_path):
+    model, steps = BagOfWords(), 40
+    loss_fn, params, opt = make_loss(model), init(model), optax.adam(0.02)
+    agg = aggregators.per_worker(aggregators.topk_a2a(0.1), N)
+    spec = aggregators.state_spec()
+
+    def body(params, opt_state, agg_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(aggregators.vary(params), batch)
+        mean, agg_state = agg.update(grads, agg_state)
+        updates, opt_state = opt.update(mean, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, agg_state, jax.lax.pmean(loss, "data")
+
+    step = jax.jit(
+        jax.shard_map(  # check_vma on (the default): P() outputs are checked replicated
+            body,
+            mesh=runtime.data_mesh(N),
+            in_specs=(P(), P(), spec, P("data")),
+            out_specs=(P(), P(), spec, P()),
+        )
+    )
+    opt_state, agg_state, losses = opt.init(params), agg.init(params), []
+    for s in range(steps):
+        params, opt_state, agg_state, loss = step(params, opt_state, agg_state, batch_at(s))
+        losses.append(float(loss))
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+    residual = np.asarray(agg_state.residual["params"]["embed"]["embedding"])
+    assert residual.shape == (N, V, D)  # every worker's residual, as one global array
+    assert len({w.tobytes() for w in residual}) == N  # and they differ
+    assert np.all(np.abs(residual).sum(axis=(1, 2)) > 0)
+    path = os.path.join(tmp_path, "residuals")
+    with ocp.StandardCheckpointer() as checkpointer:  # what a checkpoint of it keeps
+        checkpointer.save(path, {"residual": agg_state.residual})
+        checkpointer.wait_until_finished()
+        restored = checkpointer.restore(path)
+    np.testing.assert_array_equal(restored["residual"]["params"]["embed"]["embedding"], residual)
+
+
+def test_a_shard_read_outside_a_step_names_the_fix():
+    model = BagOfWords()
+    params = init(model)
+    shard = jax.tree.map(lambda x: x, params)
+    shard["params"]["embed"]["embedding"] = params["params"]["embed"]["embedding"][:, : D // N]
+    with pytest.raises(ValueError, match=r"embed has shape \(64, 2\).*use_ops"):
+        model.apply(shard, batch_at(0)["tokens"])
+    with pytest.raises(ValueError, match="Input type must be an integer"):
+        model.apply(params, batch_at(0)["tokens"].astype(np.float32))
+
+
+def _readme_block(marker: str) -> str:
+    """The README's python code block that contains ``marker``."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_readme_snippets_run():
+    scope = dict(globals(), P=P)
+    exec(_readme_block("nn.loss_with_embeddings(loss)"), scope)  # defines ts, loss
+    state, first = scope["ts"].step(scope["ts"].state, scope["ts"].place_batch(batch_at(0)))
+    scope.update(loss_fn=scope["loss"], opt=optax.sgd(LR), params=init(scope["model"]))
+    exec(_readme_block("aggregators.per_worker"), scope)
+    params, _, agg_state, loss = scope["step"](
+        scope["params"], scope["opt_state"], scope["agg_state"], batch_at(0)
+    )
+    np.testing.assert_allclose(float(loss), train.loss_value(first), rtol=1e-6)
+    assert agg_state.residual["params"]["embed"]["embedding"].shape == (N, V, D)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_embed_is_a_drop_in_for_flax_embed(dtype):
+    ids = jnp.asarray(batch_at(0)["tokens"])
+    query = jax.random.normal(jax.random.key(1), (3, D))
+    ours, theirs = nn.Embed(V, D, dtype=dtype), linen.Embed(V, D, dtype=dtype)
+    params = theirs.init(jax.random.key(0), ids)
+    assert_trees_close(ours.init(jax.random.key(0), ids), params, rtol=0, atol=0)
+    for ops in (None, nn.DENSE_EMBEDDING):
+        with nn.use_ops(ops):
+            got, want = ours.apply(params, ids), theirs.apply(params, ids)
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+            got = ours.apply(params, query, method="attend")
+            want = theirs.apply(params, query, method="attend")
+            assert got.dtype == want.dtype
+            tol = 1e-6 if dtype is None else 2e-2  # bf16: the product rounds differently
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol
+            )
