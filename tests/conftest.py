@@ -1,7 +1,16 @@
-"""Every test runs on 8 simulated CPU devices (set before JAX starts)."""
+"""Every test runs on 8 simulated CPU devices (set before JAX starts).
 
+Compiled programs are shared through a persistent compilation cache, fresh for each
+test run (a temporary folder made by the first process and inherited by the xdist
+workers, removed at exit): many tests build the same small programs (a run and its
+resumed twin, a strategy and its reference), and each is compiled once per run.
+"""
+
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 # Faster LLVM code generation: the suite is dominated by compiling small programs.
 # HLO passes (and so the collectives and their bytes) are unaffected.
@@ -9,7 +18,17 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 ).strip()
 
+import jax  # noqa: E402
+
 from sparsecomm_jax import runtime  # noqa: E402
+
+CACHE_ENV = "SPARSECOMM_TEST_COMPILE_CACHE"
+if not os.environ.get(CACHE_ENV):
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="sparsecomm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 NUM_DEVICES = 8
 runtime.simulate_cpu_devices(NUM_DEVICES)
