@@ -60,6 +60,10 @@ def check_run_io(config: RunConfig) -> None:
         if getattr(config, name) < 0:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 0, got {getattr(config, name)}")
+    if config.eval_every and not config.data_dir:
+        raise ValueError(
+            "--eval-every needs held-out data: give --data-dir (WikiText, PTB or CIFAR-10)"
+        )
     if config.data_dir and config.text_file:
         raise ValueError("give --data-dir or --text-file, not both")
     if parse_profile_steps(config.profile_steps) and log_dir_of(config) is None:
@@ -132,10 +136,6 @@ class RunHooks:
     def __init__(self, config: RunConfig, workload: Workload, ts, rank: int):
         self.config, self.workload, self.ts = config, workload, ts
         self.splits = heldout_splits(workload)
-        if config.eval_every and not self.splits:
-            raise ValueError(
-                "--eval-every needs held-out data: give --data-dir (WikiText, PTB or CIFAR-10)"
-            )
         self.batches = {s: workload.heldout(s, config.eval_batches) for s in self.splits}
         self.folder = log_dir_of(config)
         self.log = StepLog(self.folder) if self.folder and rank == 0 else None
