@@ -2,13 +2,15 @@
 pickle batches for the CNNs, held-out batches and metrics, and clear errors."""
 
 import collections
+import dataclasses
 import pickle
 
 import jax
 import numpy as np
 import pytest
 
-from experiments.train import main
+from experiments.config import RunConfig
+from experiments.train import main, train_and_evaluate
 from models import datasets, get_workload, heldout, vision
 from models.bert import MASK_ID
 
@@ -188,3 +190,15 @@ def test_cnn_trains_on_every_image_once_per_epoch_and_reports_accuracy(tmp_path)
 def _logits(params, batch):
     model = vision.ResNet(vision.VisionConfig(width=4))
     return jax.jit(model.apply)({"params": params}, batch["images"])
+
+
+def test_cnn_run_reports_heldout_accuracy_in_its_result(tmp_path):
+    write_cifar(tmp_path, per_batch=8)
+    config = RunConfig(
+        model="vgg", devices=2, steps=2, warmup=0, batch=4, width=4, data_dir=str(tmp_path)
+    )
+    result = train_and_evaluate(dataclasses.replace(config, eval_every=1), progress=False)
+    test = result["heldout"]["test"]
+    assert test["batches"] == 2 and (test["accuracy"] * 8) % 1 == 0  # 8 images, 2 batches
+    assert [(e["step"], e["split"]) for e in result["eval"]] == [(0, "test"), (1, "test")]
+    assert result["eval"][-1]["accuracy"] == test["accuracy"] and "valid" not in result["heldout"]
