@@ -1,6 +1,7 @@
 """Per-step JSON lines, TensorBoard scalars, held-out perplexity in the result and the
 --profile-steps trace of a run on generated WikiText-format files."""
 
+import dataclasses
 import json
 import math
 import struct
@@ -37,11 +38,11 @@ def wikitext_run(tmp_path_factory):
     write_corpus(folder)
     out = folder / "run" / "result.json"
     config = RunConfig(**RUN, data_dir=str(folder), eval_every=2, profile_steps="1:3", out=str(out))
-    return train_and_evaluate(config, progress=False), out.with_name("result.logs")
+    return train_and_evaluate(config, progress=False), out.with_name("result.logs"), config
 
 
 def test_result_reports_heldout_perplexity(wikitext_run):
-    result, _ = wikitext_run
+    result, *_ = wikitext_run
     for split in ("valid", "test"):
         m = result["heldout"][split]
         assert m["perplexity"] == pytest.approx(math.exp(m["loss"])) and m["batches"] > 0
@@ -53,8 +54,19 @@ def test_result_reports_heldout_perplexity(wikitext_run):
     json.dumps(result)
 
 
+def test_sharded_tables_are_scored_like_dense(wikitext_run):
+    dense, _, config = wikitext_run
+    embrace = dataclasses.replace(config, strategy="embrace", profile_steps="", out="")
+    got = train_and_evaluate(embrace, progress=False)
+    np.testing.assert_allclose(got["losses"], dense["losses"], rtol=1e-5)
+    for split in ("valid", "test"):
+        want = dense["heldout"][split]["loss"]
+        assert got["heldout"][split]["loss"] == pytest.approx(want, rel=1e-5)
+    assert "log_dir" not in got and "trace_dir" not in got  # no --out, no --log-dir
+
+
 def test_one_json_line_per_step(wikitext_run):
-    result, logs = wikitext_run
+    result, logs, _ = wikitext_run
     lines = [json.loads(x) for x in (logs / "steps.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [0, 1, 2, 3]
     np.testing.assert_allclose([x["loss"] for x in lines], result["losses"], rtol=1e-6)
@@ -65,7 +77,7 @@ def test_one_json_line_per_step(wikitext_run):
 
 
 def test_tensorboard_scalars_match_the_lines(wikitext_run):
-    result, logs = wikitext_run
+    result, logs, _ = wikitext_run
     scalars = read_scalars(logs)
     assert sorted(scalars["train/loss"]) == [0, 1, 2, 3]
     np.testing.assert_allclose(list(scalars["train/loss"].values()), result["losses"], rtol=1e-6)
@@ -75,7 +87,7 @@ def test_tensorboard_scalars_match_the_lines(wikitext_run):
 
 
 def test_profile_steps_leave_a_trace(wikitext_run):
-    result, logs = wikitext_run
+    result, logs, _ = wikitext_run
     assert result["trace_dir"] == str(logs / "trace")
     files = [p.name for p in (logs / "trace").rglob("*") if p.is_file()]
     assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in files), files
