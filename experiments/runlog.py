@@ -78,12 +78,13 @@ def scalar_tag(key: str) -> str:
 
 
 class StepLog:
-    """JSON lines (flushed per line) and TensorBoard scalars in one folder."""
+    """JSON lines (flushed per line) and TensorBoard scalars in one folder; ``append``
+    continues the lines of an earlier run (``--resume``) instead of replacing them."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, append: bool = False):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "steps.jsonl"
-        self._file = open(self.path, "w", buffering=1, encoding="utf-8")
+        self._file = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
         self._tb = SummaryWriter(str(folder))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -138,7 +139,8 @@ class RunHooks:
         self.splits = heldout_splits(workload)
         self.batches = {s: workload.heldout(s, config.eval_batches) for s in self.splits}
         self.folder = log_dir_of(config)
-        self.log = StepLog(self.folder) if self.folder and rank == 0 else None
+        on = self.folder and rank == 0
+        self.log = StepLog(self.folder, append=config.resume) if on else None
         window = parse_profile_steps(config.profile_steps)
         self.trace = Trace(self.folder / "trace", window) if window else None
         self.evals: list[dict[str, Any]] = []
