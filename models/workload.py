@@ -140,7 +140,13 @@ def lm_data(
     def heldout(split: str, max_batches: int = 0) -> list[dict]:
         if corpus is None or split not in corpus.splits:
             return []
-        chunks = heldout_windows(corpus.splits[split], length, cfg.batch, max_batches, overlap)
+        ids = corpus.splits[split]
+        if len(ids) < length:
+            raise ValueError(
+                f"the {split} file of --data-dir has {len(ids)} tokens, fewer than one "
+                f"example ({length}); lower --seq-len"
+            )
+        chunks = heldout_windows(ids, length, cfg.batch, max_batches, overlap)
         return [make_batch(c, HELDOUT_STEP + i) for i, c in enumerate(chunks)]
 
     return batch_at, heldout

@@ -58,6 +58,15 @@ def test_missing_files_name_the_files_expected(tmp_path):
         datasets.cifar_folder(tmp_path)
 
 
+def test_too_short_heldout_file_names_the_split(tmp_path):
+    write_corpus(tmp_path, "PTB")
+    (tmp_path / "ptb.valid.txt").write_text("w1\n")  # 2 tokens with <eos>
+    w = get_workload("gpt2", **TINY, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="the valid file of --data-dir has 2 tokens"):
+        w.heldout("valid")
+    assert len(w.heldout("test")) > 0
+
+
 def test_heldout_windows_predict_every_token_once():
     ids = np.random.default_rng(1).integers(0, 50, 103).astype(np.int32)
     chunks = datasets.heldout_windows(ids, length=7, batch=4, overlap=1)
