@@ -144,7 +144,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__)
     parser.add_argument(
-        "--small", action="store_true", help="tiny sizes (d = 65536, tiny models): CPU, seconds"
+        "--small", action="store_true", help="tiny sizes (d = 65536, tiny models) that run on a CPU"
     )
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated models (default: all)"
