@@ -6,7 +6,7 @@ step of every model on one device, and a profiler trace. Under eight minutes on 
 
 Writes a JSON (device, jax version, every timing in seconds) and prints a short table
 (GB/s = the 4 d bytes of the float32 vector over the time). The trace
-(``<--out without .json>.trace/``) holds two steps of the first model; open it with
+(``<--out without .json>.trace/``) holds two more steps of the first model; open it with
 TensorBoard's profile plugin or at ui.perfetto.dev (``*.trace.json.gz``).
 """
 
@@ -29,7 +29,7 @@ from experiments.selection_cost import selector_times, timed
 from experiments.train import build, start_devices
 from models import MODELS
 from sparsecomm_jax import sparsify
-from sparsecomm_jax.train import loss_value, place_for_step
+from sparsecomm_jax.train import loss_value
 
 # One-device model sizes: mid-size on an accelerator, tiny with --small.
 FULL_SIZES: dict[str, dict[str, Any]] = {
@@ -55,25 +55,40 @@ def scatter_add_times(size: int, density: float, workers: int = 8) -> dict[str, 
     return out
 
 
-def model_step(model: str, overrides: dict[str, Any], steps: int = 4) -> dict[str, Any]:
+def model_step(
+    model: str, overrides: dict[str, Any], trace_dir: Path | None = None, steps: int = 4
+) -> dict[str, Any]:
     """Compile time, first step and median later step of the library's dense train
-    step of ``model`` on one device."""
-    config = RunConfig(model=model, devices=1, strategy="dense", steps=steps, **overrides)
+    step of ``model`` on one device; with ``trace_dir``, two more steps profiled there."""
+    config = RunConfig(model=model, devices=1, strategy="dense", steps=steps + 2, **overrides)
     workload, ts = build(config)
-    state, times = ts.state, []
-    batch = place_for_step(ts, workload.batch_at, 0, steps)
+    batches = [ts.place_batch(workload.batch_at(step)) for step in range(steps + 2)]
     t = time.perf_counter()
-    program = ts.step.lower(state, batch).compile()
+    program = ts.step.lower(ts.state, batches[0]).compile()
     compile_s = time.perf_counter() - t
-    for step in range(steps):
-        batch = place_for_step(ts, workload.batch_at, step, steps)
+    state, times = ts.state, []
+    for batch in batches[:steps]:
         t = time.perf_counter()
         state, loss = program(state, batch)
         loss = loss_value(loss)
         times.append(time.perf_counter() - t)
     params = sum(int(np.size(x)) for x in jax.tree.leaves(ts.host_params(state)))
-    return {"model": model, "params": params, "compile_s": compile_s, "first_step_s": times[0],
-            "step_s": statistics.median(times[1:]), "loss": loss}  # fmt: skip
+    out = {"model": model, "params": params, "compile_s": compile_s, "first_step_s": times[0],
+           "step_s": statistics.median(times[1:]), "loss": loss}  # fmt: skip
+    if trace_dir:
+        out["trace"] = trace_steps(program, state, batches[steps:], trace_dir)
+    return out
+
+
+def trace_steps(program, state, batches: list, folder: Path) -> dict[str, Any]:
+    """``program`` over ``batches`` under ``jax.profiler``; the files written."""
+    jax.profiler.start_trace(str(folder))
+    for batch in batches:
+        state, loss = program(state, batch)
+        loss_value(loss)
+    jax.profiler.stop_trace()
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    return {"dir": str(folder), "files": files}
 
 
 def guarded(fn, model: str, *args) -> dict[str, Any]:
@@ -82,21 +97,8 @@ def guarded(fn, model: str, *args) -> dict[str, Any]:
     try:
         return fn(model, *args)
     except Exception as e:  # recorded in the JSON and the table
-        return {"model": model, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-
-
-def trace_steps(model: str, overrides: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """Two profiled steps of ``model`` into ``folder``; the files written."""
-    config = RunConfig(model=model, devices=1, strategy="dense", steps=3, **overrides)
-    workload, ts = build(config)
-    state, _ = ts.step(ts.state, ts.place_batch(workload.batch_at(0)))  # compile first
-    jax.profiler.start_trace(str(folder))
-    for step in (1, 2):
-        state, loss = ts.step(state, ts.place_batch(workload.batch_at(step)))
-        loss_value(loss)
-    jax.profiler.stop_trace()
-    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-    return {"model": model, "dir": str(folder), "files": files}
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        return {"model": model, "error": f"{type(e).__name__}: {first_line}"}
 
 
 def run_check(small: bool, models: list[str], trace_dir: Path) -> dict[str, Any]:
@@ -112,9 +114,13 @@ def run_check(small: bool, models: list[str], trace_dir: Path) -> dict[str, Any]
         "density": 0.01,
         "selectors_s": selector_times(size, 0.01, shards=8),
         "scatter_add_s": scatter_add_times(size, 0.01),
-        "models": [guarded(model_step, m, sizes[m]) for m in models],
+        "models": [
+            guarded(model_step, m, sizes[m], trace_dir if i == 0 else None)
+            for i, m in enumerate(models)
+        ],
     }
-    result["trace"] = guarded(trace_steps, models[0], sizes[models[0]], trace_dir)
+    first = result["models"][0]
+    result["trace"] = {"model": first["model"], **first.pop("trace", {"error": first.get("error")})}
     result["total_s"] = time.perf_counter() - started
     return result
 
