@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -189,7 +190,7 @@ def load_cifar10(data_dir: str | Path) -> tuple[Images, Images, list[str]]:
     return train, read_cifar_batch(d / "test_batch"), names
 
 
-def normalizer(train: Images):
+def normalizer(train: Images) -> Callable[[np.ndarray], np.ndarray]:
     """``uint8 NHWC -> float32`` standardised with the training set's channel stats."""
     mean = train.images.mean(axis=(0, 1, 2), dtype=np.float64)
     std = train.images.std(axis=(0, 1, 2), dtype=np.float64) + 1e-6

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -95,7 +96,7 @@ def synthetic_images(cfg: VisionConfig, step: int) -> dict[str, np.ndarray]:
     return {"images": (templates[labels] + noise).astype(np.float32), "labels": labels}
 
 
-def cifar10_data(cfg: VisionConfig):
+def cifar10_data(cfg: VisionConfig) -> tuple[Callable, Callable]:
     """``(batch_at, heldout)`` over CIFAR-10: seeded shuffles of the 50 000 training
     images each epoch; the 10 000 test images are the held-out ``test`` split."""
     if (cfg.image_size, cfg.classes) != (32, 10):

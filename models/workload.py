@@ -113,7 +113,7 @@ HELDOUT_STEP = 1 << 40  # held-out batch i is built as step HELDOUT_STEP + i (BE
 
 def lm_data(
     cfg, make_batch: Callable, length: int, overlap: int, specials: tuple[str, ...] = ("<unk>",)
-):
+) -> tuple[Callable, Callable]:
     """``(batch_at, heldout)`` of a language model from its token source.
 
     Args:

@@ -9,6 +9,8 @@ from experiments import gpu_check
 from experiments.config import RunConfig
 from models import MODELS, get_workload
 
+jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
+
 
 def test_small_check_writes_json_table_and_trace(tmp_path, capsys):
     out = tmp_path / "check.json"

@@ -6,6 +6,7 @@ import json
 import math
 import struct
 
+import jax
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
@@ -14,6 +15,8 @@ from test_data import write_corpus
 from experiments import runlog
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
+
+jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
 
 RUN = dict(model="gpt2", devices=2, steps=4, warmup=1, batch=4, vocab=40, seq_len=6, dim=8)
 
