@@ -70,6 +70,11 @@ def check_run_io(config: RunConfig) -> None:
         raise ValueError("--profile-steps needs --log-dir or --out (the trace goes next to it)")
 
 
+def _finite_or_none(value: Any) -> Any:
+    """NaN / Inf become ``null``, so every line is strict JSON (``jq`` reads it)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def scalar_tag(key: str) -> str:
     """TensorBoard tag of a log field: ``valid_loss`` -> ``valid/loss``, ``loss`` ->
     ``train/loss``."""
@@ -89,7 +94,8 @@ class StepLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Appends ``record`` (must hold ``step``) and its numbers as scalars."""
-        self._file.write(json.dumps(record) + "\n")
+        strict = {k: _finite_or_none(v) for k, v in record.items()}
+        self._file.write(json.dumps(strict, allow_nan=False) + "\n")
         self._file.flush()
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):

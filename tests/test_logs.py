@@ -102,10 +102,11 @@ def test_lines_are_on_disk_before_the_log_closes(tmp_path):
     assert json.loads((tmp_path / "steps.jsonl").read_text()) == {"step": 0, "loss": 1.5}
     log.close()
     resumed = runlog.StepLog(tmp_path, append=True)  # --resume continues the lines
-    resumed.write({"step": 1, "loss": 1.25})
+    resumed.write({"step": 1, "loss": float("nan")})  # a skipped step: strict JSON null
     resumed.close()
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert json.loads(lines[1])["loss"] is None and "NaN" not in lines[1]
 
 
 @pytest.mark.parametrize(
