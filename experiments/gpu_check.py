@@ -1,5 +1,5 @@
 """A quick check of one accelerator: selectors and scatter-add at d = 25M, one training
-step of every model on one device, and a profiler trace. Under eight minutes on one GPU.
+step of every model on one device, and a profiler trace; sized for under eight minutes on one GPU.
 
     python -m experiments.gpu_check --out gpu_check.json
     python -m experiments.gpu_check --small --out /tmp/gpu_check.json   # CPU, seconds
