@@ -54,6 +54,13 @@ def log_dir_of(config: RunConfig) -> Path | None:
     return None
 
 
+def trace_folder(log_dir: Path, rank: int) -> Path:
+    """``<log dir>/trace``, or ``<log dir>/trace/rank<r>`` in a multi-process job (each
+    process writes its own trace; same-host processes would overwrite each other's)."""
+    folder = log_dir / "trace"
+    return folder / f"rank{rank}" if jax.process_count() > 1 else folder
+
+
 def check_run_io(config: RunConfig) -> None:
     """``ValueError`` naming the flag when the data, log or trace flags are unusable."""
     for name in ("eval_every", "eval_batches"):
@@ -148,7 +155,7 @@ class RunHooks:
         on = self.folder and rank == 0
         self.log = StepLog(self.folder, append=config.resume) if on else None
         window = parse_profile_steps(config.profile_steps)
-        self.trace = Trace(self.folder / "trace", window) if window else None
+        self.trace = Trace(trace_folder(self.folder, rank), window) if window else None
         self.evals: list[dict[str, Any]] = []
         self._bytes: dict[int, float] = {}
 

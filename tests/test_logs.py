@@ -125,6 +125,12 @@ def test_bad_flags_are_one_line_errors(args, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
+def test_each_process_of_a_job_traces_into_its_own_folder(tmp_path, monkeypatch):
+    assert runlog.trace_folder(tmp_path, 0) == tmp_path / "trace"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert runlog.trace_folder(tmp_path, 1) == tmp_path / "trace" / "rank1"
+
+
 def test_profile_window_parsing():
     assert runlog.parse_profile_steps("") is None
     assert runlog.parse_profile_steps("0:1") == (0, 1)
