@@ -73,8 +73,11 @@ def check_run_io(config: RunConfig) -> None:
         )
     if config.data_dir and config.text_file:
         raise ValueError("give --data-dir or --text-file, not both")
-    if parse_profile_steps(config.profile_steps) and log_dir_of(config) is None:
+    window = parse_profile_steps(config.profile_steps)
+    if window and log_dir_of(config) is None:
         raise ValueError("--profile-steps needs --log-dir or --out (the trace goes next to it)")
+    if window and window[0] >= config.steps:
+        raise ValueError(f"--profile-steps {config.profile_steps} starts after the last step")
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -115,6 +115,7 @@ def test_lines_are_on_disk_before_the_log_closes(tmp_path):
         (["--profile-steps", "3"], "--profile-steps must be A:B"),
         (["--profile-steps", "4:2", "--out", "x.json"], "--profile-steps must be A:B"),
         (["--profile-steps", "0:2"], "--profile-steps needs --log-dir or --out"),
+        (["--profile-steps", "1:2", "--log-dir", "x"], "starts after the last step"),
         (["--eval-every", "-1"], "--eval-every must be >= 0"),
         (["--eval-every", "2"], "--eval-every needs held-out data"),
     ],
