@@ -45,14 +45,38 @@ class RunConfig:
     resume: bool = False  # continue from the newest checkpoint in --checkpoint-dir
     calibrate: bool = False  # after training, fit the link's alpha and beta (costmodel)
     out: str = ""  # JSON result path ("" = do not write)
+    # real data, logs and traces (help text: IO_HELP)
+    data_dir: str = ""  # WikiText / PTB token files or CIFAR-10 batches
+    eval_every: int = 0  # held-out evaluation every N steps (0 = only at the end)
+    eval_batches: int = 0  # held-out batches per evaluation (0 = the whole split)
+    log_dir: str = ""  # per-step logs and traces ("" = next to --out)
+    profile_steps: str = ""  # A:B = trace steps A .. B-1 with jax.profiler
 
     def model_overrides(self) -> dict[str, Any]:
         """The fields a model config may take (models ignore the ones they lack)."""
         skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
                 "capacity", "density", "selector", "bucket_mb", "nonfinite", "link_gbit",
                 "link_alpha_us",
-                "checkpoint_dir", "checkpoint_every", "resume", "calibrate"}  # fmt: skip
+                "checkpoint_dir", "checkpoint_every", "resume", "calibrate",
+                *RUN_IO_FIELDS}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+RUN_IO_FIELDS = ("eval_every", "eval_batches", "log_dir", "profile_steps")
+IO_HELP = {
+    "data_dir": "folder of local data, nothing is downloaded: WikiText (wiki.{train,valid,"
+    "test}.tokens) or PTB (ptb.{train,valid,test}.txt) for the language models, "
+    "cifar-10-batches-py/ for resnet and vgg",
+    "text_file": "one word-level text file as training data (language models only; no "
+    "held-out split)",
+    "eval_every": "held-out loss and perplexity/accuracy every N steps and at the end "
+    "(0 = only at the end); needs --data-dir",
+    "eval_batches": "held-out batches per evaluation (0 = the whole split)",
+    "log_dir": "per-step logs (steps.jsonl, TensorBoard scalars) and traces go here; "
+    "default: <--out without .json>.logs/ when --out is given, else none",
+    "profile_steps": "A:B = a jax.profiler trace of steps A to B-1 into <log dir>/trace "
+    "(open with TensorBoard's profile plugin or ui.perfetto.dev)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -65,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
             parser.add_argument(flag, action="store_true", default=f.default)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=f.default)
+            parser.add_argument(flag, type=kind, default=f.default, help=IO_HELP.get(f.name))
 
 
 def from_namespace(ns: argparse.Namespace) -> RunConfig:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from experiments import runlog
 from experiments.config import RunConfig, add_arguments, from_namespace
 
 if TYPE_CHECKING:
@@ -189,9 +190,10 @@ class RunLog(NamedTuple):
     compile_s: float
 
 
-def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool):
+def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool, hooks=None):
     """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
-    structure (a new row-wise capacity or the pipelined carry makes a new one)."""
+    structure (a new row-wise capacity or the pipelined carry makes a new one);
+    ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and trace around steps."""
     import jax
     from tqdm import tqdm
 
@@ -200,6 +202,8 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     log = RunLog([], [], [], {}, {}, 0.0)
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
     for step in bar:
+        if hooks:
+            hooks.before_step(step)
         batch = place_for_step(ts, workload.batch_at, step, config.steps)
         key = jax.tree.structure((state, batch))
         if key not in log.programs:
@@ -215,6 +219,8 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
             _on_nonfinite(config, step)
             log.skipped.append(step)
             state = state._replace(carry=())  # the early-fetched rows may hold NaN
+        if hooks:
+            hooks.after_step(step, state, log.losses[-1], log.times[-1], log.programs[key])
         if ckpt:
             ckpt.save(step + 1, ts, state, force=step + 1 == config.steps)
         bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
@@ -232,9 +238,12 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
       step_time_s (median after warm-up), tokens_per_s or samples_per_s,
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
-      skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config.
+      skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config;
+      with held-out data ``heldout`` (final metrics per split) and ``eval`` (every
+      ``--eval-every`` steps); ``log_dir`` and ``trace_dir`` when written.
     """
     validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
+    runlog.check_run_io(config)
     rank = start_devices(config.devices)
     if not config.devices:  # --devices left out: every device of the job
         import jax
@@ -245,7 +254,9 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
 
     workload, ts = build(config)
     ckpt, state, start = _start_state(config, ts)
-    _, log = run_steps(config, ts, workload, state, start, ckpt, progress and rank == 0)
+    hooks = runlog.RunHooks(config, workload, ts, rank)
+    show = progress and rank == 0
+    state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
     if not log.programs:
         raise ValueError(f"nothing to run: the checkpoint is at step {start} >= --steps")
     compiled = log.programs[max(log.runs, key=log.runs.get)]  # the steady-state program
@@ -270,6 +281,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
+    result.update(hooks.finish(state))
     if config.calibrate:
         result["link"] = calibrated_link(config.devices)
     return result

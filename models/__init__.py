@@ -30,14 +30,28 @@ def config_fields(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(MODELS[name][0])}
 
 
+DATA_FIELDS = ("text_file", "data_dir")  # refused, not ignored, by a model without them
+
+
+def check_data_fields(name: str, overrides: dict[str, Any]) -> None:
+    """``ValueError`` when a data source is given to a model that cannot read it."""
+    for field in DATA_FIELDS:
+        if overrides.get(field) and field not in config_fields(name):
+            readers = [m for m in MODELS if field in config_fields(m)]
+            flag = "--" + field.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to --model {name}; it is read by {readers}")
+
+
 def get_workload(name: str, **overrides: Any) -> Workload:
     """Builds model ``name`` with its default config updated by ``overrides``.
 
     Unknown names raise ``ValueError``; overrides the model does not have are ignored,
-    so one set of CLI flags serves every model.
+    so one set of CLI flags serves every model, except a data source (``text_file``,
+    ``data_dir``) the model cannot read: that raises ``ValueError``.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    check_data_fields(name, overrides)
     cls, build = MODELS[name]
     known = config_fields(name)
     cfg = cls(**{k: v for k, v in overrides.items() if k in known and v is not None})

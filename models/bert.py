@@ -1,4 +1,4 @@
-"""BERT-style masked language model on Zipf tokens.
+"""BERT-style masked language model on Zipf tokens or local text.
 
 Each example has ``masked`` positions (a fixed count, so shapes are static) replaced by
 the ``[MASK]`` id 0; the loss is the cross-entropy of the original ids there.
@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.blocks import Stack, transformer_params
-from models.data import ZipfStream, _step_rng
-from models.workload import embed, lm_loss, lm_workload, with_negatives
+from models.data import _step_rng
+from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 MASK_ID = 0
+TEXT_SPECIALS = ("[MASK]", "<unk>")  # ids 0 and 1 of a text vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class BERTConfig:
     sampled_softmax: int = 0  # shared negatives per step; 0 = full softmax
     tie_embeddings: bool = True  # output table = input table (as BERT)
     zipf_exponent: float = 1.1  # Zipf exponent of the synthetic tokens
+    text_file: str = ""  # a local text file instead of Zipf tokens (word-level)
+    data_dir: str = ""  # WikiText / PTB folder: train, valid and test token files
     seed: int = 0  # data and init seed
 
 
@@ -77,11 +80,13 @@ def masked_batch(tokens: np.ndarray, masked: int, seed: int, step: int) -> dict:
 def workload(cfg: BERTConfig):
     if not 0 < cfg.masked <= cfg.seq_len:
         raise ValueError(f"masked must be in [1, seq_len={cfg.seq_len}], got {cfg.masked}")
-    stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
-
-    def batch_at(step: int) -> dict:
-        tokens = stream.tokens(step, cfg.batch, cfg.seq_len)
-        return with_negatives(cfg, masked_batch(tokens, cfg.masked, cfg.seed, step), step)
+    batch_at, heldout = lm_data(
+        cfg,
+        lambda tokens, step: masked_batch(tokens, cfg.masked, cfg.seed, step),
+        cfg.seq_len,
+        0,
+        specials=TEXT_SPECIALS,  # [MASK] keeps id 0 on text
+    )
 
     w = lm_workload(
         "bert",
@@ -90,5 +95,7 @@ def workload(cfg: BERTConfig):
         loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
         batch_at=batch_at,
         items_per_step=cfg.batch * cfg.seq_len,
+        heldout=heldout,
+        metrics=lm_metrics(cfg, loss_fn),
     )
     return w._replace(id_keys=("tokens", "labels", "negatives"))

@@ -64,34 +64,46 @@ def log_uniform_negatives(vocab: int, num: int, seed: int, step: int) -> np.ndar
 _WORD = re.compile(r"\S+")
 
 
-def build_vocab(words: list[str], vocab_size: int) -> dict[str, int]:
-    """The ``vocab_size - 1`` most frequent words plus ``<unk>`` (id 0)."""
-    if vocab_size < 2:
-        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
-    counts = collections.Counter(words)
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab_size - 1]
-    vocab = {"<unk>": 0}
-    for word, _ in ranked:
+def build_vocab(
+    words: list[str], vocab_size: int, specials: tuple[str, ...] = ("<unk>",)
+) -> dict[str, int]:
+    """``specials`` first (ids 0, 1, ...), then the most frequent other words, up to
+    ``vocab_size`` entries; ``"<unk>"`` must be among the specials."""
+    if vocab_size < len(specials) + 1:
+        raise ValueError(f"vocab_size must be >= {len(specials) + 1}, got {vocab_size}")
+    counts = collections.Counter(w for w in words if w not in specials)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    vocab = {w: i for i, w in enumerate(specials)}
+    for word, _ in ranked[: vocab_size - len(specials)]:
         vocab[word] = len(vocab)
     return vocab
 
 
-class TextStream:
-    """Word-level token stream from a local text file (whitespace tokenised, ``<eos>``
-    at line ends), cut into random windows per step.
+def read_words(path: str | Path) -> list[str]:
+    """Whitespace-separated words of a UTF-8 file, ``<eos>`` after every line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read text file {str(path)!r}: {e.strerror}") from None
+    return [w for line in text.splitlines() for w in [*_WORD.findall(line), "<eos>"]]
+
+
+def encode(words: list[str], vocab: dict[str, int]) -> np.ndarray:
+    """int32 ids of ``words``; words outside ``vocab`` become ``<unk>``."""
+    unk = vocab["<unk>"]
+    return np.array([vocab.get(w, unk) for w in words], dtype=np.int32)
+
+
+class WindowStream:
+    """Random windows of a token-id array, seeded by step.
 
     Args:
-      path: a UTF-8 text file.
-      vocab_size: vocabulary size V, ``<unk>`` included.
+      ids: int32[N] the corpus as token ids.
       seed: seed of the window positions.
     """
 
-    def __init__(self, path: str | Path, vocab_size: int, seed: int = 0):
-        text = Path(path).read_text(encoding="utf-8")
-        words = [w for line in text.splitlines() for w in [*_WORD.findall(line), "<eos>"]]
-        self.vocab = build_vocab(words, vocab_size)
-        self.ids = np.array([self.vocab.get(w, 0) for w in words], dtype=np.int32)
-        self.seed = seed
+    def __init__(self, ids: np.ndarray, seed: int = 0):
+        self.ids, self.seed = np.asarray(ids, np.int32), seed
 
     def tokens(self, step: int, batch: int, length: int, salt: int = 0) -> np.ndarray:
         """int32[batch, length] windows of the corpus for ``step``."""
@@ -99,3 +111,26 @@ class TextStream:
             raise ValueError(f"corpus has {len(self.ids)} tokens, fewer than length={length}")
         starts = _step_rng(self.seed, step, salt).integers(0, len(self.ids) - length, batch)
         return np.stack([self.ids[s : s + length] for s in starts])
+
+
+class TextStream(WindowStream):
+    """Word-level token stream from a local text file (whitespace tokenised, ``<eos>``
+    at line ends), cut into random windows per step.
+
+    Args:
+      path: a UTF-8 text file.
+      vocab_size: vocabulary size V, ``<unk>`` included.
+      seed: seed of the window positions.
+      specials: words given the first ids (``<unk>`` among them).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        vocab_size: int,
+        seed: int = 0,
+        specials: tuple[str, ...] = ("<unk>",),
+    ):
+        words = read_words(path)
+        self.vocab = build_vocab(words, vocab_size, specials)
+        super().__init__(encode(words, self.vocab), seed)

@@ -1,4 +1,4 @@
-"""GPT-2-style decoder-only language model on Zipf tokens.
+"""GPT-2-style decoder-only language model on Zipf tokens or local text.
 
 Paper-scale config (GPT-2 small, as in TopKA2A's evaluation): ``vocab=50257, dim=768,
 heads=12, layers=12, seq_len=1024``, tied input/output embeddings.
@@ -18,8 +18,7 @@ import dataclasses
 import jax
 
 from models.blocks import Stack, transformer_params
-from models.data import ZipfStream
-from models.workload import embed, lm_loss, lm_workload, with_negatives
+from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 
@@ -34,6 +33,8 @@ class GPT2Config:
     sampled_softmax: int = 0  # shared negatives per step; 0 = full softmax
     tie_embeddings: bool = True  # output table = input table (as GPT-2)
     zipf_exponent: float = 1.1  # Zipf exponent of the synthetic tokens
+    text_file: str = ""  # a local text file instead of Zipf tokens (word-level)
+    data_dir: str = ""  # WikiText / PTB folder: train, valid and test token files
     seed: int = 0  # data and init seed
 
 
@@ -55,12 +56,7 @@ def loss_fn(cfg: GPT2Config, params, batch, emb=None) -> jax.Array:
 
 
 def workload(cfg: GPT2Config):
-    stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
-
-    def batch_at(step: int) -> dict:
-        return with_negatives(
-            cfg, {"tokens": stream.tokens(step, cfg.batch, cfg.seq_len + 1)}, step
-        )
+    batch_at, heldout = lm_data(cfg, lambda t, step: {"tokens": t}, cfg.seq_len + 1, 1)
 
     return lm_workload(
         "gpt2",
@@ -69,4 +65,6 @@ def workload(cfg: GPT2Config):
         loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
         batch_at=batch_at,
         items_per_step=cfg.batch * cfg.seq_len,
+        heldout=heldout,
+        metrics=lm_metrics(cfg, loss_fn),
     )

@@ -1,4 +1,4 @@
-"""LSTM language model (the EmbRace paper's LM workload), on Zipf tokens or a text file.
+"""LSTM language model (the EmbRace paper's LM workload), on Zipf tokens or local text.
 
 Parameters: ``embed`` (the input table, ``nn.Embed``'s ``{"embedding": V x D}``),
 ``lstm`` (the recurrent core, H units per layer), ``proj`` (H -> D, when H != D) and
@@ -25,15 +25,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.data import TextStream, ZipfStream
 from models.workload import (
     Workload,
     embed,
     embed_params,
+    lm_data,
     lm_loss,
+    lm_metrics,
     lm_workload,
     output_params,
-    with_negatives,
 )
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
@@ -50,6 +50,7 @@ class LSTMConfig:
     tie_embeddings: bool = False  # output table = input table
     zipf_exponent: float = 1.1  # Zipf exponent of the synthetic token stream
     text_file: str = ""  # a local text file instead of Zipf tokens (word-level)
+    data_dir: str = ""  # WikiText / PTB folder: train, valid and test token files
     seed: int = 0  # data and init seed
 
 
@@ -104,14 +105,7 @@ def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
 
 def workload(cfg: LSTMConfig) -> Workload:
     """The LSTM LM as a ``Workload``."""
-    if cfg.text_file:
-        stream = TextStream(cfg.text_file, cfg.vocab, cfg.seed)
-    else:
-        stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
-
-    def batch_at(step: int) -> dict:
-        tokens = stream.tokens(step, cfg.batch, cfg.seq_len + 1)
-        return with_negatives(cfg, {"tokens": tokens}, step)
+    batch_at, heldout = lm_data(cfg, lambda t, step: {"tokens": t}, cfg.seq_len + 1, 1)
 
     return lm_workload(
         "lstm_lm",
@@ -120,4 +114,6 @@ def workload(cfg: LSTMConfig) -> Workload:
         loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
         batch_at=batch_at,
         items_per_step=cfg.batch * cfg.seq_len,
+        heldout=heldout,
+        metrics=lm_metrics(cfg, loss_fn),
     )

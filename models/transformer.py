@@ -2,6 +2,7 @@
 
 Synthetic task: the target is a fixed random permutation of the vocabulary applied to
 the source word by word, behind a begin-of-sentence id 0, so there is something to learn.
+The source is Zipf tokens, or windows of local text (``text_file``, ``data_dir``).
 
 Paper-scale config (Transformer-base on WMT, EmbRace): ``vocab=32000 (shared BPE),
 dim=512, heads=8, layers=6, seq_len=64``, tied embeddings.
@@ -22,8 +23,7 @@ import jax
 import numpy as np
 
 from models.blocks import Stack, transformer_params
-from models.data import ZipfStream
-from models.workload import embed, lm_loss, lm_workload, with_negatives
+from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
 from sparsecomm_jax.embedding import DENSE_EMBEDDING
 
 BOS_ID = 0
@@ -40,6 +40,8 @@ class TransformerConfig:
     sampled_softmax: int = 0  # shared negatives per step; 0 = full softmax
     tie_embeddings: bool = True  # output table = the shared input table
     zipf_exponent: float = 1.1  # Zipf exponent of the synthetic tokens
+    text_file: str = ""  # a local text file as the source sentences (word-level)
+    data_dir: str = ""  # WikiText / PTB folder: train, valid and test token files
     seed: int = 0  # data and init seed
 
 
@@ -68,13 +70,13 @@ def loss_fn(cfg: TransformerConfig, params, batch, emb=None) -> jax.Array:
 
 
 def workload(cfg: TransformerConfig):
-    stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
     perm = np.random.default_rng(cfg.seed + 1).permutation(cfg.vocab).astype(np.int32)
 
-    def batch_at(step: int) -> dict:
-        src = stream.tokens(step, cfg.batch, cfg.seq_len)
-        bos = np.full((cfg.batch, 1), BOS_ID, np.int32)
-        return with_negatives(cfg, {"src": src, "tgt": np.concatenate([bos, perm[src]], 1)}, step)
+    def make_batch(src: np.ndarray, step: int) -> dict:
+        bos = np.full((len(src), 1), BOS_ID, np.int32)
+        return {"src": src, "tgt": np.concatenate([bos, perm[src]], 1)}
+
+    batch_at, heldout = lm_data(cfg, make_batch, cfg.seq_len, 0)
 
     return lm_workload(
         "transformer",
@@ -83,4 +85,6 @@ def workload(cfg: TransformerConfig):
         loss=lambda params, batch, emb=None: loss_fn(cfg, params, batch, emb),
         batch_at=batch_at,
         items_per_step=cfg.batch * cfg.seq_len * 2,
+        heldout=heldout,
+        metrics=lm_metrics(cfg, loss_fn),
     )

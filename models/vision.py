@@ -1,4 +1,4 @@
-"""CIFAR-scale image classifiers (ResNet, VGG) on synthetic, learnable images.
+"""CIFAR-scale image classifiers (ResNet, VGG) on synthetic, learnable images or CIFAR-10.
 
 Each class has a fixed random template; a sample is its class template plus Gaussian
 noise, so a model can learn it and convergence is measurable. Normalisation is
@@ -19,12 +19,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
 from models.data import _step_rng
+from models.datasets import epoch_indices, load_cifar10, normalizer
 from models.workload import Workload, cross_entropy
 
 
@@ -36,6 +38,7 @@ class VisionConfig:
     blocks: int = 1  # residual blocks (ResNet) or conv layers (VGG) per stage
     batch: int = 16  # global batch (images per step)
     noise: float = 1.0  # std of the noise added to the class templates
+    data_dir: str = ""  # CIFAR-10 python batches instead of synthetic images
     seed: int = 0  # data and init seed
 
 
@@ -93,9 +96,39 @@ def synthetic_images(cfg: VisionConfig, step: int) -> dict[str, np.ndarray]:
     return {"images": (templates[labels] + noise).astype(np.float32), "labels": labels}
 
 
+def cifar10_data(cfg: VisionConfig) -> tuple[Callable, Callable]:
+    """``(batch_at, heldout)`` over CIFAR-10: seeded shuffles of the 50 000 training
+    images each epoch; the 10 000 test images are the held-out ``test`` split."""
+    if (cfg.image_size, cfg.classes) != (32, 10):
+        raise ValueError("CIFAR-10 images need --image-size 32 and 10 classes")
+    train, test, _ = load_cifar10(cfg.data_dir)
+    norm = normalizer(train)
+
+    def batch_at(step: int) -> dict:
+        idx = epoch_indices(len(train.labels), cfg.batch, cfg.seed, step)
+        return {"images": norm(train.images[idx]), "labels": train.labels[idx]}
+
+    def heldout(split: str, max_batches: int = 0) -> list[dict]:
+        if split != "test":
+            return []
+        b = min(cfg.batch, len(test.labels))
+        starts = range(0, len(test.labels) - b + 1, b)[: max_batches or None]
+        return [
+            {"images": norm(test.images[s : s + b]), "labels": test.labels[s : s + b]}
+            for s in starts
+        ]
+
+    return batch_at, heldout
+
+
+def _synthetic_data(cfg: VisionConfig):
+    return (lambda step: synthetic_images(cfg, step)), (lambda split, max_batches=0: [])
+
+
 def workload(arch: str, cfg: VisionConfig) -> Workload:
     """``resnet`` or ``vgg`` as a ``Workload`` (no embedding tables)."""
     model = ARCHS[arch](cfg)
+    batch_at, heldout = (cifar10_data if cfg.data_dir else _synthetic_data)(cfg)
 
     def init(key):
         return model.init(key, jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))["params"]
@@ -103,14 +136,21 @@ def workload(arch: str, cfg: VisionConfig) -> Workload:
     def loss(params, batch, emb=None):
         return cross_entropy(model.apply({"params": params}, batch["images"]), batch["labels"])
 
+    def metrics(params, batch):
+        logits = model.apply({"params": params}, batch["images"])
+        correct = jnp.argmax(logits, axis=-1) == batch["labels"]
+        return {"loss": cross_entropy(logits, batch["labels"]), "accuracy": jnp.mean(correct)}
+
     return Workload(
         name=arch,
         init=init,
         loss=loss,
-        batch_at=lambda step: synthetic_images(cfg, step),
+        batch_at=batch_at,
         replicated_keys=(),
         items_per_step=cfg.batch,
         items_name="samples",
         embedding_paths=(),
         config=dataclasses.asdict(cfg),
+        heldout=heldout,
+        metrics=metrics,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -9,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.data import WindowStream, ZipfStream, log_uniform_negatives
+from models.datasets import heldout_windows, lm_corpus
 from sparsecomm_jax.nn import TABLE_NAME, Embed, use_ops
 
 
@@ -27,6 +30,10 @@ class Workload(NamedTuple):
       embedding_paths: parameter paths (tuples of keys) of the embedding tables.
       config: the model's configuration, as a plain dict.
       id_keys: batch keys holding token ids (``None``: every integer entry).
+      heldout: ``heldout(split, max_batches=0) -> list of batches`` of a held-out split
+        (``"valid"``, ``"test"``); empty when the data has none (synthetic data).
+      metrics: ``metrics(params, batch) -> dict`` of per-batch means (``loss``, and
+        ``accuracy`` for classifiers) on dense parameters (see ``models.heldout``).
     """
 
     name: str
@@ -39,6 +46,8 @@ class Workload(NamedTuple):
     embedding_paths: tuple[tuple[str, ...], ...]
     config: dict[str, Any]
     id_keys: tuple[str, ...] | None = None
+    heldout: Callable[..., list[dict[str, np.ndarray]]] = lambda split, max_batches=0: []
+    metrics: Callable[..., dict[str, jax.Array]] | None = None
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -113,17 +122,65 @@ def lm_loss(cfg, params, h, targets, batch, emb) -> jax.Array:
 
 def with_negatives(cfg, batch: dict, step: int) -> dict:
     """Adds the step's shared negatives when the model uses sampled softmax."""
-    from models.data import log_uniform_negatives
-
     if cfg.sampled_softmax:
         batch["negatives"] = log_uniform_negatives(cfg.vocab, cfg.sampled_softmax, cfg.seed, step)
     return batch
 
 
-def lm_workload(name, cfg, init, loss, batch_at, items_per_step) -> Workload:
-    """A language-model ``Workload`` (tables and negatives follow ``cfg``)."""
-    import dataclasses
+HELDOUT_STEP = 1 << 40  # held-out batch i is built as step HELDOUT_STEP + i (BERT masks)
 
+
+def lm_data(
+    cfg, make_batch: Callable, length: int, overlap: int, specials: tuple[str, ...] = ("<unk>",)
+) -> tuple[Callable, Callable]:
+    """``(batch_at, heldout)`` of a language model from its token source.
+
+    Args:
+      cfg: the model config (``data_dir``, ``text_file``, ``vocab``, ``batch``, ``seed``,
+        ``zipf_exponent``, ``sampled_softmax``).
+      make_batch: ``make_batch(tokens int32[B, length], step) -> batch dict``.
+      length: tokens per example window.
+      overlap: tokens consecutive held-out windows share (1 for next-token prediction
+        on T+1 windows, so every token is a target once; else 0).
+      specials: words with the first ids (``<unk>`` among them).
+
+    Returns:
+      ``batch_at(step)`` and ``heldout(split, max_batches=0)`` (see ``Workload``).
+    """
+    corpus = lm_corpus(cfg, specials)
+    if corpus is None:
+        stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
+    else:
+        stream = WindowStream(corpus.splits["train"], cfg.seed)
+
+    def batch_at(step: int) -> dict:
+        return with_negatives(cfg, make_batch(stream.tokens(step, cfg.batch, length), step), step)
+
+    def heldout(split: str, max_batches: int = 0) -> list[dict]:
+        if corpus is None or split not in corpus.splits:
+            return []
+        ids = corpus.splits[split]
+        if len(ids) < length:
+            raise ValueError(
+                f"the {split} file of --data-dir has {len(ids)} tokens, fewer than one "
+                f"example ({length}); lower --seq-len"
+            )
+        chunks = heldout_windows(ids, length, cfg.batch, max_batches, overlap)
+        return [make_batch(c, HELDOUT_STEP + i) for i, c in enumerate(chunks)]
+
+    return batch_at, heldout
+
+
+def lm_metrics(cfg, loss_fn: Callable) -> Callable:
+    """Held-out metrics of a language model: the full-softmax loss (sampled softmax is
+    a training device only)."""
+    full = dataclasses.replace(cfg, sampled_softmax=0)
+    return lambda params, batch: {"loss": loss_fn(full, params, batch, None)}
+
+
+def lm_workload(name, cfg, init, loss, batch_at, items_per_step, **extra) -> Workload:
+    """A language-model ``Workload`` (tables and negatives follow ``cfg``); ``extra``
+    sets further fields (``heldout``, ``metrics``)."""
     return Workload(
         name=name,
         init=init,
@@ -134,4 +191,5 @@ def lm_workload(name, cfg, init, loss, batch_at, items_per_step) -> Workload:
         items_name="tokens",
         embedding_paths=table_paths(cfg),
         config=dataclasses.asdict(cfg),
+        **extra,
     )

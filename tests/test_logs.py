@@ -1,0 +1,139 @@
+"""Per-step JSON lines, TensorBoard scalars, held-out perplexity in the result and the
+--profile-steps trace of a run on generated WikiText-format files."""
+
+import dataclasses
+import json
+import math
+import struct
+
+import jax
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+from test_data import write_corpus
+
+from experiments import runlog
+from experiments.config import RunConfig
+from experiments.train import main, train_and_evaluate
+
+jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
+
+RUN = dict(model="gpt2", devices=2, steps=4, warmup=1, batch=4, vocab=40, seq_len=6, dim=8)
+
+
+def read_scalars(folder):
+    """tag -> {step: value} from the TFRecord event files in ``folder``."""
+    out = {}
+    for path in folder.glob("events.out.tfevents.*"):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+            pos += 12 + n + 4  # length, its crc, the record, its crc
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
+
+
+@pytest.fixture(scope="module")
+def wikitext_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wiki")
+    write_corpus(folder)
+    out = folder / "run" / "result.json"
+    config = RunConfig(**RUN, data_dir=str(folder), eval_every=2, profile_steps="1:3", out=str(out))
+    return train_and_evaluate(config, progress=False), out.with_name("result.logs"), config
+
+
+def test_result_reports_heldout_perplexity(wikitext_run):
+    result, *_ = wikitext_run
+    for split in ("valid", "test"):
+        m = result["heldout"][split]
+        assert m["perplexity"] == pytest.approx(math.exp(m["loss"])) and m["batches"] > 0
+    assert [(e["step"], e["split"]) for e in result["eval"]] == [(1, "valid"), (3, "valid")]
+    # the evaluation after the last step is the final one
+    assert result["eval"][-1]["loss"] == pytest.approx(result["heldout"]["valid"]["loss"])
+    # an untrained model is near uniform over 40 words; 4 steps move it only a little
+    assert 5 < result["heldout"]["valid"]["perplexity"] < 200
+    json.dumps(result)
+
+
+def test_sharded_tables_are_scored_like_dense(wikitext_run):
+    dense, _, config = wikitext_run
+    embrace = dataclasses.replace(config, strategy="embrace", profile_steps="", out="")
+    got = train_and_evaluate(embrace, progress=False)
+    np.testing.assert_allclose(got["losses"], dense["losses"], rtol=1e-5)
+    for split in ("valid", "test"):
+        want = dense["heldout"][split]["loss"]
+        assert got["heldout"][split]["loss"] == pytest.approx(want, rel=1e-5)
+    assert "log_dir" not in got and "trace_dir" not in got  # no --out, no --log-dir
+
+
+def test_one_json_line_per_step(wikitext_run):
+    result, logs, _ = wikitext_run
+    lines = [json.loads(x) for x in (logs / "steps.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    np.testing.assert_allclose([x["loss"] for x in lines], result["losses"], rtol=1e-6)
+    np.testing.assert_allclose([x["step_time_s"] for x in lines], result["step_times_s"])
+    assert all(x["comm_bytes_per_worker"] == result["comm_bytes_per_step"] for x in lines)
+    assert [x.get("valid_perplexity") for x in lines][::2] == [None, None]
+    assert lines[3]["valid_perplexity"] == pytest.approx(result["heldout"]["valid"]["perplexity"])
+
+
+def test_tensorboard_scalars_match_the_lines(wikitext_run):
+    result, logs, _ = wikitext_run
+    scalars = read_scalars(logs)
+    assert sorted(scalars["train/loss"]) == [0, 1, 2, 3]
+    np.testing.assert_allclose(list(scalars["train/loss"].values()), result["losses"], rtol=1e-6)
+    assert scalars["valid/perplexity"][3] == pytest.approx(
+        result["heldout"]["valid"]["perplexity"], rel=1e-6
+    )
+
+
+def test_profile_steps_leave_a_trace(wikitext_run):
+    result, logs, _ = wikitext_run
+    assert result["trace_dir"] == str(logs / "trace")
+    files = [p.name for p in (logs / "trace").rglob("*") if p.is_file()]
+    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in files), files
+
+
+def test_lines_are_on_disk_before_the_log_closes(tmp_path):
+    log = runlog.StepLog(tmp_path)
+    log.write({"step": 0, "loss": 1.5})
+    assert json.loads((tmp_path / "steps.jsonl").read_text()) == {"step": 0, "loss": 1.5}
+    log.close()
+    resumed = runlog.StepLog(tmp_path, append=True)  # --resume continues the lines
+    resumed.write({"step": 1, "loss": float("nan")})  # a skipped step: strict JSON null
+    resumed.close()
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert json.loads(lines[1])["loss"] is None and "NaN" not in lines[1]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile-steps", "3"], "--profile-steps must be A:B"),
+        (["--profile-steps", "4:2", "--out", "x.json"], "--profile-steps must be A:B"),
+        (["--profile-steps", "0:2"], "--profile-steps needs --log-dir or --out"),
+        (["--profile-steps", "1:2", "--log-dir", "x"], "starts after the last step"),
+        (["--eval-every", "-1"], "--eval-every must be >= 0"),
+        (["--eval-every", "2"], "--eval-every needs held-out data"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args, message, capsys):
+    assert main(["--devices", "1", "--batch", "4", "--steps", "1", "--vocab", "50", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_each_process_of_a_job_traces_into_its_own_folder(tmp_path, monkeypatch):
+    assert runlog.trace_folder(tmp_path, 0) == tmp_path / "trace"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert runlog.trace_folder(tmp_path, 1) == tmp_path / "trace" / "rank1"
+
+
+def test_profile_window_parsing():
+    assert runlog.parse_profile_steps("") is None
+    assert runlog.parse_profile_steps("0:1") == (0, 1)
+    assert runlog.scalar_tag("valid_loss") == "valid/loss"
+    assert runlog.scalar_tag("step_time_s") == "train/step_time_s"
