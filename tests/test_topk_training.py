@@ -40,8 +40,8 @@ def test_embrace_plus_topk_exchanges_tables_by_all_to_all():
 
 
 CONVERGENCE = {
-    "lstm_lm": dict(vocab=500, dim=32, hidden=64, seq_len=16, lr=1.0, steps=100),
-    "resnet": dict(image_size=16, noise=2.0, lr=0.1, steps=100),
+    "lstm_lm": dict(vocab=500, dim=32, hidden=64, seq_len=16, lr=1.0, steps=50),
+    "resnet": dict(image_size=16, noise=2.0, lr=0.1, steps=50),
 }
 
 
