@@ -14,6 +14,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,8 +27,6 @@ from sparsecomm_jax.placement import (
     CapacityPolicy,
     PlacedBatch,
     grow_by_quarter,
-    id_leaves,
-    worker_ids,
 )
 from sparsecomm_jax.step import (
     Batch,
@@ -91,13 +90,17 @@ def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> 
     n = all_ids.shape[1]
     if next_calls is None:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(ctx, i))
+        plan = _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(ctx, i))
+        return plan, jnp.array(False)
     nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
            jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
            for kind, t, c_ids in next_calls if t == i]  # fmt: skip
-    order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
+    levels = schedule.priority_levels(all_ids, jnp.concatenate(nxt))
+    spill = schedule.spilled(levels[jax.lax.axis_index(axis)], capacity, axis)
     chunks = schedule.chunk_bounds(n, [capacity])
-    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(ctx, i))
+    plan = _Plan(jnp.concatenate(rows), all_ids, schedule.priority_order(levels), chunks,
+                 shared, _vocab(ctx, i))  # fmt: skip
+    return plan, spill
 
 
 def _first_chunk(ctx: StepContext, plan: _Plan):
@@ -160,6 +163,8 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
         if batch.next is not None:
             nxt = embedding.logged_lookups(ctx.loss_fn, params, batch.next, mask, widths)
         plans = {i: _exchange_plan(ctx, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+        spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
+        plans = {i: plan for i, (plan, _) in plans.items()}
         with jax.named_scope(schedule.SCOPE_HIGH):
             firsts = {i: _first_chunk(ctx, plan) for i, plan in plans.items()}
         with jax.named_scope(schedule.SCOPE_LOW):
@@ -173,7 +178,10 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
                 early = _early_tables(ctx, state, firsts)
                 carry = tuple(_prefetch(early, nxt, ctx.axis_name))
         grads = _with_tables(g_params, mask, fulls, rest)
-        return finish_step(ctx, state, grads, loss, agg_state, carry)
+        new, loss = finish_step(ctx, state, grads, loss, agg_state, carry)
+        if nxt is None:
+            return new, loss
+        return new._replace(carry=_checked_carry(ctx, new, nxt, spill, loss)), loss
 
     return body
 
@@ -190,6 +198,24 @@ def _with_tables(like, mask, tables: dict[int, Any], rest=None):
     return jax.tree.unflatten(treedef, out)
 
 
+def _checked_carry(ctx: StepContext, new: TrainState, nxt: list, spill, loss):
+    """The carried rows, or (when they may be stale) the same rows fetched again from
+    the step's final tables: when a row batch t+1 reads did not fit in the first chunk
+    (``spill``, the device-side guard), or when the step was skipped (``nonfinite``:
+    the early update may hold NaN/Inf, the tables were kept). Every worker takes the
+    same branch (both flags are reduced over the axis). The fetch again is exact in
+    every case; it only costs a lookup exchange when it runs."""
+    stale = spill | (jnp.isnan(loss) if ctx.nonfinite != "off" else False)
+    leaves = jax.tree.leaves(new.params)
+    tables = {i: leaves[i] for i in _table_widths(ctx)}
+
+    def refetch():
+        with jax.named_scope(schedule.SCOPE_REFETCH):
+            return tuple(_prefetch(tables, nxt, ctx.axis_name))
+
+    return jax.lax.cond(stale, refetch, lambda: new.carry)
+
+
 def _early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
     """The tables after an optimizer step on the first chunk alone (zero gradient for
     every other leaf, so nothing here waits for the dense all-reduce). Exact for the
@@ -201,11 +227,26 @@ def _early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -
 
 
 def priority_need(ctx: StepContext, batch: Batch, next_batch: Batch) -> int:
-    """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
-    always travel in the first chunk, by reduce-scatter)."""
-    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, ctx.id_keys).values()])
-    own = {k: v for k, v in batch.items() if k not in ctx.replicated_keys}
-    return schedule.high_priority_capacity(worker_ids(ctx, own), next_ids)
+    """Lookup positions of one worker's batch that batch t+1 reads, counting every read
+    of a table (a tied table is read by the inputs and by the targets). Shared ids are
+    excluded: they always travel in the first chunk, by reduce-scatter."""
+    reads = _reads_fn(ctx)
+    return schedule.first_chunk_need(reads(batch), reads(next_batch))
+
+
+def _reads_fn(ctx: StepContext):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), ctx.params)
+    leaves, treedef = jax.tree.flatten(shapes)
+    flags = tuple(bool(f) for f in jax.tree.leaves(ctx.table_mask))
+    return _cached_reads_fn(ctx.loss_fn, treedef, tuple(leaves), flags,
+                            ctx.replicated_keys, ctx.num_workers)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_reads_fn(loss_fn, treedef, leaves, flags, replicated_keys, workers):
+    shapes = jax.tree.unflatten(treedef, leaves)
+    mask = jax.tree.unflatten(treedef, flags)
+    return schedule.table_reads_fn(loss_fn, shapes, mask, replicated_keys, workers)
 
 
 PRIORITY_CAPACITY = CapacityPolicy(priority_need, "high-priority positions", grow_by_quarter)

@@ -36,6 +36,7 @@ from sparsecomm_jax import costmodel, embedding
 HIGH, LOW = 0, 1
 # Name scopes of the pipelined step, visible in the compiled program's op metadata.
 SCOPE_HIGH, SCOPE_LOW, SCOPE_NEXT = "embrace2d_high", "embrace2d_low", "embrace2d_next_lookup"
+SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
 
 
 # --------------------------------------------------------------------------- planning

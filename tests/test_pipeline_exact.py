@@ -80,9 +80,9 @@ def test_step_after_a_skipped_step(name):
 def test_guard_when_the_first_chunk_is_too_small(monkeypatch):
     """The host under-sizes the first chunk (capacity 1): rows batch t+1 reads spill
     into the late chunk, the device sees it and fetches them after the full update."""
-    from sparsecomm_jax import pipeline
+    from sparsecomm_jax import schedule
 
-    monkeypatch.setattr(pipeline, "priority_need_fn", lambda setup: lambda *a: 1)
+    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
     _assert_same_run(_workload("gpt2", seed=2), steps=3)
 
 
