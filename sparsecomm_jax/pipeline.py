@@ -1,10 +1,13 @@
 """EmbRace's 2D scheduling as a train step: ``embrace_2d``.
 
-One pipelined step (batch t, with batch t+1 known): batch t's forward reads rows fetched
-during step t-1; each table's gradient rows are exchanged in priority chunks
-(``schedule``), every table's first chunk before any later one; the rows batch t+1 reads
-are updated from the first chunk alone and fetched for it at once; the rest of the
-exchange and the full update follow. The dense layers go through the aggregator with no
+One pipelined step (batch t, with batches t+1..t+``LOOKAHEAD`` known): batch t's forward
+reads rows fetched during step t-1; each table's gradient rows are exchanged in priority
+chunks (``schedule``): the positions batch t+1 reads first (every table's first chunk
+before any later one), then those t+2 reads, t+3, ..., in late chunks sized by the
+alpha-beta cost model; the rows batch t+1 reads are updated from the first chunk alone
+and fetched for it at once; the rest of the exchange and the full update follow. A row
+that did not fit in the first chunk, or a skipped step, makes the step fetch the next
+rows again after the full update (exact, slower). The dense layers go through the aggregator with no
 data dependency on the table exchange. Exactly equivalent to ``embrace`` for element-wise
 optimizers.
 
@@ -22,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsecomm_jax import embedding, schedule
+from sparsecomm_jax import costmodel, embedding, schedule
 from sparsecomm_jax.placement import (
     CapacityPolicy,
     PlacedBatch,
@@ -76,8 +79,10 @@ class _Plan(NamedTuple):
     vocab: int
 
 
-def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> _Plan:
-    """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
+def _exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> _Plan:
+    """Positions of table ``i`` sorted by when their id is next read: batch t+1's
+    first (the first chunk), then t+2's, ... (``future``: the logged reads of t+1,
+    t+2, ..., or empty at the last step); later chunks sized by the cost model."""
     axis = ctx.axis_name
     ids, rows, shared = [], [], []
     for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
@@ -87,20 +92,33 @@ def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> 
         elif t == i:
             shared.append((g, call_ids))
     all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
-    n = all_ids.shape[1]
-    if next_calls is None:  # last step: nothing to prioritise
+    rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
+    if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        plan = _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(ctx, i))
-        return plan, jnp.array(False)
-    nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
-           jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
-           for kind, t, c_ids in next_calls if t == i]  # fmt: skip
-    levels = schedule.priority_levels(all_ids, jnp.concatenate(nxt))
+        return _Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
+    levels = schedule.next_use_levels(all_ids, [_read_ids(c, i, axis) for c in future])
     spill = schedule.spilled(levels[jax.lax.axis_index(axis)], capacity, axis)
-    chunks = schedule.chunk_bounds(n, [capacity])
-    plan = _Plan(jnp.concatenate(rows), all_ids, schedule.priority_order(levels), chunks,
-                 shared, _vocab(ctx, i))  # fmt: skip
-    return plan, spill
+    chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
+    return _Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
+
+
+def _read_ids(calls: list, i: int, axis: str):
+    """int[m]: every id a batch's logged ``calls`` read of table ``i``, all workers."""
+    return jnp.concatenate([c_ids.reshape(-1) if kind == "lookup_shared" else
+                            jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
+                            for kind, t, c_ids in calls if t == i])  # fmt: skip
+
+
+def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
+    """Chunk sizes in priority order: ``first``, then late chunks of at least
+    ``schedule.late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``.
+
+    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
+    """
+    rest = max(0, n - first)
+    link_rows = schedule.late_chunk_rows(LINK, 4 * width, workers)
+    size = max(1, link_rows, -(-rest // MAX_LATE_CHUNKS))
+    return [first] + [size] * (-(-rest // size))
 
 
 def _first_chunk(ctx: StepContext, plan: _Plan):
@@ -128,6 +146,10 @@ def _later_chunks(ctx: StepContext, plan: _Plan, after):
 def _vocab(ctx: StepContext, i: int) -> int:
     return int(np.shape(jax.tree.leaves(ctx.params)[i])[0])
 
+
+LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
+MAX_LATE_CHUNKS = 4  # each chunk is one all-to-all per table
+LINK = costmodel.Link.from_bandwidth(1.0)  # sizes the late chunks (1 Gbit/s, 50 us)
 
 NO_ATTEND_2D = (
     "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
@@ -159,10 +181,10 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
 
         loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
         rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
-        nxt = None
-        if batch.next is not None:
-            nxt = embedding.logged_lookups(ctx.loss_fn, params, batch.next, mask, widths)
-        plans = {i: _exchange_plan(ctx, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+        ahead = [batch.next, *batch.later] if batch.next is not None else []
+        future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
+        nxt = future[0] if future else None
+        plans = {i: _exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
         with jax.named_scope(schedule.SCOPE_HIGH):

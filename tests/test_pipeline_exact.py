@@ -21,8 +21,8 @@ TIED = {
 }
 
 
-def _workload(name, seed=0):
-    return get_workload(name, vocab=8, dim=8, layers=1, heads=2, seq_len=8, batch=8,
+def _workload(name, seed=0, vocab=8):
+    return get_workload(name, vocab=vocab, dim=8, layers=1, heads=2, seq_len=8, batch=8,
                         sampled_softmax=4, seed=seed, **TIED[name])  # fmt: skip
 
 
@@ -104,3 +104,30 @@ def test_loss_scale_poison_is_finite_elsewhere():
     poisoned = _poisoned(w, 1)
     assert jnp.isclose(poisoned.loss(p, poisoned.batch_at(0)), w.loss(p, w.batch_at(0)))
     assert not jnp.isfinite(poisoned.loss(p, poisoned.batch_at(1)))
+
+
+def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
+    """A latency-free link cuts the late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's
+    rows before t+3's, ...): still exactly embrace, one all-to-all per late chunk."""
+    from sparsecomm_jax import costmodel, hlo, pipeline, schedule
+
+    monkeypatch.setattr(pipeline, "LINK", costmodel.Link(0.0, 1e-9))
+    base = _workload("lstm_lm", seed=3, vocab=256)
+
+    def alternating(step):  # t+1 reads the other half of the vocabulary, t+2 this one
+        tokens = np.random.default_rng(step).integers(0, 128, (8, 9)) + 128 * (step % 2)
+        return {**base.batch_at(step), "tokens": tokens.astype(np.int32)}
+
+    w = base._replace(batch_at=alternating)
+    _assert_same_run(w, steps=4)
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)), "embrace_2d",
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+    )  # fmt: skip
+    batch = train.place_for_step(ts, w.batch_at, 0, 5)
+    text = hlo.compiled_text(ts.step, ts.state, batch)
+    low = [c for c in hlo.scheduled_collectives(text)
+           if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"]  # fmt: skip
+    n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
+    late = pipeline.late_capacities(n, batch.capacity, 8, 4)[1:]
+    assert len(low) == len(late) == pipeline.MAX_LATE_CHUNKS

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
 from models import get_workload
-from sparsecomm_jax import hlo, runtime, schedule, train
+from sparsecomm_jax import hlo, pipeline, runtime, schedule, train
 
 V, B, T = 256, 16, 8
 
@@ -86,7 +86,7 @@ def test_first_and_last_steps(steps):
     losses, got, ts = strategy_run(w, optax.sgd(0.5), params, steps, "embrace_2d")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
-    assert ts.lookahead == 1
+    assert ts.lookahead == pipeline.LOOKAHEAD
 
 
 def _middle_step_program():
