@@ -43,12 +43,12 @@ from sparsecomm_jax.step import (
 )
 
 
-def _table_widths(ctx: StepContext) -> dict[int, int]:
+def table_widths(ctx: StepContext) -> dict[int, int]:
     """Leaf index -> full row width D of every table (shards hold D/P columns)."""
     return {i: int(np.shape(x)[1]) for i, _, x in named_tables(ctx.params, ctx.table_mask)}
 
 
-def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
+def prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
     """Rows for each logged access, looked up in the (column-sharded) ``tables``."""
     out = []
     for kind, i, ids in calls:
@@ -68,7 +68,7 @@ def _waits_for(x, after):
     return x + (a - a)
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """Table ``i``'s gradient exchange in priority order (see ``schedule``)."""
 
     rows: Any  # float[n, D]: this worker's gradient per looked-up position
@@ -79,7 +79,7 @@ class _Plan(NamedTuple):
     vocab: int
 
 
-def _exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> _Plan:
+def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
     """Positions of table ``i`` sorted by when their id is next read: batch t+1's
     first (the first chunk), then t+2's, ... (``future``: the logged reads of t+1,
     t+2, ..., or empty at the last step); later chunks sized by the cost model."""
@@ -95,11 +95,11 @@ def _exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> _Pla
     rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
     if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        return _Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
+        return Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
     levels = schedule.next_use_levels(all_ids, [_read_ids(c, i, axis) for c in future])
     spill = schedule.spilled(levels[jax.lax.axis_index(axis)], capacity, axis)
     chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
-    return _Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
+    return Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
 
 
 def _read_ids(calls: list, i: int, axis: str):
@@ -121,7 +121,7 @@ def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
     return [first] + [size] * (-(-rest // size))
 
 
-def _first_chunk(ctx: StepContext, plan: _Plan):
+def first_chunk(ctx: StepContext, plan: Plan):
     """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
     axis = ctx.axis_name
     out = schedule.column_grad_chunk(
@@ -132,7 +132,7 @@ def _first_chunk(ctx: StepContext, plan: _Plan):
     return out
 
 
-def _later_chunks(ctx: StepContext, plan: _Plan, after):
+def later_chunks(ctx: StepContext, plan: Plan, after):
     """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
     table's first chunk) has arrived."""
     rows, out = _waits_for(plan.rows, after), 0.0
@@ -163,7 +163,7 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
     batch t+1 needs are updated from the first chunk alone and fetched for it right
     away; the rest of the exchange and the full update follow. Exactly equivalent to
     ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
-    widths = _table_widths(ctx)
+    widths = table_widths(ctx)
     num = ctx.num_workers
 
     def body(state: TrainState, batch: PlacedBatch):
@@ -172,7 +172,7 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
             ctx.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
         )
         tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
-        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, ctx.axis_name)
+        rows = list(state.carry) if state.carry != () else prefetch(tables, calls, ctx.axis_name)
 
         def loss_of_rows(p, r):
             pending = iter(r)
@@ -184,22 +184,22 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
         nxt = future[0] if future else None
-        plans = {i: _exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
+        plans = {i: exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
         with jax.named_scope(schedule.SCOPE_HIGH):
-            firsts = {i: _first_chunk(ctx, plan) for i, plan in plans.items()}
+            firsts = {i: first_chunk(ctx, plan) for i, plan in plans.items()}
         with jax.named_scope(schedule.SCOPE_LOW):
             after = tuple(firsts.values())
-            later = {i: _later_chunks(ctx, plan, after) for i, plan in plans.items()}
+            later = {i: later_chunks(ctx, plan, after) for i, plan in plans.items()}
         fulls = {i: (firsts[i] + later[i]) / num for i in widths}
         firsts = {i: f / num for i, f in firsts.items()}
         carry = ()
         if nxt is not None:
             with jax.named_scope(schedule.SCOPE_NEXT):
-                early = _early_tables(ctx, state, firsts)
-                carry = tuple(_prefetch(early, nxt, ctx.axis_name))
-        grads = _with_tables(g_params, mask, fulls, rest)
+                early = early_tables(ctx, state, firsts)
+                carry = tuple(prefetch(early, nxt, ctx.axis_name))
+        grads = with_tables(g_params, mask, fulls, rest)
         new, loss = finish_step(ctx, state, grads, loss, agg_state, carry)
         if nxt is None:
             return new, loss
@@ -208,7 +208,7 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
     return body
 
 
-def _with_tables(like, mask, tables: dict[int, Any], rest=None):
+def with_tables(like, mask, tables: dict[int, Any], rest=None):
     """A gradient tree: ``tables[i]`` at table leaves, ``rest`` (or zeros) elsewhere."""
     leaves, treedef = jax.tree.flatten(like)
     others = iter(jax.tree.leaves(rest))  # rest has None at the tables
@@ -229,20 +229,20 @@ def _checked_carry(ctx: StepContext, new: TrainState, nxt: list, spill, loss):
     every case; it only costs a lookup exchange when it runs."""
     stale = spill | (jnp.isnan(loss) if ctx.nonfinite != "off" else False)
     leaves = jax.tree.leaves(new.params)
-    tables = {i: leaves[i] for i in _table_widths(ctx)}
+    tables = {i: leaves[i] for i in table_widths(ctx)}
 
     def refetch():
         with jax.named_scope(schedule.SCOPE_REFETCH):
-            return tuple(_prefetch(tables, nxt, ctx.axis_name))
+            return tuple(prefetch(tables, nxt, ctx.axis_name))
 
     return jax.lax.cond(stale, refetch, lambda: new.carry)
 
 
-def _early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
+def early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
     """The tables after an optimizer step on the first chunk alone (zero gradient for
     every other leaf, so nothing here waits for the dense all-reduce). Exact for the
     rows batch t+1 reads: all of their gradient is in the first chunk."""
-    grads = _with_tables(state.params, ctx.table_mask, firsts)
+    grads = with_tables(state.params, ctx.table_mask, firsts)
     params, _ = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
     leaves = jax.tree.leaves(params)
     return {i: leaves[i] for i in firsts}
