@@ -37,3 +37,27 @@ def test_overlapped_equals_embrace(name, opt, poison):
     phases = [p for p, *_ in timeline]
     assert phases.count("high") == phases.count("low") == 4
     assert phases.count("compute") >= 4
+
+
+def test_many_overlapped_steps_on_two_processes(tmp_path):
+    """12 steps on 2 gloo processes: no deadlock, no collective mismatch (only the late
+    program communicates while the next step computes), losses equal embrace's."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out, steps = tmp_path / "t.json", 12
+    cmd = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", "2", "--",
+           sys.executable, "-m", "experiments.timeline", "--strategies", "embrace,overlap",
+           "--vocab", "64", "--dim", "8", "--hidden", "8", "--seq-len", "8", "--batch", "8",
+           "--sampled-softmax", "4", "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["runs"]
+        np.testing.assert_allclose(runs["overlap"]["losses"], runs["embrace"]["losses"],
+                                   rtol=1e-5)  # fmt: skip
+        phases = [p for p, *_ in runs["overlap"]["timeline"]]
+        assert phases.count("low") == phases.count("high") == steps
