@@ -50,6 +50,7 @@ from sparsecomm_jax.step import (
     aggregate,
     all_finite,
     apply_optimizer,
+    merge_tables,
     named_tables,
     split_tables,
     table_mask,
@@ -101,6 +102,20 @@ def _pick(kinds: list[int], wanted: Sequence[int], new, old):
     leaves_old = jax.tree.leaves(old)
     out = [n if k in wanted else o for k, n, o in zip(kinds, leaves_new, leaves_old, strict=True)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _dense_update(ctx: StepContext, state: TrainState, mean, ok) -> TrainState:
+    """The optimizer step of the dense leaves only (tables and their optimizer state
+    untouched, no pass over them); kept as it was unless ``ok``."""
+    mask = ctx.table_mask
+    tables, dense = split_tables(state.params, mask)
+    opt = optax.tree_map_params(ctx.optimizer, lambda x, m: None if m else x, state.opt_state,
+                                mask, transform_non_params=lambda x: x)  # fmt: skip
+    new_dense, new_opt = apply_optimizer(ctx.optimizer, mean, opt, dense)
+    params = merge_tables(tables, _where(ok, new_dense, dense), mask)
+    new_opt = jax.tree.map(lambda o, n: o if n is None else jnp.where(ok, n, o),
+                           state.opt_state, new_opt, is_leaf=lambda x: x is None)  # fmt: skip
+    return TrainState(params, new_opt, state.agg_state)
 
 
 def _where(ok, new, old):
@@ -169,14 +184,9 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         ok = jnp.array(True)
         if ctx.nonfinite != "off":
             ok = all_finite(ctx, (mean, agg_state, g_rows))
-        zeros = {i: jnp.zeros_like(leaves[i]) for i in widths}
-        grads = pipeline.with_tables(params, mask, zeros, mean)
-        new_p, new_opt = apply_optimizer(ctx.optimizer, grads, state.opt_state, params)
-        new_p = pipeline.with_tables(params, mask, {i: leaves[i] for i in widths},
-                                     split_tables(new_p, mask)[1])  # fmt: skip
-        new_opt = _pick(kinds, (DENSE, OTHER), new_opt, state.opt_state)
-        new = TrainState(_where(ok, new_p, params), _where(ok, new_opt, state.opt_state),
-                         _where(ok, agg_state, state.agg_state))  # fmt: skip
+        new = _dense_update(ctx, state, mean, ok)._replace(
+            agg_state=_where(ok, agg_state, state.agg_state)
+        )
         carry = ()
         if future:
             early = pipeline.early_tables(ctx, state, {i: f / num for i, f in firsts.items()})

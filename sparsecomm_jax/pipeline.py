@@ -96,17 +96,26 @@ def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
     if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
         return Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
-    levels = schedule.next_use_levels(all_ids, [_read_ids(c, i, axis) for c in future])
+    levels = schedule.next_use_levels(all_ids, _future_ids(future, i, axis))
     spill = schedule.spilled(levels[jax.lax.axis_index(axis)], capacity, axis)
     chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
     return Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
 
 
-def _read_ids(calls: list, i: int, axis: str):
-    """int[m]: every id a batch's logged ``calls`` read of table ``i``, all workers."""
-    return jnp.concatenate([c_ids.reshape(-1) if kind == "lookup_shared" else
-                            jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
-                            for kind, t, c_ids in calls if t == i])  # fmt: skip
+def _future_ids(future: list, i: int, axis: str) -> list:
+    """Per future batch, int[m]: every id its logged calls read of table ``i`` (all
+    workers; one all-gather for all the batches' lookups)."""
+    local = [[c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup"]
+             for calls in future]  # fmt: skip
+    sizes = [sum(x.size for x in ids) for ids in local]
+    flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
+    every = jax.lax.all_gather(flat, axis)  # int[P, sum(sizes)]
+    bounds = np.cumsum([0, *sizes])
+    out = []
+    for k, calls in enumerate(future):
+        shared = [c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup_shared"]
+        out.append(jnp.concatenate([every[:, bounds[k] : bounds[k + 1]].reshape(-1), *shared]))
+    return out
 
 
 def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
