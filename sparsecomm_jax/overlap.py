@@ -48,7 +48,6 @@ from sparsecomm_jax.step import (
     StepContext,
     TrainState,
     aggregate,
-    all_finite,
     apply_optimizer,
     merge_tables,
     named_tables,
@@ -118,6 +117,12 @@ def _dense_update(ctx: StepContext, state: TrainState, mean, ok) -> TrainState:
     return TrainState(params, new_opt, state.agg_state)
 
 
+def _nonfinite(*trees):
+    """True when this worker has a NaN or Inf in any of ``trees``."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)]
+    return ~jnp.all(jnp.stack(leaves)) if leaves else jnp.array(False)
+
+
 def _where(ok, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -181,9 +186,11 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
         firsts = {i: pipeline.first_chunk(ctx, plan) for i, plan in plans.items()}
-        ok = jnp.array(True)
-        if ctx.nonfinite != "off":
-            ok = all_finite(ctx, (mean, agg_state, g_rows))
+        bad = _nonfinite(mean, agg_state, g_rows) if ctx.nonfinite != "off" else False
+        # one all-reduce for the loss and both flags (each a latency on a slow link)
+        flags = jnp.stack([loss[0], jnp.float32(bad), jnp.float32(spill)])  # float[3]
+        flags = jax.lax.psum(flags, ctx.axis_name)
+        loss, ok, spill = flags[0] / num, flags[1] == 0, flags[2] > 0
         new = _dense_update(ctx, state, mean, ok)._replace(
             agg_state=_where(ok, agg_state, state.agg_state)
         )
@@ -197,7 +204,6 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
                           {i: p.ids for i, p in plans.items()},
                           {i: p.order for i, p in plans.items()}, ok, other)  # fmt: skip
-        loss = jax.lax.pmean(loss[0], ctx.axis_name)
         return new, carry, pending, jnp.where(ok, loss, jnp.nan), spill
 
     return body

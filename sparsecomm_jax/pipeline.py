@@ -97,7 +97,7 @@ def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
         return Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
     levels = schedule.next_use_levels(all_ids, _future_ids(future, i, axis))
-    spill = schedule.spilled(levels[jax.lax.axis_index(axis)], capacity, axis)
+    spill = schedule.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
     chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
     return Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
 
@@ -194,7 +194,8 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
         future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
         nxt = future[0] if future else None
         plans = {i: exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
-        spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
+        spill = jnp.any(jnp.stack([s for _, s in plans.values()])).astype(jnp.int32)
+        spill = jax.lax.pmax(spill, ctx.axis_name) > 0
         plans = {i: plan for i, (plan, _) in plans.items()}
         with jax.named_scope(schedule.SCOPE_HIGH):
             firsts = {i: first_chunk(ctx, plan) for i, plan in plans.items()}

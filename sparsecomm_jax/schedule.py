@@ -70,11 +70,11 @@ def next_use_levels(ids, future: Sequence[Any]):
     return levels
 
 
-def spilled(levels, capacity: int, axis_name: str):
-    """Device-side guard: True on every worker when any worker holds more ``HIGH``
-    positions than the first chunk's ``capacity`` (the rows would travel late)."""
-    count = jnp.sum(levels == HIGH).astype(jnp.int32)
-    return jax.lax.pmax(count, axis_name) > capacity
+def overflows(levels, capacity: int):
+    """Device-side guard, this worker's part: True when it holds more ``HIGH``
+    positions than the first chunk's ``capacity`` (the rows would travel late);
+    callers reduce it over the workers (``jax.lax.pmax``) with their other flags."""
+    return jnp.sum(levels == HIGH) > capacity
 
 
 def priority_order(levels):

@@ -39,6 +39,22 @@ def test_overlapped_equals_embrace(name, opt, poison):
     assert phases.count("compute") >= 4
 
 
+def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
+    """Capacity 1: the device flags the spill, the driver fetches batch t+1's rows
+    again after the full update and recomputes: still exactly embrace."""
+    from sparsecomm_jax import schedule
+
+    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    w = _workload("gpt2", seed=5)
+    params = w.init(jax.random.key(0))
+    ref_losses, ref = _run(w, "embrace", 3, params, optimizer=optax.sgd(0.5))
+    timeline = []
+    losses, got = _overlapped(w, 3, params, optax.sgd(0.5), timeline=timeline)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert [p for p, *_ in timeline].count("fetch") > 1  # the guard fetched again
+
+
 def test_many_overlapped_steps_on_two_processes(tmp_path):
     """12 steps on 2 gloo processes: no deadlock, no collective mismatch (only the late
     program communicates while the next step computes), losses equal embrace's."""
