@@ -42,20 +42,17 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, pipeline, placement, runtime, schedule
+from sparsecomm_jax import embedding, optsplit, pipeline, placement, runtime, schedule
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.step import (
     StepContext,
     TrainState,
     aggregate,
     apply_optimizer,
-    merge_tables,
     named_tables,
     split_tables,
     table_mask,
 )
-
-TABLE, DENSE, OTHER = 0, 1, 2  # kinds of optimizer-state leaves
 
 
 class Pending(NamedTuple):
@@ -84,55 +81,6 @@ class Overlapped(NamedTuple):
     state: TrainState
     host_params: Callable
     ctx: StepContext
-
-
-def opt_kinds(ctx: StepContext, opt_state) -> list[int]:
-    """``TABLE``, ``DENSE`` or ``OTHER`` (e.g. Adam's count) per optimizer-state leaf."""
-    kinds = optax.tree_map_params(
-        ctx.optimizer, lambda _, m: TABLE if m else DENSE, opt_state, ctx.table_mask,
-        transform_non_params=lambda _: OTHER,
-    )  # fmt: skip
-    return jax.tree.leaves(kinds)
-
-
-def _pick(kinds: list[int], wanted: Sequence[int], new, old):
-    """The optimizer state with ``new``'s leaves of the ``wanted`` kinds, else ``old``'s."""
-    leaves_new, treedef = jax.tree.flatten(new)
-    leaves_old = jax.tree.leaves(old)
-    out = [n if k in wanted else o for k, n, o in zip(kinds, leaves_new, leaves_old, strict=True)]
-    return jax.tree.unflatten(treedef, out)
-
-
-def _dense_update(ctx: StepContext, state: TrainState, mean, ok) -> TrainState:
-    """The optimizer step of the dense leaves only (tables and their optimizer state
-    untouched, no pass over them); kept as it was unless ``ok``."""
-    mask = ctx.table_mask
-    tables, dense = split_tables(state.params, mask)
-    opt = optax.tree_map_params(ctx.optimizer, lambda x, m: None if m else x, state.opt_state,
-                                mask, transform_non_params=lambda x: x)  # fmt: skip
-    new_dense, new_opt = apply_optimizer(ctx.optimizer, mean, opt, dense)
-    params = merge_tables(tables, _where(ok, new_dense, dense), mask)
-    new_opt = jax.tree.map(lambda o, n: o if n is None else jnp.where(ok, n, o),
-                           state.opt_state, new_opt, is_leaf=lambda x: x is None)  # fmt: skip
-    return TrainState(params, new_opt, state.agg_state)
-
-
-def _nonfinite(*trees):
-    """True when this worker has a NaN or Inf in any of ``trees``."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)]
-    return ~jnp.all(jnp.stack(leaves)) if leaves else jnp.array(False)
-
-
-def _where(ok, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
-def _with_other(kinds: list[int], opt_state, other: list):
-    """``opt_state`` with its ``OTHER`` leaves replaced by ``other`` (in order)."""
-    leaves, treedef = jax.tree.flatten(opt_state)
-    rest = iter(other)
-    return jax.tree.unflatten(treedef, [next(rest) if k == OTHER else x
-                                        for k, x in zip(kinds, leaves, strict=True)])  # fmt: skip
 
 
 def _loss_of_rows(ctx: StepContext, data):
@@ -186,13 +134,13 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
         firsts = {i: pipeline.first_chunk(ctx, plan) for i, plan in plans.items()}
-        bad = _nonfinite(mean, agg_state, g_rows) if ctx.nonfinite != "off" else False
+        bad = optsplit.nonfinite(mean, agg_state, g_rows) if ctx.nonfinite != "off" else False
         # one all-reduce for the loss and both flags (each a latency on a slow link)
         flags = jnp.stack([loss[0], jnp.float32(bad), jnp.float32(spill)])  # float[3]
         flags = jax.lax.psum(flags, ctx.axis_name)
         loss, ok, spill = flags[0] / num, flags[1] == 0, flags[2] > 0
-        new = _dense_update(ctx, state, mean, ok)._replace(
-            agg_state=_where(ok, agg_state, state.agg_state)
+        new = optsplit.dense_update(ctx, state, mean, ok)._replace(
+            agg_state=optsplit.where(ok, agg_state, state.agg_state)
         )
         carry = ()
         if future:
@@ -200,7 +148,7 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
             early = {i: jnp.where(ok, early[i], leaves[i]) for i in early}
             carry = tuple(pipeline.prefetch(early, future[0], ctx.axis_name))
         other = [x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
-                 if k == OTHER]  # fmt: skip
+                 if k == optsplit.OTHER]  # fmt: skip
         pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
                           {i: p.ids for i, p in plans.items()},
                           {i: p.order for i, p in plans.items()}, ok, other)  # fmt: skip
@@ -224,11 +172,13 @@ def low_body(ctx: StepContext, widths, kinds, capacity: int, last: bool) -> Call
                                  schedule.chunk_bounds(n, sizes), [], vocab)  # fmt: skip
             fulls[i] = (pending.firsts[i] + pipeline.later_chunks(ctx, plan, ())) / num
         grads = pipeline.with_tables(params, ctx.table_mask, fulls)
-        opt_in = _with_other(kinds, opt_state, pending.other)
+        opt_in = optsplit.with_other(kinds, opt_state, pending.other)
         new_p, new_opt = apply_optimizer(ctx.optimizer, grads, opt_in, params)
         new_leaves, old_leaves = jax.tree.leaves(new_p), jax.tree.leaves(params)
         tables = {i: jnp.where(pending.ok, new_leaves[i], old_leaves[i]) for i in widths}
-        return tables, _where(pending.ok, _pick(kinds, (TABLE,), new_opt, opt_state), opt_state)
+        return tables, optsplit.where(
+            pending.ok, optsplit.pick(kinds, (optsplit.TABLE,), new_opt, opt_state), opt_state
+        )
 
     return body
 
@@ -238,6 +188,23 @@ class _Programs(NamedTuple):
     compute: Callable
     high: Callable
     low: Callable
+    fused: Callable  # low of step t-1 beside compute of step t, then high of step t
+
+
+def fused_body(ctx: StepContext, widths, kinds, capacity: int) -> Callable:
+    """One program per step (for accelerators, whose latency-hiding scheduler overlaps
+    independent collectives and compute): step t-1's ``low`` and step t's ``compute``
+    with no data edge between them, then step t's ``high``."""
+    low, compute = low_body(ctx, widths, kinds, capacity, False), compute_body(ctx)
+    high = high_body(ctx, widths, kinds)
+
+    def body(state: TrainState, pend: Pending, rows, batch):
+        tables, opt_state = low(state.params, state.opt_state, pend)
+        out = compute(state.params, rows, batch.data)
+        params = _with_table_leaves(state.params, tables)
+        return high(state._replace(params=params, opt_state=opt_state), *out, batch)
+
+    return body
 
 
 def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Programs:
@@ -274,8 +241,14 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Program
             params, opt_state, pend
         )
 
+    def fused(state, pend, rows, batch, capacity):
+        body = fused_body(ctx, widths, kinds, capacity)
+        ins = (no_carry, pending, per, bspecs(batch))
+        return smap(body, ins, (no_carry, per, pending, rep, rep))(state, pend, rows, batch)
+
     jit = jax.jit
-    return _Programs(jit(fetch), jit(compute), jit(high), jit(low, static_argnums=(3, 4)))
+    return _Programs(jit(fetch), jit(compute), jit(high), jit(low, static_argnums=(3, 4)),
+                     jit(fused, static_argnums=4))  # fmt: skip
 
 
 def _timed(timeline, phase: str, step: int, fn, *args):
@@ -298,7 +271,9 @@ def _runner(ctx: StepContext, progs: _Programs, place: Callable) -> Callable:
         ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + pipeline.LOOKAHEAD)]
         return place(batch_at(step), *(batch_at(s) for s in ahead))
 
-    def run(state: TrainState, batch_at, steps: int, timeline: list | None = None):
+    def run(state: TrainState, batch_at, steps: int, timeline=None, fused: bool = False):
+        if fused:
+            return run_fused(state, batch_at, steps, timeline)
         state, losses = state._replace(carry=()), []
         batch = placed(batch_at, 0, steps)
         rows = _timed(timeline, "fetch", 0, progs.fetch, state.params, batch.data)
@@ -327,6 +302,31 @@ def _runner(ctx: StepContext, progs: _Programs, place: Callable) -> Callable:
                         timeline, "compute", t + 1, progs.compute, state.params, rows, batch.data
                     )
         return state, [float(np.asarray(x)) for x in losses]
+
+    def run_fused(state: TrainState, batch_at, steps: int, timeline=None):
+        state, losses = state._replace(carry=()), []
+        batch = placed(batch_at, 0, steps)
+        rows = _timed(timeline, "fetch", 0, progs.fetch, state.params, batch.data)
+        out = _timed(timeline, "compute", 0, progs.compute, state.params, rows, batch.data)
+        state, rows, pend, loss, spill = _timed(timeline, "high", 0, progs.high, state, *out, batch)
+        losses.append(loss)
+        for t in range(1, steps):
+            capacity, batch = batch.capacity, placed(batch_at, t, steps)
+            if bool(spill):  # guard: step t-1's update now, rows again, a no-op pending
+                state, pend = _late(timeline, t - 1, state, pend, capacity), pend._replace(ok=False)
+                rows = _timed(timeline, "fetch", t, progs.fetch, state.params, batch.data)
+            state, rows, pend, loss, spill = _timed(
+                timeline, "fused", t, progs.fused, state, pend, rows, batch, capacity
+            )
+            losses.append(loss)
+        return _late(timeline, steps - 1, state, pend, batch.capacity, True), [
+            float(np.asarray(x)) for x in losses
+        ]
+
+    def _late(timeline, t, state, pend, capacity, last=False):
+        tables, opt_state = _timed(timeline, "low", t, progs.low, state.params,
+                                   state.opt_state, pend, capacity, last)  # fmt: skip
+        return state._replace(params=_with_table_leaves(state.params, tables), opt_state=opt_state)
 
     return run
 
@@ -360,7 +360,7 @@ def make_overlapped(
         AGGREGATORS["dense"](1.0, axis_name), nonfinite,
     )  # fmt: skip
     state, specs = placement.place_state(ctx, "column")
-    progs = _programs(ctx, specs, opt_kinds(ctx, state.opt_state))
+    progs = _programs(ctx, specs, optsplit.opt_kinds(ctx, state.opt_state))
     place = placement.batch_placer(ctx, pipeline.PRIORITY_CAPACITY, pipeline.LOOKAHEAD)
     return Overlapped(
         run=_runner(ctx, progs, place),

@@ -12,18 +12,21 @@ from test_pipeline_exact import _poisoned, _run, _workload
 from sparsecomm_jax import overlap, runtime
 
 
-def _overlapped(w, steps, params, optimizer, devices=4, timeline=None):
+def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False):
     ov = overlap.make_overlapped(
         w.loss, optimizer, runtime.data_mesh(devices), params,
         replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
         id_keys=w.id_keys,
     )  # fmt: skip
-    state, losses = ov.run(ov.state, w.batch_at, steps, timeline)
+    state, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
     return np.array(losses), ov.host_params(state)
 
 
-@pytest.mark.parametrize("name, opt, poison", [("gpt2", "sgd", None), ("lstm_lm", "adam", 1)])
-def test_overlapped_equals_embrace(name, opt, poison):
+@pytest.mark.parametrize(
+    "name, opt, poison, fused",
+    [("gpt2", "sgd", None, False), ("lstm_lm", "adam", 1, False), ("gpt2", "adam", 2, True)],
+)
+def test_overlapped_equals_embrace(name, opt, poison, fused):
     w = _workload(name, seed=4)
     if poison is not None:
         w = _poisoned(w, poison)
@@ -31,12 +34,14 @@ def test_overlapped_equals_embrace(name, opt, poison):
     params = w.init(jax.random.key(0))
     ref_losses, ref = _run(w, "embrace", 4, params, optimizer=optimizer)
     timeline = []
-    losses, got = _overlapped(w, 4, params, optimizer, timeline=timeline)
+    losses, got = _overlapped(w, 4, params, optimizer, timeline=timeline, fused=fused)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
-    phases = [p for p, *_ in timeline]
-    assert phases.count("high") == phases.count("low") == 4
-    assert phases.count("compute") >= 4
+    count = [p for p, *_ in timeline].count
+    if fused:  # one program per middle step; the first step's high, the last's low
+        assert (count("fused"), count("high"), count("low")) == (3, 1, 1)
+    else:
+        assert count("high") == count("low") == 4 and count("compute") >= 4
 
 
 def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
@@ -77,3 +82,33 @@ def test_many_overlapped_steps_on_two_processes(tmp_path):
                                    rtol=1e-5)  # fmt: skip
         phases = [p for p, *_ in runs["overlap"]["timeline"]]
         assert phases.count("low") == phases.count("high") == steps
+
+
+def test_optimizer_halves_merge_to_one_update():
+    """Adam on the dense leaves (``dense_update``) then on the table leaves from the
+    old count (``with_other`` + ``pick``) equals one Adam step on everything."""
+    import jax.numpy as jnp
+
+    from sparsecomm_jax import optsplit, step
+
+    rng = np.random.default_rng(0)
+    params = {"embed": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}  # fmt: skip
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    opt, mask = optax.adam(0.1), {"embed": True, "w": False}
+    ctx = step.StepContext(
+        None, opt, None, params, "data", (), mask, (6,), None, None, None, "skip"
+    )
+    state = step.TrainState(params, opt.init(params), ())
+    kinds = optsplit.opt_kinds(ctx, state.opt_state)
+    dense = optsplit.dense_update(ctx, state, {"embed": None, "w": grads["w"]}, jnp.array(True))
+    leaves = jax.tree.leaves(state.opt_state)
+    other = [x for k, x in zip(kinds, leaves, strict=True) if k == optsplit.OTHER]
+    opt_in = optsplit.with_other(kinds, dense.opt_state, other)
+    tables, opt_t = step.apply_optimizer(opt, {"embed": grads["embed"], "w": jnp.zeros(3)},
+                                         opt_in, dense.params)  # fmt: skip
+    merged_opt = optsplit.pick(kinds, (optsplit.TABLE,), opt_t, dense.opt_state)
+    merged = {"embed": tables["embed"], "w": dense.params["w"]}
+    ref_params, ref_opt = step.apply_optimizer(opt, grads, state.opt_state, params)
+    assert_trees_close(merged, ref_params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(merged_opt, ref_opt, rtol=1e-6, atol=1e-7)
