@@ -10,7 +10,8 @@ Host timestamps around every dispatched program (``block_until_ready``); each ra
 writes ``OUT`` with ``.rankN`` before the suffix, rank 0 also the merged JSON and the PNG
 (same name, ``.png``). Programs of one step are bars on a worker's row: ``step`` (all of
 embrace's step), ``fetch``, ``compute`` (no collective), ``high`` (dense all-reduce,
-first chunks, next rows), ``low`` (late chunks, table update).
+first chunks, next rows), ``low`` (late chunks, table update), ``fused`` (``overlap``'s
+one-program form: step t-1's low beside step t's compute, then step t's high).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-STRATEGIES = ("embrace", "embrace_2d", "overlap")
+STRATEGIES = ("embrace", "embrace_2d", "overlap", "overlap_fused")
 COLORS = {"step": "tab:gray", "fetch": "tab:purple", "compute": "tab:green",
-          "high": "tab:red", "low": "tab:blue"}  # fmt: skip
+          "high": "tab:red", "low": "tab:blue", "fused": "tab:orange"}  # fmt: skip
 
 
 def _workload(args):
@@ -70,7 +71,7 @@ def _ready(x):
     return jax.block_until_ready(x)
 
 
-def _run_overlap(w, params, mesh, steps):
+def _run_overlap(w, params, mesh, steps, fused=False):
     import optax
 
     from sparsecomm_jax import overlap
@@ -79,8 +80,8 @@ def _run_overlap(w, params, mesh, steps):
                                  replicated_keys=w.replicated_keys,
                                  embedding_paths=w.embedding_paths)  # fmt: skip
     timeline: list = []
-    ov.run(ov.state, w.batch_at, 3)  # compiles every program
-    _, losses = ov.run(ov.state, w.batch_at, steps, timeline)
+    ov.run(ov.state, w.batch_at, 3, fused=fused)  # compiles every program
+    _, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
     return losses, timeline
 
 
@@ -88,7 +89,7 @@ def step_times(timeline: list, steps: int) -> list[float]:
     """Seconds between the ends of consecutive steps' last communicating program."""
     ends = {}
     for phase, step, _, end in timeline:
-        if phase in ("step", "high"):
+        if phase in ("step", "high", "fused"):
             ends[step] = max(ends.get(step, 0.0), end)
     return [ends[s] - ends[s - 1] for s in range(1, steps) if s in ends and s - 1 in ends]
 
@@ -107,8 +108,8 @@ def worker(args) -> dict:
     mesh = runtime.data_mesh()
     record = {"rank": rank, "config": vars(args), "runs": {}}
     for name in args.strategies.split(","):
-        if name == "overlap":
-            losses, timeline = _run_overlap(w, params, mesh, args.steps)
+        if name.startswith("overlap"):
+            losses, timeline = _run_overlap(w, params, mesh, args.steps, name == "overlap_fused")
         else:
             losses, timeline = _run_step_strategy(w, name, params, mesh, args.steps)
         times = step_times(timeline, args.steps)[args.warmup :]

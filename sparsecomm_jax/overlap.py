@@ -15,10 +15,14 @@ program     what                                                          collec
 ==========  ============================================================  ===========
 
 ``low`` of step t runs on a host thread beside ``compute`` of step t+1; ``high`` of
-t+1 waits for both. Parameters of the dense layers are updated in ``high`` (batch t+1's
-compute needs them), the tables and their optimizer state in ``low``: exactly
-``embrace`` for element-wise optimizers, every step (a skipped non-finite step keeps
-both halves and fetches batch t+1's rows from the unchanged tables).
+t+1 waits for both. ``run(..., fused=True)`` instead dispatches one program per step
+(``fused_body``: step t-1's ``low`` and step t's ``compute`` with no data edge between
+them, then step t's ``high``), the form for accelerators whose latency-hiding scheduler
+overlaps a program's collectives with its independent compute. Parameters of the
+dense layers are updated in ``high`` (batch t+1's compute needs them), the tables and
+their optimizer state in ``low``: exactly ``embrace`` for element-wise optimizers,
+every step (a skipped non-finite step keeps both halves and fetches batch t+1's rows
+from the unchanged tables).
 
 Example:
     >>> # ov = overlap.make_overlapped(loss, optax.sgd(0.1), mesh, params,
