@@ -85,6 +85,8 @@ class Overlapped(NamedTuple):
     state: TrainState
     host_params: Callable
     ctx: StepContext
+    programs: Any = None  # the jitted fetch, compute, high, low, fused (to lower them)
+    place: Callable | None = None  # place(batch, next, *later) -> PlacedBatch
 
 
 def _loss_of_rows(ctx: StepContext, data):
@@ -150,7 +152,8 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         if future:
             early = pipeline.early_tables(ctx, state, {i: f / num for i, f in firsts.items()})
             early = {i: jnp.where(ok, early[i], leaves[i]) for i in early}
-            carry = tuple(pipeline.prefetch(early, future[0], ctx.axis_name))
+            with jax.named_scope(schedule.SCOPE_NEXT):
+                carry = tuple(pipeline.prefetch(early, future[0], ctx.axis_name))
         other = [x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
                  if k == optsplit.OTHER]  # fmt: skip
         pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
@@ -203,10 +206,12 @@ def fused_body(ctx: StepContext, widths, kinds, capacity: int) -> Callable:
     high = high_body(ctx, widths, kinds)
 
     def body(state: TrainState, pend: Pending, rows, batch):
-        tables, opt_state = low(state.params, state.opt_state, pend)
+        with jax.named_scope(schedule.SCOPE_LOW):
+            tables, opt_state = low(state.params, state.opt_state, pend)
         out = compute(state.params, rows, batch.data)
         params = _with_table_leaves(state.params, tables)
-        return high(state._replace(params=params, opt_state=opt_state), *out, batch)
+        with jax.named_scope(schedule.SCOPE_HIGH):
+            return high(state._replace(params=params, opt_state=opt_state), *out, batch)
 
     return body
 
@@ -371,4 +376,6 @@ def make_overlapped(
         state=state,
         host_params=lambda s: jax.tree.map(runtime.to_host, s.params),
         ctx=ctx,
+        programs=progs,
+        place=place,
     )

@@ -112,3 +112,31 @@ def test_optimizer_halves_merge_to_one_update():
     ref_params, ref_opt = step.apply_optimizer(opt, grads, state.opt_state, params)
     assert_trees_close(merged, ref_params, rtol=1e-6, atol=1e-7)
     assert_trees_close(merged_opt, ref_opt, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
+    """In the one-program form, step t's first-chunk all-to-alls (fed by step t's
+    compute) do not wait for step t-1's late all-to-alls: a scheduler may overlap them."""
+    from test_pipeline_exact import _alternating
+
+    from sparsecomm_jax import hlo, schedule
+
+    w = _alternating()
+    ov = overlap.make_overlapped(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+    )  # fmt: skip
+    progs, at = ov.programs, w.batch_at
+    b0, b1 = ov.place(*(at(s) for s in range(4))), ov.place(*(at(s) for s in range(1, 5)))
+    rows = progs.fetch(ov.state.params, b0.data)
+    state, rows, pend, _, _ = progs.high(
+        ov.state, *progs.compute(ov.state.params, rows, b0.data), b0
+    )
+    text = hlo.compiled_text(progs.fused, state, pend, rows, b1, b0.capacity)
+    instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
+    low = {c.name for c in colls if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
+    first = [c for c in colls if schedule.SCOPE_HIGH in c.op_name and c.opcode == "all-to-all"
+             and schedule.SCOPE_NEXT not in c.op_name]  # fmt: skip
+    assert low and first
+    for c in first:
+        assert not hlo.ancestors(instrs, c.name) & low

@@ -106,19 +106,24 @@ def test_loss_scale_poison_is_finite_elsewhere():
     assert not jnp.isfinite(poisoned.loss(p, poisoned.batch_at(1)))
 
 
+def _alternating():
+    """An LM whose batch t+1 reads the other half of the vocabulary, t+2 this one."""
+    base = _workload("lstm_lm", seed=3, vocab=256)
+
+    def batch_at(step):
+        tokens = np.random.default_rng(step).integers(0, 128, (8, 9)) + 128 * (step % 2)
+        return {**base.batch_at(step), "tokens": tokens.astype(np.int32)}
+
+    return base._replace(batch_at=batch_at)
+
+
 def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
     """A latency-free link cuts the late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's
     rows before t+3's, ...): still exactly embrace, one all-to-all per late chunk."""
     from sparsecomm_jax import costmodel, hlo, pipeline, schedule
 
     monkeypatch.setattr(pipeline, "LINK", costmodel.Link(0.0, 1e-9))
-    base = _workload("lstm_lm", seed=3, vocab=256)
-
-    def alternating(step):  # t+1 reads the other half of the vocabulary, t+2 this one
-        tokens = np.random.default_rng(step).integers(0, 128, (8, 9)) + 128 * (step % 2)
-        return {**base.batch_at(step), "tokens": tokens.astype(np.int32)}
-
-    w = base._replace(batch_at=alternating)
+    w = _alternating()
     _assert_same_run(w, steps=4)
     ts = train.make_train_step(
         w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)), "embrace_2d",
