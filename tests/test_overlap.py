@@ -60,9 +60,10 @@ def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
     assert [p for p, *_ in timeline].count("fetch") > 1  # the guard fetched again
 
 
-def test_many_overlapped_steps_on_two_processes(tmp_path):
-    """12 steps on 2 gloo processes: no deadlock, no collective mismatch (only the late
-    program communicates while the next step computes), losses equal embrace's."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_many_overlapped_steps_on_processes(tmp_path, nproc):
+    """12 steps on 2 and 4 gloo processes: no deadlock, no collective mismatch (only the
+    late program communicates while the next step computes), losses equal embrace's."""
     import json
     import subprocess
     import sys
@@ -70,13 +71,13 @@ def test_many_overlapped_steps_on_two_processes(tmp_path):
     from conftest import REPO
 
     out, steps = tmp_path / "t.json", 12
-    cmd = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", "2", "--",
+    cmd = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", str(nproc), "--",
            sys.executable, "-m", "experiments.timeline", "--strategies", "embrace,overlap",
            "--vocab", "64", "--dim", "8", "--hidden", "8", "--seq-len", "8", "--batch", "8",
            "--sampled-softmax", "4", "--steps", str(steps), "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank in range(2):
+    for rank in range(nproc):
         runs = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["runs"]
         np.testing.assert_allclose(runs["overlap"]["losses"], runs["embrace"]["losses"],
                                    rtol=1e-5)  # fmt: skip
