@@ -1,10 +1,13 @@
 """EmbRace's 2D scheduling as a train step: ``embrace_2d``.
 
-One pipelined step (batch t, with batch t+1 known): batch t's forward reads rows fetched
-during step t-1; each table's gradient rows are exchanged in priority chunks
-(``schedule``), every table's first chunk before any later one; the rows batch t+1 reads
-are updated from the first chunk alone and fetched for it at once; the rest of the
-exchange and the full update follow. The dense layers go through the aggregator with no
+One pipelined step (batch t, with batches t+1..t+``LOOKAHEAD`` known): batch t's forward
+reads rows fetched during step t-1; each table's gradient rows are exchanged in priority
+chunks (``schedule``): the positions batch t+1 reads first (every table's first chunk
+before any later one), then those t+2 reads, t+3, ..., in late chunks sized by the
+alpha-beta cost model; the rows batch t+1 reads are updated from the first chunk alone
+and fetched for it at once; the rest of the exchange and the full update follow. A row
+that did not fit in the first chunk, or a skipped step, makes the step fetch the next
+rows again after the full update (exact, slower). The dense layers go through the aggregator with no
 data dependency on the table exchange. Exactly equivalent to ``embrace`` for element-wise
 optimizers.
 
@@ -14,6 +17,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,13 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsecomm_jax import embedding, schedule
+from sparsecomm_jax import costmodel, embedding, schedule
 from sparsecomm_jax.placement import (
     CapacityPolicy,
     PlacedBatch,
     grow_by_quarter,
-    id_leaves,
-    worker_ids,
 )
 from sparsecomm_jax.step import (
     Batch,
@@ -41,12 +43,12 @@ from sparsecomm_jax.step import (
 )
 
 
-def _table_widths(ctx: StepContext) -> dict[int, int]:
+def table_widths(ctx: StepContext) -> dict[int, int]:
     """Leaf index -> full row width D of every table (shards hold D/P columns)."""
     return {i: int(np.shape(x)[1]) for i, _, x in named_tables(ctx.params, ctx.table_mask)}
 
 
-def _prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
+def prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
     """Rows for each logged access, looked up in the (column-sharded) ``tables``."""
     out = []
     for kind, i, ids in calls:
@@ -66,7 +68,7 @@ def _waits_for(x, after):
     return x + (a - a)
 
 
-class _Plan(NamedTuple):
+class Plan(NamedTuple):
     """Table ``i``'s gradient exchange in priority order (see ``schedule``)."""
 
     rows: Any  # float[n, D]: this worker's gradient per looked-up position
@@ -77,8 +79,10 @@ class _Plan(NamedTuple):
     vocab: int
 
 
-def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> _Plan:
-    """Positions of table ``i`` sorted by priority: those batch t+1 reads first."""
+def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
+    """Positions of table ``i`` sorted by when their id is next read: batch t+1's
+    first (the first chunk), then t+2's, ... (``future``: the logged reads of t+1,
+    t+2, ..., or empty at the last step); later chunks sized by the cost model."""
     axis = ctx.axis_name
     ids, rows, shared = [], [], []
     for (kind, t, call_ids), g in zip(calls, g_rows, strict=True):
@@ -88,19 +92,45 @@ def _exchange_plan(ctx: StepContext, calls, g_rows, next_calls, capacity, i) -> 
         elif t == i:
             shared.append((g, call_ids))
     all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
-    n = all_ids.shape[1]
-    if next_calls is None:  # last step: nothing to prioritise
+    rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
+    if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
-        return _Plan(jnp.concatenate(rows), all_ids, order, [(0, n)], shared, _vocab(ctx, i))
-    nxt = [c_ids.reshape(-1) if kind == "lookup_shared" else
-           jax.lax.all_gather(c_ids.reshape(-1), axis, tiled=True)
-           for kind, t, c_ids in next_calls if t == i]  # fmt: skip
-    order = schedule.priority_order(schedule.priority_levels(all_ids, jnp.concatenate(nxt)))
-    chunks = schedule.chunk_bounds(n, [capacity])
-    return _Plan(jnp.concatenate(rows), all_ids, order, chunks, shared, _vocab(ctx, i))
+        return Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
+    levels = schedule.next_use_levels(all_ids, _future_ids(future, i, axis))
+    spill = schedule.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
+    chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
+    return Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
 
 
-def _first_chunk(ctx: StepContext, plan: _Plan):
+def _future_ids(future: list, i: int, axis: str) -> list:
+    """Per future batch, int[m]: every id its logged calls read of table ``i`` (all
+    workers; one all-gather for all the batches' lookups)."""
+    local = [[c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup"]
+             for calls in future]  # fmt: skip
+    sizes = [sum(x.size for x in ids) for ids in local]
+    flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
+    every = jax.lax.all_gather(flat, axis)  # int[P, sum(sizes)]
+    bounds = np.cumsum([0, *sizes])
+    out = []
+    for k, calls in enumerate(future):
+        shared = [c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup_shared"]
+        out.append(jnp.concatenate([every[:, bounds[k] : bounds[k + 1]].reshape(-1), *shared]))
+    return out
+
+
+def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
+    """Chunk sizes in priority order: ``first``, then late chunks of at least
+    ``schedule.late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``.
+
+    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
+    """
+    rest = max(0, n - first)
+    link_rows = schedule.late_chunk_rows(LINK, 4 * width, workers)
+    size = max(1, link_rows, -(-rest // MAX_LATE_CHUNKS))
+    return [first] + [size] * (-(-rest // size))
+
+
+def first_chunk(ctx: StepContext, plan: Plan):
     """float[V, D/P]: the first chunk and the shared lookups, summed over workers."""
     axis = ctx.axis_name
     out = schedule.column_grad_chunk(
@@ -111,7 +141,7 @@ def _first_chunk(ctx: StepContext, plan: _Plan):
     return out
 
 
-def _later_chunks(ctx: StepContext, plan: _Plan, after):
+def later_chunks(ctx: StepContext, plan: Plan, after):
     """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
     table's first chunk) has arrived."""
     rows, out = _waits_for(plan.rows, after), 0.0
@@ -126,6 +156,10 @@ def _vocab(ctx: StepContext, i: int) -> int:
     return int(np.shape(jax.tree.leaves(ctx.params)[i])[0])
 
 
+LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
+MAX_LATE_CHUNKS = 4  # each chunk is one all-to-all per table
+LINK = costmodel.Link.from_bandwidth(1.0)  # sizes the late chunks (1 Gbit/s, 50 us)
+
 NO_ATTEND_2D = (
     "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
     "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
@@ -138,7 +172,7 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
     batch t+1 needs are updated from the first chunk alone and fetched for it right
     away; the rest of the exchange and the full update follow. Exactly equivalent to
     ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
-    widths = _table_widths(ctx)
+    widths = table_widths(ctx)
     num = ctx.num_workers
 
     def body(state: TrainState, batch: PlacedBatch):
@@ -147,7 +181,7 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
             ctx.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
         )
         tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
-        rows = list(state.carry) if state.carry != () else _prefetch(tables, calls, ctx.axis_name)
+        rows = list(state.carry) if state.carry != () else prefetch(tables, calls, ctx.axis_name)
 
         def loss_of_rows(p, r):
             pending = iter(r)
@@ -156,29 +190,35 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
 
         loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
         rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
-        nxt = None
-        if batch.next is not None:
-            nxt = embedding.logged_lookups(ctx.loss_fn, params, batch.next, mask, widths)
-        plans = {i: _exchange_plan(ctx, calls, g_rows, nxt, batch.capacity, i) for i in widths}
+        ahead = [batch.next, *batch.later] if batch.next is not None else []
+        future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
+        nxt = future[0] if future else None
+        plans = {i: exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
+        spill = jnp.any(jnp.stack([s for _, s in plans.values()])).astype(jnp.int32)
+        spill = jax.lax.pmax(spill, ctx.axis_name) > 0
+        plans = {i: plan for i, (plan, _) in plans.items()}
         with jax.named_scope(schedule.SCOPE_HIGH):
-            firsts = {i: _first_chunk(ctx, plan) for i, plan in plans.items()}
+            firsts = {i: first_chunk(ctx, plan) for i, plan in plans.items()}
         with jax.named_scope(schedule.SCOPE_LOW):
             after = tuple(firsts.values())
-            later = {i: _later_chunks(ctx, plan, after) for i, plan in plans.items()}
+            later = {i: later_chunks(ctx, plan, after) for i, plan in plans.items()}
         fulls = {i: (firsts[i] + later[i]) / num for i in widths}
         firsts = {i: f / num for i, f in firsts.items()}
         carry = ()
         if nxt is not None:
             with jax.named_scope(schedule.SCOPE_NEXT):
-                early = _early_tables(ctx, state, firsts)
-                carry = tuple(_prefetch(early, nxt, ctx.axis_name))
-        grads = _with_tables(g_params, mask, fulls, rest)
-        return finish_step(ctx, state, grads, loss, agg_state, carry)
+                early = early_tables(ctx, state, firsts)
+                carry = tuple(prefetch(early, nxt, ctx.axis_name))
+        grads = with_tables(g_params, mask, fulls, rest)
+        new, loss = finish_step(ctx, state, grads, loss, agg_state, carry)
+        if nxt is None:
+            return new, loss
+        return new._replace(carry=_checked_carry(ctx, new, nxt, spill, loss)), loss
 
     return body
 
 
-def _with_tables(like, mask, tables: dict[int, Any], rest=None):
+def with_tables(like, mask, tables: dict[int, Any], rest=None):
     """A gradient tree: ``tables[i]`` at table leaves, ``rest`` (or zeros) elsewhere."""
     leaves, treedef = jax.tree.flatten(like)
     others = iter(jax.tree.leaves(rest))  # rest has None at the tables
@@ -190,22 +230,55 @@ def _with_tables(like, mask, tables: dict[int, Any], rest=None):
     return jax.tree.unflatten(treedef, out)
 
 
-def _early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
+def _checked_carry(ctx: StepContext, new: TrainState, nxt: list, spill, loss):
+    """The carried rows, or (when they may be stale) the same rows fetched again from
+    the step's final tables: when a row batch t+1 reads did not fit in the first chunk
+    (``spill``, the device-side guard), or when the step was skipped (``nonfinite``:
+    the early update may hold NaN/Inf, the tables were kept). Every worker takes the
+    same branch (both flags are reduced over the axis). The fetch again is exact in
+    every case; it only costs a lookup exchange when it runs."""
+    stale = spill | (jnp.isnan(loss) if ctx.nonfinite != "off" else False)
+    leaves = jax.tree.leaves(new.params)
+    tables = {i: leaves[i] for i in table_widths(ctx)}
+
+    def refetch():
+        with jax.named_scope(schedule.SCOPE_REFETCH):
+            return tuple(prefetch(tables, nxt, ctx.axis_name))
+
+    return jax.lax.cond(stale, refetch, lambda: new.carry)
+
+
+def early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) -> dict[int, Any]:
     """The tables after an optimizer step on the first chunk alone (zero gradient for
     every other leaf, so nothing here waits for the dense all-reduce). Exact for the
     rows batch t+1 reads: all of their gradient is in the first chunk."""
-    grads = _with_tables(state.params, ctx.table_mask, firsts)
+    grads = with_tables(state.params, ctx.table_mask, firsts)
     params, _ = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
     leaves = jax.tree.leaves(params)
     return {i: leaves[i] for i in firsts}
 
 
 def priority_need(ctx: StepContext, batch: Batch, next_batch: Batch) -> int:
-    """Positions of one worker's batch that batch t+1 reads (shared ids excluded: they
-    always travel in the first chunk, by reduce-scatter)."""
-    next_ids = np.concatenate([v.ravel() for v in id_leaves(next_batch, ctx.id_keys).values()])
-    own = {k: v for k, v in batch.items() if k not in ctx.replicated_keys}
-    return schedule.high_priority_capacity(worker_ids(ctx, own), next_ids)
+    """Lookup positions of one worker's batch that batch t+1 reads, counting every read
+    of a table (a tied table is read by the inputs and by the targets). Shared ids are
+    excluded: they always travel in the first chunk, by reduce-scatter."""
+    reads = _reads_fn(ctx)
+    return schedule.first_chunk_need(reads(batch), reads(next_batch))
+
+
+def _reads_fn(ctx: StepContext):
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), ctx.params)
+    leaves, treedef = jax.tree.flatten(shapes)
+    flags = tuple(bool(f) for f in jax.tree.leaves(ctx.table_mask))
+    return _cached_reads_fn(ctx.loss_fn, treedef, tuple(leaves), flags,
+                            ctx.replicated_keys, ctx.num_workers)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_reads_fn(loss_fn, treedef, leaves, flags, replicated_keys, workers):
+    shapes = jax.tree.unflatten(treedef, leaves)
+    mask = jax.tree.unflatten(treedef, flags)
+    return schedule.table_reads_fn(loss_fn, shapes, mask, replicated_keys, workers)
 
 
 PRIORITY_CAPACITY = CapacityPolicy(priority_need, "high-priority positions", grow_by_quarter)

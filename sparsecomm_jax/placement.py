@@ -104,11 +104,14 @@ class PlacedBatch:
         program is compiled per value.
       next: the next step's batch for pipelined strategies (``None`` otherwise and at
         the last step).
+      later: the batches of steps t+2, t+3, ... a pipelined strategy's lookahead asks
+        for (as many as remain), soonest first.
     """
 
     data: dict = dataclasses.field(metadata=dict(static=False))
     capacity: int = dataclasses.field(default=0, metadata=dict(static=True))
     next: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
+    later: tuple = dataclasses.field(default=(), metadata=dict(static=False))
 
 
 def batch_specs(batch: Batch, axis_name: str, replicated_keys: Sequence[str]) -> dict:
@@ -120,7 +123,8 @@ def placed_specs(batch: PlacedBatch, axis_name: str, replicated_keys: Sequence[s
     """The ``PartitionSpec`` tree of a ``PlacedBatch``."""
     nxt = None if batch.next is None else batch_specs(batch.next, axis_name, replicated_keys)
     data = batch_specs(batch.data, axis_name, replicated_keys)
-    return PlacedBatch(data, batch.capacity, nxt)
+    later = tuple(batch_specs(b, axis_name, replicated_keys) for b in batch.later)
+    return PlacedBatch(data, batch.capacity, nxt, later)
 
 
 def put_batch(ctx: StepContext, batch: Batch) -> dict:
@@ -178,16 +182,19 @@ def capacity_fn(ctx: StepContext, policy: CapacityPolicy) -> Callable[..., int]:
 def batch_placer(
     ctx: StepContext, policy: CapacityPolicy | None = None, lookahead: int = 0
 ) -> Callable[..., PlacedBatch]:
-    """``place(batch[, next_batch]) -> PlacedBatch``: checked, placed, capacity sized."""
+    """``place(batch[, next_batch, *later]) -> PlacedBatch``: checked, placed, capacity
+    sized (``later``: up to ``lookahead - 1`` batches after the next)."""
     capacity = capacity_fn(ctx, policy) if policy else None
 
-    def place(batch: Batch, next_batch: Batch | None = None) -> PlacedBatch:
+    def place(batch: Batch, next_batch: Batch | None = None, *later: Batch) -> PlacedBatch:
         data = put_batch(ctx, batch)
         if not lookahead:
             return PlacedBatch(data, capacity(batch) if capacity else 0)
         if next_batch is None:
             return PlacedBatch(data)
-        return PlacedBatch(data, capacity(batch, next_batch), put_batch(ctx, next_batch))
+        later = tuple(put_batch(ctx, b) for b in later[: lookahead - 1])
+        need = capacity(batch, next_batch)
+        return PlacedBatch(data, need, put_batch(ctx, next_batch), later)
 
     return place
 

@@ -23,15 +23,20 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsecomm_jax import costmodel, embedding
+
 HIGH, LOW = 0, 1
 # Name scopes of the pipelined step, visible in the compiled program's op metadata.
 SCOPE_HIGH, SCOPE_LOW, SCOPE_NEXT = "embrace2d_high", "embrace2d_low", "embrace2d_next_lookup"
+SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
 
 
 # --------------------------------------------------------------------------- planning
@@ -42,6 +47,34 @@ def priority_levels(ids, next_ids):
     ``LOW`` (1). Works on numpy or jax arrays of any shape."""
     xp = jnp if isinstance(ids, jax.Array) else np
     return xp.where(xp.isin(ids, next_ids), HIGH, LOW).astype(xp.int32)
+
+
+def next_use_levels(ids, future: Sequence[Any]):
+    """Level of each position by when its id is next read: 0 when batch t+1 reads it,
+    1 when t+2 does (and t+1 does not), ..., ``len(future)`` when no batch of the
+    lookahead reads it (numpy or jax).
+
+    Example: ids [5, 7, 2, 5], future [{7}, {5, 7}] -> levels [1, 0, 2, 1].
+
+    Args:
+      ids: int[..., n] ids of the positions.
+      future: the ids batches t+1, t+2, ... read (any shapes), soonest first.
+
+    Returns:
+      int32[..., n].
+    """
+    xp = jnp if isinstance(ids, jax.Array) else np
+    levels = xp.full(ids.shape, len(future), xp.int32)
+    for level in reversed(range(len(future))):  # the soonest read wins
+        levels = xp.where(xp.isin(ids, xp.ravel(future[level])), level, levels)
+    return levels
+
+
+def overflows(levels, capacity: int):
+    """Device-side guard, this worker's part: True when it holds more ``HIGH``
+    positions than the first chunk's ``capacity`` (the rows would travel late);
+    callers reduce it over the workers (``jax.lax.pmax``) with their other flags."""
+    return jnp.sum(levels == HIGH) > capacity
 
 
 def priority_order(levels):
@@ -65,6 +98,18 @@ def chunk_bounds(n: int, capacities: Sequence[int]) -> list[tuple[int, int]]:
     if start < n:
         bounds.append((start, n))
     return bounds
+
+
+def late_chunk_rows(link: costmodel.Link, row_bytes: int, workers: int, overhead=0.1) -> int:
+    """Positions per late chunk: the fewest whose all-to-all spends at most ``overhead``
+    of its time on message latency under the alpha-beta ``link`` (more, smaller
+    chunks let the rows needed soonest arrive sooner; each costs (P-1) messages).
+
+    Example: 50 us per message, 1 Gbit/s, 512-float rows on 4 workers -> 110 positions.
+    """
+    per_row = (workers - 1) / workers * row_bytes * link.beta  # seconds per position
+    latency = (workers - 1) * link.alpha
+    return max(1, math.ceil(latency * (1 - overhead) / (overhead * max(per_row, 1e-30))))
 
 
 def high_priority_capacity(worker_ids: Sequence[np.ndarray], next_ids: np.ndarray) -> int:
@@ -116,3 +161,57 @@ def column_grad_shared(grads, ids, vocab: int, axis_name: str):
     sum_p g_p[:, cols_j]) scattered into float[V, D/P]."""
     mine = jax.lax.psum_scatter(grads, axis_name, scatter_dimension=1, tiled=True)
     return jnp.zeros((vocab, mine.shape[-1]), grads.dtype).at[ids].add(mine)
+
+
+# ------------------------------------------------------------------ host-side reads
+
+
+def table_reads_fn(loss_fn, params, mask, replicated_keys: Sequence[str], workers: int):
+    """A host function ``batch -> {table index: (lookup ids int[P, n], shared ids
+    int[m])}``: every read of every table by each worker's slice of ``batch`` (a tied
+    table read by inputs, targets and negatives counts each read), from one jitted
+    program where the model runs on zeros (XLA keeps only the ids).
+
+    Example: a tied LM with tokens int[B, T+1] reads ``embed`` 2 * B/P * T times per
+    worker by lookup, plus the negatives once (shared).
+    """
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    flags = zip(jax.tree.leaves(shapes), jax.tree.leaves(mask), strict=True)
+    widths = {i: s.shape[1] for i, (s, f) in enumerate(flags) if f}
+
+    def one_worker(batch):
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        found: dict[int, tuple[list, list]] = {}
+        for kind, i, ids in embedding.logged_lookups(loss_fn, zeros, batch, mask, widths):
+            if kind != "attend":
+                found.setdefault(i, ([], []))[kind == "lookup_shared"].append(ids.reshape(-1))
+        return {i: tuple(_cat(x) for x in pair) for i, pair in found.items()}
+
+    @jax.jit
+    def reads(batch):
+        axes = {k: None if k in replicated_keys else 0 for k in batch}
+        split = {k: v if k in replicated_keys else v.reshape(workers, -1, *v.shape[1:])
+                 for k, v in batch.items()}  # fmt: skip
+        out = jax.vmap(one_worker, in_axes=(axes,))(split)
+        return {i: (look, shared[0]) for i, (look, shared) in out.items()}
+
+    return lambda batch: jax.tree.map(np.asarray, reads(batch))
+
+
+def _cat(parts: list):
+    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.int32)
+
+
+def next_ids(reads: dict) -> dict:
+    """Table index -> every id a batch reads (all workers, shared ids too)."""
+    return {
+        i: np.concatenate([look.ravel(), shared.ravel()]) for i, (look, shared) in reads.items()
+    }
+
+
+def first_chunk_need(reads: dict, next_reads: dict) -> int:
+    """Largest number of lookup positions any worker must send in a table's first
+    chunk: those whose id batch t+1 reads, counting every read (host-side)."""
+    nxt = next_ids(next_reads)
+    return max((high_priority_capacity(list(look), nxt.get(i, np.zeros(0)))
+                for i, (look, _) in reads.items()), default=0)  # fmt: skip

@@ -70,8 +70,8 @@ class TrainStep(NamedTuple):
       host_params: ``state -> params`` as ordinary numpy arrays (sharded tables
         gathered back to V x D).
       strategy: the strategy's name, e.g. ``"embrace+topk_a2a"``.
-      lookahead: 1 when ``place_batch(batch, next_batch)`` wants the next step's batch
-        too (``embrace_2d``; ``None`` at the last step), else 0.
+      lookahead: k > 0 when ``place_batch(batch, next_batch, *later)`` wants the next
+        k steps' batches too (``embrace_2d``: as many as remain), else 0.
       per_device_state: True when every state leaf has a leading local-device axis
         (``jax.pmap``), False for global arrays (``jax.jit``).
     """

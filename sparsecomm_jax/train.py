@@ -75,7 +75,7 @@ class Strategy(NamedTuple):
       body: ``body(ctx) -> step body`` (see ``bodies``).
       layout: how tables are sharded: ``"column"``, ``"row"``, or ``None`` (replicated).
       capacity: the host-side sizing of static buffers per batch, or ``None``.
-      lookahead: 1 when a step needs the next step's batch (pipelined), else 0.
+      lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
       needs_tables: the strategy needs at least one embedding table.
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
       engine: ``"shard_map"`` (``jax.jit`` of ``jax.shard_map``) or ``"pmap"``.
@@ -128,7 +128,7 @@ STRATEGIES: dict[str, Strategy] = {
             pipeline.embrace_2d_body,
             layout="column",
             capacity=pipeline.PRIORITY_CAPACITY,
-            lookahead=1,
+            lookahead=pipeline.LOOKAHEAD,
             needs_tables=True,
         ),
     )
@@ -201,10 +201,12 @@ ENGINES = {"shard_map": shard_map_step, "pmap": pmap_step}
 
 
 def place_for_step(ts: TrainStep, batch_at: Callable[[int], Batch], step: int, steps: int):
-    """The placed batch of ``step`` of a ``steps``-step run, with the next step's batch
-    for pipelined strategies (``ts.lookahead``; none at the last step)."""
+    """The placed batch of ``step`` of a ``steps``-step run, with the next
+    ``ts.lookahead`` steps' batches for pipelined strategies (none at the last step)."""
     if ts.lookahead and step + 1 < steps:
-        return ts.place_batch(batch_at(step), batch_at(step + 1))
+        # near the end the last batch stands in for those past it: one program shape
+        ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + ts.lookahead)]
+        return ts.place_batch(batch_at(step), *(batch_at(s) for s in ahead))
     return ts.place_batch(batch_at(step))
 
 

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
 from models import get_workload
-from sparsecomm_jax import hlo, runtime, schedule, train
+from sparsecomm_jax import hlo, pipeline, runtime, schedule, train
 
 V, B, T = 256, 16, 8
 
@@ -86,7 +86,7 @@ def test_first_and_last_steps(steps):
     losses, got, ts = strategy_run(w, optax.sgd(0.5), params, steps, "embrace_2d")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
-    assert ts.lookahead == 1
+    assert ts.lookahead == pipeline.LOOKAHEAD
 
 
 def _middle_step_program():
@@ -132,3 +132,59 @@ def test_full_softmax_is_refused_clearly():
     w = get_workload("lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B)
     with pytest.raises(ValueError, match="use sampled softmax"):
         strategy_run(w, optax.sgd(0.1), w.init(jax.random.key(0)), 1, "embrace_2d")
+
+
+def _levels_reference(ids, future):
+    """Brute force: the first future batch that reads each id, else len(future)."""
+    out = []
+    for v in ids:
+        hits = [k for k, f in enumerate(future) if v in set(np.ravel(f))]
+        out.append(hits[0] if hits else len(future))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_next_use_levels_against_reference(seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 12, 40)
+    future = [rng.integers(0, 12, rng.integers(1, 6)) for _ in range(3)]
+    want = _levels_reference(ids, future)
+    np.testing.assert_array_equal(schedule.next_use_levels(ids, future), want)
+    got = schedule.next_use_levels(jax.numpy.asarray(ids), [jax.numpy.asarray(f) for f in future])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    order = schedule.priority_order(want)  # t+1 first, then t+2, ...; stable within
+    assert (np.diff(want[order]) >= 0).all()
+    np.testing.assert_array_equal(order, sorted(range(40), key=lambda p: (want[p], p)))
+
+
+@pytest.mark.parametrize("gbit, dim, workers", [(1.0, 512, 4), (0.2, 64, 2), (10.0, 8, 8)])
+def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
+    from sparsecomm_jax import costmodel
+
+    link = costmodel.Link.from_bandwidth(gbit)
+    rows = schedule.late_chunk_rows(link, 4 * dim, workers, overhead=0.1)
+
+    def latency_share(n):
+        wire = (workers - 1) / workers * n * 4 * dim * link.beta
+        return (workers - 1) * link.alpha / ((workers - 1) * link.alpha + wire)
+
+    assert latency_share(rows) <= 0.1 + 1e-9
+    assert rows == 1 or latency_share(rows - 1) > 0.1
+
+
+def test_table_reads_count_every_read_of_a_tied_table():
+    w = get_workload("gpt2", vocab=32, dim=8, seq_len=6, batch=8, sampled_softmax=5)
+    params = w.init(jax.random.key(0))
+    mask = train.table_mask(params, w.embedding_paths)
+    reads = schedule.table_reads_fn(w.loss, params, mask, w.replicated_keys, 4)(w.batch_at(0))
+    [(table, (look, shared))] = reads.items()
+    tokens = w.batch_at(0)["tokens"].reshape(4, 2, 7)
+    want = np.concatenate([tokens[:, :, :-1].reshape(4, -1), tokens[:, :, 1:].reshape(4, -1)], 1)
+    np.testing.assert_array_equal(look, want)
+    np.testing.assert_array_equal(shared, w.batch_at(0)["negatives"])
+    nxt = schedule.table_reads_fn(w.loss, params, mask, w.replicated_keys, 4)(w.batch_at(1))
+    every = set(np.ravel(nxt[table][0])) | set(nxt[table][1])
+    need = max(int(np.isin(row, list(every)).sum()) for row in want)
+    assert schedule.first_chunk_need(reads, nxt) == need
+    per_key = max(int(np.isin(t.ravel(), list(every)).sum()) for t in tokens)
+    assert need > per_key  # counting the key once under-sizes the chunk

@@ -1,0 +1,143 @@
+"""Horizontal scheduling across steps (``overlap``): exactly ``embrace`` every step, on
+tied tables, with Adam, after a skipped step; the late program runs beside the next
+step's compute; many steps on 2 processes under the launcher end without deadlock."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+from test_pipeline_exact import _poisoned, _run, _workload
+
+from sparsecomm_jax import overlap, runtime
+
+
+def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False):
+    ov = overlap.make_overlapped(
+        w.loss, optimizer, runtime.data_mesh(devices), params,
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        id_keys=w.id_keys,
+    )  # fmt: skip
+    state, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
+    return np.array(losses), ov.host_params(state)
+
+
+@pytest.mark.parametrize(
+    "name, opt, poison, fused",
+    [("gpt2", "sgd", None, False), ("lstm_lm", "adam", 1, False), ("gpt2", "adam", 2, True)],
+)
+def test_overlapped_equals_embrace(name, opt, poison, fused):
+    w = _workload(name, seed=4)
+    if poison is not None:
+        w = _poisoned(w, poison)
+    optimizer = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2, eps=1e-3)
+    params = w.init(jax.random.key(0))
+    ref_losses, ref = _run(w, "embrace", 4, params, optimizer=optimizer)
+    timeline = []
+    losses, got = _overlapped(w, 4, params, optimizer, timeline=timeline, fused=fused)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    count = [p for p, *_ in timeline].count
+    if fused:  # one program per middle step; the first step's high, the last's low
+        assert (count("fused"), count("high"), count("low")) == (3, 1, 1)
+    else:
+        assert count("high") == count("low") == 4 and count("compute") >= 4
+
+
+def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
+    """Capacity 1: the device flags the spill, the driver fetches batch t+1's rows
+    again after the full update and recomputes: still exactly embrace."""
+    from sparsecomm_jax import schedule
+
+    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    w = _workload("gpt2", seed=5)
+    params = w.init(jax.random.key(0))
+    ref_losses, ref = _run(w, "embrace", 3, params, optimizer=optax.sgd(0.5))
+    timeline = []
+    losses, got = _overlapped(w, 3, params, optax.sgd(0.5), timeline=timeline)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert [p for p, *_ in timeline].count("fetch") > 1  # the guard fetched again
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_many_overlapped_steps_on_processes(tmp_path, nproc):
+    """12 steps on 2 and 4 gloo processes: no deadlock, no collective mismatch (only the
+    late program communicates while the next step computes), losses equal embrace's."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out, steps = tmp_path / "t.json", 12
+    cmd = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", str(nproc), "--",
+           sys.executable, "-m", "experiments.timeline", "--strategies", "embrace,overlap",
+           "--vocab", "64", "--dim", "8", "--hidden", "8", "--seq-len", "8", "--batch", "8",
+           "--sampled-softmax", "4", "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(nproc):
+        runs = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["runs"]
+        np.testing.assert_allclose(runs["overlap"]["losses"], runs["embrace"]["losses"],
+                                   rtol=1e-5)  # fmt: skip
+        phases = [p for p, *_ in runs["overlap"]["timeline"]]
+        assert phases.count("low") == phases.count("high") == steps
+
+
+def test_optimizer_halves_merge_to_one_update():
+    """Adam on the dense leaves (``dense_update``) then on the table leaves from the
+    old count (``with_other`` + ``pick``) equals one Adam step on everything."""
+    import jax.numpy as jnp
+
+    from sparsecomm_jax import optsplit, step
+
+    rng = np.random.default_rng(0)
+    params = {"embed": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+              "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}  # fmt: skip
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
+    opt, mask = optax.adam(0.1), {"embed": True, "w": False}
+    ctx = step.StepContext(
+        None, opt, None, params, "data", (), mask, (6,), None, None, None, "skip"
+    )
+    state = step.TrainState(params, opt.init(params), ())
+    kinds = optsplit.opt_kinds(ctx, state.opt_state)
+    dense = optsplit.dense_update(ctx, state, {"embed": None, "w": grads["w"]}, jnp.array(True))
+    leaves = jax.tree.leaves(state.opt_state)
+    other = [x for k, x in zip(kinds, leaves, strict=True) if k == optsplit.OTHER]
+    opt_in = optsplit.with_other(kinds, dense.opt_state, other)
+    tables, opt_t = step.apply_optimizer(opt, {"embed": grads["embed"], "w": jnp.zeros(3)},
+                                         opt_in, dense.params)  # fmt: skip
+    merged_opt = optsplit.pick(kinds, (optsplit.TABLE,), opt_t, dense.opt_state)
+    merged = {"embed": tables["embed"], "w": dense.params["w"]}
+    ref_params, ref_opt = step.apply_optimizer(opt, grads, state.opt_state, params)
+    assert_trees_close(merged, ref_params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(merged_opt, ref_opt, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
+    """In the one-program form, step t's first-chunk all-to-alls (fed by step t's
+    compute) do not wait for step t-1's late all-to-alls: a scheduler may overlap them."""
+    from test_pipeline_exact import _alternating
+
+    from sparsecomm_jax import hlo, schedule
+
+    w = _alternating()
+    ov = overlap.make_overlapped(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+    )  # fmt: skip
+    progs, at = ov.programs, w.batch_at
+    b0, b1 = ov.place(*(at(s) for s in range(4))), ov.place(*(at(s) for s in range(1, 5)))
+    rows = progs.fetch(ov.state.params, b0.data)
+    state, rows, pend, _, _ = progs.high(
+        ov.state, *progs.compute(ov.state.params, rows, b0.data), b0
+    )
+    text = hlo.compiled_text(progs.fused, state, pend, rows, b1, b0.capacity)
+    instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
+    low = {c.name for c in colls if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
+    first = [c for c in colls if schedule.SCOPE_HIGH in c.op_name and c.opcode == "all-to-all"
+             and schedule.SCOPE_NEXT not in c.op_name]  # fmt: skip
+    assert low and first
+    for c in first:
+        assert not hlo.ancestors(instrs, c.name) & low

@@ -1,0 +1,138 @@
+"""``embrace_2d`` through the public API (``make_train_step`` + ``place_for_step``) is
+exactly ``embrace``: on tied tables read several times per batch key (every language
+model with sampled softmax), after a skipped non-finite step, and when the host sizes
+the first chunk too small (the device-side guard)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+from models import get_workload
+from sparsecomm_jax import runtime, train
+
+TIED = {
+    "lstm_lm": dict(tie_embeddings=True, hidden=8),
+    "transformer": {},
+    "gpt2": {},
+    "bert": dict(masked=2),
+}
+
+
+def _workload(name, seed=0, vocab=8):
+    return get_workload(name, vocab=vocab, dim=8, layers=1, heads=2, seq_len=8, batch=8,
+                        sampled_softmax=4, seed=seed, **TIED[name])  # fmt: skip
+
+
+def _poisoned(w, bad_step):
+    """``w`` whose loss is multiplied by ``batch["scale"]``: Inf at ``bad_step``, so
+    every gradient (tables included) is non-finite there and the step is skipped."""
+
+    def loss(p, b, emb=None):
+        return w.loss(p, b, emb) * b["scale"]
+
+    def batch_at(step):
+        return {**w.batch_at(step), "scale": np.float32(np.inf if step == bad_step else 1.0)}
+
+    return w._replace(loss=loss, batch_at=batch_at, replicated_keys=(*w.replicated_keys, "scale"))
+
+
+def _run(w, strategy, steps, params, devices=4, optimizer=None):
+    """Losses of every step and the final host parameters, as a user drives them."""
+    ts = train.make_train_step(
+        w.loss, optimizer or optax.sgd(0.5), runtime.data_mesh(devices), params, strategy,
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        id_keys=w.id_keys,
+    )  # fmt: skip
+    state, losses = ts.state, []
+    for step in range(steps):
+        state, loss = ts.step(state, train.place_for_step(ts, w.batch_at, step, steps))
+        losses.append(train.loss_value(loss))
+    return np.array(losses), ts.host_params(state)
+
+
+def _assert_same_run(w, steps, optimizer=None, seed=0):
+    params = w.init(jax.random.key(seed))
+    ref_losses, ref = _run(w, "embrace", steps, params, optimizer=optimizer)
+    losses, got = _run(w, "embrace_2d", steps, params, optimizer=optimizer)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(TIED))
+def test_tied_tables_equal_embrace(name):
+    """A tied table is read by the inputs, the targets and the negatives: every read
+    counts towards the first chunk, and no row batch t+1 reads is fetched stale."""
+    _assert_same_run(_workload(name), steps=4)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "lstm_lm"])
+def test_step_after_a_skipped_step(name):
+    """Step 1 is skipped (Inf gradients); step 2 reads rows of the unchanged tables."""
+    losses = _assert_same_run(_poisoned(_workload(name, seed=1), 1), steps=4,
+                              optimizer=optax.adam(1e-2, eps=1e-3))  # fmt: skip
+    assert np.isnan(losses[1]) and np.isfinite(losses[[0, 2, 3]]).all()
+
+
+def test_guard_when_the_first_chunk_is_too_small(monkeypatch):
+    """The host under-sizes the first chunk (capacity 1): rows batch t+1 reads spill
+    into the late chunk, the device sees it and fetches them after the full update."""
+    from sparsecomm_jax import schedule
+
+    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    _assert_same_run(_workload("gpt2", seed=2), steps=3)
+
+
+def test_fixed_capacity_too_small_is_refused():
+    w = _workload("gpt2")
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.1), runtime.data_mesh(4), w.init(jax.random.key(0)),
+        "embrace_2d", replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        capacity=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="capacity=1 is too small"):
+        train.place_for_step(ts, w.batch_at, 0, 2)
+
+
+def test_loss_scale_poison_is_finite_elsewhere():
+    """The poisoned workload is the plain one at every other step (checks the helper)."""
+    w = _workload("gpt2")
+    p = w.init(jax.random.key(0))
+    poisoned = _poisoned(w, 1)
+    assert jnp.isclose(poisoned.loss(p, poisoned.batch_at(0)), w.loss(p, w.batch_at(0)))
+    assert not jnp.isfinite(poisoned.loss(p, poisoned.batch_at(1)))
+
+
+def _alternating():
+    """An LM whose batch t+1 reads the other half of the vocabulary, t+2 this one."""
+    base = _workload("lstm_lm", seed=3, vocab=256)
+
+    def batch_at(step):
+        tokens = np.random.default_rng(step).integers(0, 128, (8, 9)) + 128 * (step % 2)
+        return {**base.batch_at(step), "tokens": tokens.astype(np.int32)}
+
+    return base._replace(batch_at=batch_at)
+
+
+def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
+    """A latency-free link cuts the late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's
+    rows before t+3's, ...): still exactly embrace, one all-to-all per late chunk."""
+    from sparsecomm_jax import costmodel, hlo, pipeline, schedule
+
+    monkeypatch.setattr(pipeline, "LINK", costmodel.Link(0.0, 1e-9))
+    w = _alternating()
+    _assert_same_run(w, steps=4)
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)), "embrace_2d",
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+    )  # fmt: skip
+    batch = train.place_for_step(ts, w.batch_at, 0, 5)
+    text = hlo.compiled_text(ts.step, ts.state, batch)
+    low = [c for c in hlo.scheduled_collectives(text)
+           if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"]  # fmt: skip
+    n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
+    late = pipeline.late_capacities(n, batch.capacity, 8, 4)[1:]
+    assert len(low) == len(late) == pipeline.MAX_LATE_CHUNKS
