@@ -86,7 +86,7 @@ def check_float_grads(grads: PyTree) -> None:
 
 def _check(density: float, selector: str) -> None:
     sparsify.check_density(density)
-    sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
+    sparsify.check_selector(selector)
 
 
 def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_workers: bool):
@@ -119,19 +119,19 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_wor
     return Aggregator(init=init, update=update)
 
 
-def allgather_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
     """``flat -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
 
     def exchange(flat):
         d = flat.shape[0]
-        values, indices = sparsify.select(flat, sparsify.num_selected(density, d), selector)
-        total = collectives.topk_allgather(values, indices, d, axis_name)
-        return total, flat - sparsify.densify(values, indices, d)
+        k = sparsify.num_selected(density, d)
+        values, indices, kept = sparsify.select_with_residual(flat, k, selector)
+        return collectives.topk_allgather(values, indices, d, axis_name), kept
 
     return exchange
 
 
-def a2a_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
     """``flat -> (total, kept)`` of TopKA2A; ``flat`` divisible by P."""
 
     def exchange(flat):
@@ -152,7 +152,7 @@ def gtopk_exchange(density: float, axis_name: str) -> Callable:
     def exchange(flat):
         d = flat.shape[0]
         k = sparsify.num_selected(density, d)  # collectives.gtopk checks P
-        values, indices = sparsify.exact_topk(flat, k)
+        values, indices = sparsify.auto_topk(flat, k)
         total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
         return total, flat - sparsify.densify(values, indices, d) + dropped
 
@@ -167,7 +167,7 @@ def dense_exchange(axis_name: str) -> Callable:
 def topk_allgather(
     density: float,
     axis_name: str,
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Top-k with error feedback; pairs exchanged by all-gather (the common baseline).
@@ -175,8 +175,8 @@ def topk_allgather(
     Args:
       density: fraction of each bucket sent, in (0, 1].
       axis_name: the data-parallel mesh axis.
-      selector: ``"exact"`` (``lax.top_k``), ``"radix"`` (the same entries without a
-        sort: faster when k is large) or ``"threshold"`` (sampled, DGC-style).
+      selector: one of ``sparsify.SELECTORS``; the default ``"auto"`` is exact and the
+        fastest on the platform, ``"exact"`` is ``lax.top_k`` (the reference).
       bucket_bytes: fusion threshold (``None``: one bucket).
 
     Returns:
@@ -190,7 +190,7 @@ def topk_allgather(
 def topk_a2a(
     density: float,
     axis_name: str,
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """TopKA2A: ceil(k/P) entries per contiguous shard, one all-to-all, local sum,
@@ -231,7 +231,7 @@ def adaptive(
     density: float,
     axis_name: str,
     link: costmodel.Link | None = None,
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the
