@@ -96,7 +96,8 @@ def kth_largest_bits(a, k: int):
         candidate = t | jnp.left_shift(jnp.int32(1), 30 - i)
         return jnp.where(jnp.sum(a >= candidate) >= k, candidate, t)
 
-    return jax.lax.fori_loop(0, 31, try_bit, jnp.int32(0))
+    zero = jnp.zeros_like(a[0])  # int32, varying like a inside shard_map
+    return jax.lax.fori_loop(0, 31, try_bit, zero)
 
 
 def radix_topk(x, k: int):
