@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from experiments.bucket_search import choose_bucket
 from experiments.config import RunConfig, add_arguments, from_namespace
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
     if config.batch % config.devices:
         raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
+    if config.bucket_mb != "auto" and not _is_size(config.bucket_mb):
+        raise ValueError(f"--bucket-mb must be a number >= 0 or auto, got {config.bucket_mb!r}")
     if config.link_gbit < 0:
         raise ValueError(f"--link-gbit must be >= 0 (0 = calibrate), got {config.link_gbit}")
     if config.lr <= 0:
@@ -64,6 +67,13 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
     if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
         raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+
+
+def _is_size(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
 
 
 def start_devices(devices: int) -> int:
@@ -101,7 +111,7 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     agg = parse_strategy(config.strategy)[1]
     if agg == "dense":
         return {}
-    options = {"density": config.density, "bucket_bytes": int(config.bucket_mb * 2**20)}
+    options = {"density": config.density, "bucket_bytes": int(float(config.bucket_mb) * 2**20)}
     if agg != "gtopk":
         options["selector"] = config.selector
     if agg == "adaptive":
@@ -231,12 +241,16 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
       step_time_s (median after warm-up), tokens_per_s or samples_per_s,
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
-      skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config.
+      skipped_steps, the fitted ``link`` with ``--calibrate``, ``bucket_search`` with
+      ``--bucket-mb auto``, and the full config.
     """
     validate(config)
     rank = start_devices(config.devices)
     from sparsecomm_jax import hlo
 
+    search = None
+    if config.bucket_mb == "auto":  # the fusion threshold of least measured step time
+        config, search = choose_bucket(config, build)
     workload, ts = build(config)
     ckpt, state, start = _start_state(config, ts)
     _, log = run_steps(config, ts, workload, state, start, ckpt, progress and rank == 0)
@@ -264,6 +278,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "rank": rank,
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
+    if search:
+        result["bucket_search"] = search
     if config.calibrate:
         result["link"] = calibrated_link(config.devices)
     return result

@@ -1,0 +1,81 @@
+"""``--bucket-mb auto``: the tensor-fusion threshold chosen on measured step times.
+
+Before training, ``fusion.search_threshold`` binary-searches the distinct bucket plans
+of the model's gradient leaves (``fusion.candidate_thresholds``); each evaluation builds
+the train step with that threshold and times a few steps of it on this cluster.
+
+References:
+    Peng et al., "TopKA2A", ICPP 2024 (binary-searched fusion threshold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from experiments.config import RunConfig
+
+TIMED_STEPS = 3  # per evaluation; the first (warm-up) is not counted
+
+
+def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
+    """Median seconds of a step built with ``bucket_bytes`` (after one warm-up step).
+
+    Args:
+      config: the run; its ``bucket_mb`` is replaced.
+      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
+      bucket_bytes: the fusion threshold to time.
+
+    Returns:
+      Seconds per step.
+    """
+    import jax
+
+    from sparsecomm_jax.train import place_for_step
+
+    workload, ts = build(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)))
+    state, times = ts.state, []
+    for step in range(TIMED_STEPS):
+        batch = place_for_step(ts, workload.batch_at, step, config.steps)
+        start = time.perf_counter()
+        state, loss = ts.step(state, batch)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[str, Any]]:
+    """The config with the searched ``bucket_mb``, and the search's record.
+
+    Args:
+      config: a run with ``bucket_mb == "auto"``.
+      build: ``config -> (workload, TrainStep)``.
+
+    Returns:
+      ``(config, {"bucket_bytes", "evaluations", "step_s"})``; ``step_s`` maps each
+      timed threshold (bytes, as a string) to its measured step time.
+
+    Example:
+        >>> # python -m experiments.train --strategy topk_allgather --bucket-mb auto
+    """
+    import jax
+    import numpy as np
+
+    from models import get_workload
+    from sparsecomm_jax import fusion
+
+    workload = get_workload(config.model, **config.model_overrides())
+    params = jax.eval_shape(workload.init, jax.random.key(config.seed))
+    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)]
+    timed: dict[str, float] = {}
+
+    def cost(bucket_bytes: int) -> float:
+        timed[str(bucket_bytes)] = measured_step_s(config, build, bucket_bytes)
+        return timed[str(bucket_bytes)]
+
+    best, evaluations = fusion.search_threshold(cost, fusion.candidate_thresholds(sizes))
+    chosen = dataclasses.replace(config, bucket_mb=repr(best / 2**20))
+    return chosen, {"bucket_bytes": best, "evaluations": evaluations, "step_s": timed}
