@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from experiments.bucket_search import choose_bucket
 from experiments.config import RunConfig, add_arguments, from_namespace
+from experiments.startup import choose_bucket, local_work
 
 if TYPE_CHECKING:
     from sparsecomm_jax.costmodel import Link
@@ -121,13 +121,14 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
 
 def adaptive_link(config: RunConfig) -> Link:
     """The link adaptive prices buckets with: ``--link-gbit`` and ``--link-alpha-us``,
-    or with ``--link-gbit 0`` the link calibrated on this cluster before training."""
+    or with ``--link-gbit 0`` the link calibrated on this cluster before training, with
+    the local work of each strategy measured at the run's bucket sizes."""
     from sparsecomm_jax.costmodel import Link
 
     if config.link_gbit > 0:
         return Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
     fitted = calibrated_link(config.devices)
-    return Link(fitted["alpha"], fitted["beta"])
+    return Link(fitted["alpha"], fitted["beta"], local_work(config))
 
 
 def build(config: RunConfig):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import bucket_search
+from experiments import startup, train
 from experiments.config import RunConfig
 from experiments.train import build, train_and_evaluate, validate
 from models import get_workload
@@ -24,8 +24,8 @@ def test_choose_bucket_finds_the_least_stand_in_step_time(monkeypatch):
         seen.append(bucket_bytes)
         return abs(bucket_bytes - 3000) + 1.0
 
-    monkeypatch.setattr(bucket_search, "measured_step_s", stand_in)
-    chosen, record = bucket_search.choose_bucket(config, build)
+    monkeypatch.setattr(startup, "measured_step_s", stand_in)
+    chosen, record = startup.choose_bucket(config, build)
     params = jax.eval_shape(get_workload("lstm_lm", vocab=100, dim=8, hidden=8,
                                          seq_len=4, batch=4).init, jax.random.key(0))  # fmt: skip
     sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
@@ -48,3 +48,12 @@ def test_auto_bucket_run_records_the_threshold():
 def test_bad_bucket_mb(value):
     with pytest.raises(ValueError, match="--bucket-mb must be a number >= 0 or auto"):
         validate(dataclasses.replace(RunConfig(**TINY), bucket_mb=value))
+
+
+def test_calibrated_adaptive_link_carries_local_work(monkeypatch):
+    monkeypatch.setattr(train, "calibrated_link", lambda devices: {"alpha": 1e-5, "beta": 1e-9})
+    config = RunConfig(**{**TINY, "strategy": "adaptive"}, link_gbit=0.0)
+    link = train.adaptive_link(config)
+    assert set(link.local.lines) == {"topk_allgather", "topk_a2a"}
+    assert all(fixed >= 0 and per >= 0 for fixed, per in link.local.lines.values())
+    assert train.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None

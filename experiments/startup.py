@@ -1,8 +1,11 @@
-"""``--bucket-mb auto``: the tensor-fusion threshold chosen on measured step times.
+"""Start-up measurements: the fusion threshold of ``--bucket-mb auto`` and the local
+work ``adaptive`` prices with a calibrated link.
 
 Before training, ``fusion.search_threshold`` binary-searches the distinct bucket plans
 of the model's gradient leaves (``fusion.candidate_thresholds``); each evaluation builds
-the train step with that threshold and times a few steps of it on this cluster.
+the train step with that threshold and times a few steps of it on this cluster. With
+``--strategy adaptive --link-gbit 0`` the local work of each sparse strategy is timed
+at the run's bucket sizes (``costmodel.measure_local_work``).
 
 References:
     Peng et al., "TopKA2A", ICPP 2024 (binary-searched fusion threshold).
@@ -11,6 +14,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +23,35 @@ from typing import Any
 from experiments.config import RunConfig
 
 TIMED_STEPS = 3  # per evaluation; the first (warm-up) is not counted
+
+
+def leaf_sizes(config: RunConfig) -> list[int]:
+    """Entries of each parameter leaf of the model, in tree order (no arrays made)."""
+    import jax
+    import numpy as np
+
+    from models import get_workload
+
+    workload = get_workload(config.model, **config.model_overrides())
+    params = jax.eval_shape(workload.init, jax.random.key(config.seed))
+    return [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)]
+
+
+def local_work(config: RunConfig):
+    """``costmodel.LocalWork`` of the sparse strategies at this run's bucket sizes."""
+    from sparsecomm_jax import fusion
+
+    sizes = leaf_sizes(config)
+    plan = fusion.plan_buckets(sizes, int(float(config.bucket_mb) * 2**20))
+    buckets = tuple(sorted({sum(sizes[i] for i in bucket) for bucket in plan}))
+    return _measure_local_work(buckets, config.density, config.devices)
+
+
+@functools.cache  # once per process and bucket sizes
+def _measure_local_work(buckets: tuple[int, ...], density: float, devices: int):
+    from sparsecomm_jax import costmodel
+
+    return costmodel.measure_local_work(buckets, density, devices)
 
 
 def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
@@ -61,15 +94,9 @@ def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[s
     Example:
         >>> # python -m experiments.train --strategy topk_allgather --bucket-mb auto
     """
-    import jax
-    import numpy as np
-
-    from models import get_workload
     from sparsecomm_jax import fusion
 
-    workload = get_workload(config.model, **config.model_overrides())
-    params = jax.eval_shape(workload.init, jax.random.key(config.seed))
-    sizes = [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)]
+    sizes = leaf_sizes(config)
     timed: dict[str, float] = {}
 
     def cost(bucket_bytes: int) -> float:
