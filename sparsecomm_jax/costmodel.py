@@ -10,9 +10,14 @@ strategy       messages                  bytes per worker
 ============== ========================= ==============================
 dense          2(P-1)                    2(P-1)/P * 4d
 topk_allgather 2(P-1)                    2(P-1) * 4k
-topk_a2a       3(P-1)                    (P-1)/P * 4(2k + d)
+topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + d')
 gtopk          2 log2 P                  2 log2(P) * 4k
 ============== ========================= ==============================
+
+topk_a2a pads the bucket to d', a multiple of P, and sends s = min(ceil(k'/P), d'/P)
+pairs per shard, k' = round(density * d') (``a2a_bytes``); for d a multiple of P and
+k a multiple of P this is (P-1)/P * 4(2k + d). This table is the one home of the
+volumes: ``collectives`` and the experiments refer to it.
 
 A link may also carry ``local``, the measured seconds of each strategy's local work
 (selection, residual, scatter-add) as a line in the bucket size
@@ -99,12 +104,22 @@ def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
     table = {
         "dense": (2 * (p - 1), 2 * (p - 1) / p * 4 * size),
         "topk_allgather": (2 * (p - 1), 2 * (p - 1) * 4 * k),
-        "topk_a2a": (3 * (p - 1), (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + size)),
+        "topk_a2a": (3 * (p - 1), a2a_bytes(size, density, p)),
         "gtopk": (2 * math.log2(p), 2 * math.log2(p) * 4 * k),
     }
     if strategy not in table:
         raise ValueError(f"strategy must be one of {sorted(table)}, got {strategy!r}")
     return table[strategy]
+
+
+def a2a_bytes(size: int, density: float, workers: int) -> float:
+    """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled: the
+    bucket is zero-padded to d' = a multiple of P, and each shard sends
+    s = min(ceil(k' / P), d' / P) pairs with k' = round(density * d')."""
+    p = workers
+    padded = -(-size // p) * p
+    k_shard = min(math.ceil(max(1, round(density * padded)) / p), padded // p)
+    return (p - 1) / p * 4 * (2 * p * k_shard + padded)
 
 
 def strategy_time(strategy: str, size: int, density: float, workers: int, link: Link) -> float:

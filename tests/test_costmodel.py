@@ -160,3 +160,10 @@ def test_adaptive_prices_local_work():
     x = runtime.put_global(np.ones((N, 4000), np.float32), mesh, P("data"))
     kinds = {c.kind for c in hlo.collectives(fn, x)}
     assert "all-to-all" not in kinds and "all-reduce" in kinds  # dense is next cheapest
+
+
+@pytest.mark.parametrize("size", [13, 1001, 4099])
+@pytest.mark.parametrize("name", ["dense", "topk_allgather", "topk_a2a"])
+def test_formulas_match_compiled_bytes_for_any_size(name, size):
+    nbytes = costmodel.messages_and_bytes(name, size, 0.1, N)[1]
+    assert hlo.total_bytes(_compiled(name, 0.1, size)) == pytest.approx(nbytes, rel=1e-6)
