@@ -138,10 +138,8 @@ def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Call
         num, d = jax.lax.axis_size(axis_name), flat.shape[0]
         k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
         k_shard = min(k_shard, d // num)
-        values, local = sparsify.per_shard_topk(flat, k_shard, num, selector)  # [P, k/P]
-        total = collectives.topk_a2a(values, local, d, axis_name)
-        offsets = (jnp.arange(num) * (d // num))[:, None]
-        return total, flat - sparsify.densify(values, local + offsets, d)
+        values, local, kept = sparsify.per_shard_topk_with_residual(flat, k_shard, num, selector)
+        return collectives.topk_a2a(values, local, d, axis_name), kept  # values: [P, k/P]
 
     return exchange
 

@@ -200,6 +200,27 @@ def per_shard_topk(x, k_shard: int, num_shards: int, selector: str = DEFAULT_SEL
     return jax.vmap(lambda s: select(s, k_shard, selector))(shards)
 
 
+def per_shard_topk_with_residual(x, k_shard: int, num_shards: int, selector: str = "auto"):
+    """``per_shard_topk`` and what it leaves: ``(values, local, residual)`` with
+    ``residual = x - densify(values, local + shard offsets, d)`` (with ``"auto"`` on
+    CPU written by the kernel in the same call).
+    """
+    d = x.shape[0]
+    if selector != "auto" or not _use_host(x):
+        values, local = per_shard_topk(x, k_shard, num_shards, selector)
+        offsets = (jnp.arange(num_shards) * (d // num_shards))[:, None]
+        return values, local, x - densify(values, local + offsets, d)
+
+    def other(v):
+        return per_shard_topk_with_residual(v, k_shard, num_shards, "exact")
+
+    def cpu(v):
+        values, local, rest = hostkernel.topk(v.reshape(num_shards, -1), k_shard, True)
+        return values, local, rest.reshape(-1)
+
+    return jax.lax.platform_dependent(x, cpu=cpu, default=other)
+
+
 def densify(values, indices, size: int):
     """Scatter-add a selection into a dense float[size] vector."""
     return jnp.zeros((size,), values.dtype).at[indices.reshape(-1)].add(values.reshape(-1))

@@ -184,3 +184,17 @@ def test_host_kernel_builds_when_a_compiler_exists():
         assert "callback" in text  # the CPU program runs the kernel, not lax.top_k
     with pytest.raises(RuntimeError, match="building the top-k host kernel failed"):
         hostkernel.build(compiler="false")
+
+
+@pytest.mark.parametrize("selector", sparsify.SELECTORS)
+def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
+    x = np.random.default_rng(7).normal(size=400).astype(np.float32)
+    fn = jax.jit(lambda v: sparsify.per_shard_topk_with_residual(v, 5, 4, selector))
+    values, local, kept = fn(x)
+    ref_values, ref_local = sparsify.per_shard_topk(jnp.asarray(x), 5, 4, selector)
+    pairs = lambda i, v: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
+    for s in range(4):  # the same entries per shard (order may differ)
+        assert pairs(local[s], values[s]) == pairs(ref_local[s], ref_values[s])
+    offsets = (np.arange(4) * 100)[:, None]
+    dense = np.asarray(sparsify.densify(values, np.asarray(local) + offsets, 400))
+    np.testing.assert_array_equal(np.asarray(kept), x - dense)
