@@ -35,8 +35,8 @@ class RunConfig:
     text_file: str = ""  # word-level corpus instead of synthetic tokens
     capacity: int = 0  # embrace_rowwise slots per bucket; 0 = sized per batch
     density: float = 0.01  # fraction sent by top-k strategies, in (0, 1]
-    selector: str = "exact"  # top-k selection: exact | radix (same, no sort) | threshold
-    bucket_mb: float = 64.0  # tensor-fusion threshold in MiB for top-k strategies
+    selector: str = "auto"  # top-k: auto (exact, fastest) | exact (lax.top_k) | radix | threshold
+    bucket_mb: str = "64"  # top-k tensor-fusion threshold in MiB, or auto (searched)
     link_gbit: float = 10.0  # adaptive: link Gbit/s of the cost model; 0 = calibrate here
     link_alpha_us: float = 50.0  # adaptive: latency per message of the cost model (us)
     nonfinite: str = "skip"  # NaN/Inf gradient: skip the step (counted) | error | off

@@ -105,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         "measured_comm": measured_crossover(rows, "comm_s"),
         "formula": costmodel.crossover_density(args.nproc),
     }  # fmt: skip
-    extra = {"dense": dense, "crossover": cross, "link": link._asdict(),
-             "nominal_link": nominal._asdict()}  # fmt: skip
+    extra = {"dense": dense, "crossover": cross,
+             "link": {"alpha": link.alpha, "beta": link.beta},
+             "nominal_link": {"alpha": nominal.alpha, "beta": nominal.beta}}  # fmt: skip
     sweep.save_rows(rows, out, "density", extra)
     plot(rows, dense, cross["formula"], out / "density.png")
     print(report(dense, rows, link, cross))

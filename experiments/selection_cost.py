@@ -1,4 +1,5 @@
-"""Cost of top-k selection (exact, radix, sampled threshold, per-shard) against a model step.
+"""Cost of top-k selection (auto, exact, radix, sampled threshold, per-shard) against a model
+step. ``experiments.local_cost`` reports selection and the whole aggregation in passes.
 
     python -m experiments.selection_cost --size 25000000 --model resnet
 
@@ -30,7 +31,7 @@ def timed(fn, *args, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-SELECTORS = ("exact", "radix", "threshold")
+SELECTORS = ("auto", "exact", "radix", "threshold")
 
 
 def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
@@ -45,7 +46,7 @@ def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
     xs = jax.numpy.pad(x, (0, pad))
     k_shard = sparsify.per_shard_k(k, shards)
     times = {s: timed(jax.jit(lambda v, s=s: sparsify.select(v, k, s)), x) for s in SELECTORS}
-    for s in ("exact", "radix"):
+    for s in ("auto", "exact", "radix"):
         per_shard = jax.jit(lambda v, s=s: sparsify.per_shard_topk(v, k_shard, shards, s))
         times[f"per_shard_{s}"] = timed(per_shard, xs)
     return times

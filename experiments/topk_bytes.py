@@ -47,16 +47,11 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
 
 
 def formula_bytes(kind: str, density: float, size: int, workers: int) -> float:
-    """The cost formulas of DESIGN.md (bytes per worker)."""
-    import math
+    """Bytes per worker by the cost formulas (``costmodel.messages_and_bytes``, written
+    out in docs/design.md)."""
+    from sparsecomm_jax import costmodel
 
-    p, k = workers, round(density * size)
-    return {
-        "dense": 2 * (p - 1) / p * size * 4,
-        "topk_allgather": 2 * (p - 1) * k * 4,
-        "topk_a2a": (2 * p * math.ceil(k / p) + size) * (p - 1) / p * 4,
-        "gtopk": 2 * k * 4 * math.log2(p),
-    }[kind]
+    return costmodel.messages_and_bytes(kind, size, density, workers)[1]
 
 
 def crossover(size: int, workers: int, lo: float = 1e-4, hi: float = 0.5) -> float:

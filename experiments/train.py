@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from experiments import runlog
 from experiments.config import RunConfig, add_arguments, from_namespace
+from experiments.startup import choose_bucket, local_work
 
 if TYPE_CHECKING:
     from sparsecomm_jax.costmodel import Link
@@ -55,6 +56,8 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--warmup must be >= 0, got {config.warmup}")
     if config.batch % config.devices:
         raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
+    if config.bucket_mb != "auto" and not _is_size(config.bucket_mb):
+        raise ValueError(f"--bucket-mb must be a number >= 0 or auto, got {config.bucket_mb!r}")
     if config.link_gbit < 0:
         raise ValueError(f"--link-gbit must be >= 0 (0 = calibrate), got {config.link_gbit}")
     if config.lr <= 0:
@@ -65,6 +68,13 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
     if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
         raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+
+
+def _is_size(text: str) -> bool:
+    try:
+        return float(text) >= 0
+    except ValueError:
+        return False
 
 
 def start_devices(devices: int) -> int:
@@ -103,7 +113,7 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     agg = parse_strategy(config.strategy)[1]
     if agg == "dense":
         return {}
-    options = {"density": config.density, "bucket_bytes": int(config.bucket_mb * 2**20)}
+    options = {"density": config.density, "bucket_bytes": int(float(config.bucket_mb) * 2**20)}
     if agg != "gtopk":
         options["selector"] = config.selector
     if agg == "adaptive":
@@ -113,13 +123,14 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
 
 def adaptive_link(config: RunConfig) -> Link:
     """The link adaptive prices buckets with: ``--link-gbit`` and ``--link-alpha-us``,
-    or with ``--link-gbit 0`` the link calibrated on this cluster before training."""
+    or with ``--link-gbit 0`` the link calibrated on this cluster before training, with
+    the local work of each strategy measured at the run's bucket sizes."""
     from sparsecomm_jax.costmodel import Link
 
     if config.link_gbit > 0:
         return Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
     fitted = calibrated_link(config.devices)
-    return Link(fitted["alpha"], fitted["beta"])
+    return Link(fitted["alpha"], fitted["beta"], local_work(config))
 
 
 def build(config: RunConfig):
@@ -238,9 +249,10 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
       step_time_s (median after warm-up), tokens_per_s or samples_per_s,
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
-      skipped_steps, the fitted ``link`` with ``--calibrate``, and the full config;
-      with held-out data ``heldout`` (final metrics per split) and ``eval`` (every
-      ``--eval-every`` steps); ``log_dir`` and ``trace_dir`` when written.
+      skipped_steps, the fitted ``link`` with ``--calibrate``, ``bucket_search`` with
+      ``--bucket-mb auto``, and the full config; with held-out data ``heldout`` (final
+      metrics per split) and ``eval`` (every ``--eval-every`` steps); ``log_dir`` and
+      ``trace_dir`` when written.
     """
     validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
     runlog.check_run_io(config)
@@ -252,6 +264,9 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         validate(config)
     from sparsecomm_jax import hlo
 
+    search = None
+    if config.bucket_mb == "auto":  # the fusion threshold of least measured step time
+        config, search = choose_bucket(config, build)
     workload, ts = build(config)
     ckpt, state, start = _start_state(config, ts)
     hooks = runlog.RunHooks(config, workload, ts, rank)
@@ -282,6 +297,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         "config": {**dataclasses.asdict(config), "model_config": workload.config},
     }
     result.update(hooks.finish(state))
+    if search:
+        result["bucket_search"] = search
     if config.calibrate:
         result["link"] = calibrated_link(config.devices)
     return result

@@ -176,7 +176,7 @@ def state_spec(axis_name: str = "data") -> P:
 
 def _check(density: float, selector: str) -> None:
     sparsify.check_density(density)
-    sparsify.select(jnp.zeros(1), 1, selector)  # validates the selector name
+    sparsify.check_selector(selector)
 
 
 def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_workers: bool):
@@ -210,34 +210,32 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_wor
     return Aggregator(init=init, update=update)
 
 
-def allgather_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
     """``flat -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
 
     def exchange(flat):
         d = flat.shape[0]
-        values, indices = sparsify.select(flat, sparsify.num_selected(density, d), selector)
-        total = collectives.topk_allgather(values, indices, d, axis_name)
-        return total, flat - sparsify.densify(values, indices, d)
+        k = sparsify.num_selected(density, d)
+        values, indices, kept = sparsify.select_with_residual(flat, k, selector)
+        return collectives.topk_allgather(values, indices, d, axis_name), kept
 
     return exchange
 
 
-def a2a_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
     """``flat -> (total, kept)`` of TopKA2A; ``flat`` divisible by P."""
 
     def exchange(flat):
         num, d = jax.lax.axis_size(axis_name), flat.shape[0]
         k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
         k_shard = min(k_shard, d // num)
-        values, local = sparsify.per_shard_topk(flat, k_shard, num, selector)  # [P, k/P]
-        total = collectives.topk_a2a(values, local, d, axis_name)
-        offsets = (jnp.arange(num) * (d // num))[:, None]
-        return total, flat - sparsify.densify(values, local + offsets, d)
+        values, local, kept = sparsify.per_shard_topk_with_residual(flat, k_shard, num, selector)
+        return collectives.topk_a2a(values, local, d, axis_name), kept  # values: [P, k/P]
 
     return exchange
 
 
-def gtopk_exchange(density: float, axis_name: str, selector: str = "exact") -> Callable:
+def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
     """``flat -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
     worker's first k, the merges re-select exactly."""
 
@@ -259,7 +257,7 @@ def dense_exchange(axis_name: str) -> Callable:
 def topk_allgather(
     density: float,
     axis_name: str = "data",
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Top-k with error feedback; pairs exchanged by all-gather (the common baseline).
@@ -267,8 +265,8 @@ def topk_allgather(
     Args:
       density: fraction of each bucket sent, in (0, 1].
       axis_name: the data-parallel mesh axis.
-      selector: ``"exact"`` (``lax.top_k``), ``"radix"`` (the same entries without a
-        sort: faster when k is large) or ``"threshold"`` (sampled, DGC-style).
+      selector: one of ``sparsify.SELECTORS``; the default ``"auto"`` is exact and the
+        fastest on the platform, ``"exact"`` is ``lax.top_k`` (the reference).
       bucket_bytes: fusion threshold (``None``: one bucket).
 
     Returns:
@@ -282,7 +280,7 @@ def topk_allgather(
 def topk_a2a(
     density: float,
     axis_name: str = "data",
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """TopKA2A: ceil(k/P) entries per contiguous shard, one all-to-all, local sum,
@@ -301,7 +299,7 @@ def topk_a2a(
 def gtopk(
     density: float,
     axis_name: str = "data",
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """gTop-k: log2(P) pairwise merge rounds; entries a merge drops go back to the
@@ -325,7 +323,7 @@ def adaptive(
     density: float,
     axis_name: str = "data",
     link: costmodel.Link | None = None,
-    selector: str = "exact",
+    selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the

@@ -3,15 +3,10 @@
 Each takes this worker's selection and returns the *sum* over workers as a dense
 vector, identical on every worker (divide by P for the mean) and typed so: under
 ``jax.shard_map``'s ``check_vma`` it is replicated, usable with ``out_specs=P()``.
-Volumes per worker (k selected of d, P workers, 4-byte values and indices):
-
-================ ====================================== ===========================
-collective       steps                                  bytes sent per worker
-================ ====================================== ===========================
-topk_allgather   all-gather (value, index), scatter-add  2 (P-1) k * 4
-topk_a2a         all-to-all per shard, add, all-gather   (2k + d) (P-1)/P * 4
-gtopk            log2 P rounds of ppermute + re-select   2 k log2(P) * 4
-================ ====================================== ===========================
+The collectives are ``topk_allgather`` (all-gather of the (value, index) pairs,
+scatter-add), ``topk_a2a`` (all-to-all per shard, local add, all-gather of the shards)
+and ``gtopk`` (log2 P rounds of ppermute and re-selection). Their messages and bytes
+per worker are ``costmodel.messages_and_bytes``.
 
 References:
     Peng et al., "TopKA2A", ICPP 2024.

@@ -10,9 +10,19 @@ strategy       messages                  bytes per worker
 ============== ========================= ==============================
 dense          2(P-1)                    2(P-1)/P * 4d
 topk_allgather 2(P-1)                    2(P-1) * 4k
-topk_a2a       3(P-1)                    (P-1)/P * 4(2k + d)
+topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + d')
 gtopk          2 log2 P                  2 log2(P) * 4k
 ============== ========================= ==============================
+
+topk_a2a pads the bucket to d', a multiple of P, and sends s = min(ceil(k'/P), d'/P)
+pairs per shard, k' = round(density * d') (``a2a_bytes``); for d a multiple of P and
+k a multiple of P this is (P-1)/P * 4(2k + d). This table is the one home of the
+volumes: ``collectives`` and the experiments refer to it.
+
+A link may also carry ``local``, the measured seconds of each strategy's local work
+(selection, residual, scatter-add) as a line in the bucket size
+(``measure_local_work``): a strategy's time is then its communication plus its local
+work, so the choice is the shortest step, not the fewest bytes.
 
 Example:
     >>> from sparsecomm_jax import costmodel
@@ -30,10 +40,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import hlo, runtime
+from sparsecomm_jax import hlo, runtime, sparsify
 
 CHOICES = ("dense", "topk_allgather", "topk_a2a")
 _MESSAGES = {
@@ -45,11 +56,28 @@ _MESSAGES = {
 }
 
 
+class LocalWork(NamedTuple):
+    """Seconds of each strategy's local work on one bucket: ``fixed + per_entry * size``.
+
+    Attributes:
+      lines: ``{strategy: (fixed seconds, seconds per entry)}``; strategies not in it
+        cost nothing locally (dense: its additions are inside the timed all-reduce).
+    """
+
+    lines: dict[str, tuple[float, float]]
+
+    def seconds(self, strategy: str, size: int) -> float:
+        fixed, per_entry = self.lines.get(strategy, (0.0, 0.0))
+        return fixed + per_entry * size
+
+
 class Link(NamedTuple):
-    """Latency per message (s) and time per byte (s/B) of one worker's link."""
+    """Latency per message (s) and time per byte (s/B) of one worker's link, and
+    optionally the measured local work of each strategy."""
 
     alpha: float
     beta: float
+    local: LocalWork | None = None
 
     @classmethod
     def from_bandwidth(cls, gbit_per_s: float, alpha: float = 50e-6) -> Link:
@@ -77,7 +105,7 @@ def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
     table = {
         "dense": (2 * (p - 1), 2 * (p - 1) / p * 4 * size),
         "topk_allgather": (2 * (p - 1), 2 * (p - 1) * 4 * k),
-        "topk_a2a": (3 * (p - 1), (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + size)),
+        "topk_a2a": (3 * (p - 1), a2a_bytes(size, density, p)),
         "gtopk": (2 * math.log2(p), 2 * math.log2(p) * 4 * k),
     }
     if strategy not in table:
@@ -85,10 +113,22 @@ def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
     return table[strategy]
 
 
+def a2a_bytes(size: int, density: float, workers: int) -> float:
+    """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled: the
+    bucket is zero-padded to d' = a multiple of P, and each shard sends
+    s = min(ceil(k' / P), d' / P) pairs with k' = round(density * d')."""
+    p = workers
+    padded = -(-size // p) * p
+    k_shard = min(math.ceil(max(1, round(density * padded)) / p), padded // p)
+    return (p - 1) / p * 4 * (2 * p * k_shard + padded)
+
+
 def strategy_time(strategy: str, size: int, density: float, workers: int, link: Link) -> float:
-    """Modelled seconds to exchange one bucket of ``size`` entries with ``strategy``."""
+    """Modelled seconds to exchange one bucket of ``size`` entries with ``strategy``:
+    communication, plus local work when ``link.local`` is set."""
     messages, nbytes = messages_and_bytes(strategy, size, density, workers)
-    return messages * link.alpha + nbytes * link.beta
+    local = link.local.seconds(strategy, size) if link.local else 0.0
+    return messages * link.alpha + nbytes * link.beta + local
 
 
 def choose(
@@ -122,6 +162,82 @@ def fit(points: Sequence[tuple[float, float, float]]) -> Link:
     return Link(max(alpha, 0.0), max(beta, 0.0))
 
 
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(fixed, slope)`` through ``(x, y)`` points, both clipped at zero
+    (one point, or all at one x: through the origin)."""
+    n, sx = len(points), sum(x for x, _ in points)
+    sy, sxx = sum(y for _, y in points), sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+    det = n * sxx - sx * sx
+    if det <= 1e-12 * max(sxx, 1.0):
+        return 0.0, sy / max(sx, 1e-30)
+    slope = max((n * sxy - sx * sy) / det, 0.0)
+    return max((sy - slope * sx) / n, 0.0), slope
+
+
+def local_work_fn(strategy: str, size: int, density: float, workers: int):
+    """One worker's local work of ``strategy`` on a bucket (collectives left out: the
+    all-gather is stood in for by tiling the own selection P times), as a jitted
+    ``float32[size] -> outputs``; ``None`` for dense."""
+    k = sparsify.num_selected(density, size)
+    if strategy == "topk_allgather":
+
+        def work(x):
+            values, indices, kept = sparsify.select_with_residual(x, k)
+            gathered = (jnp.tile(values, workers), jnp.tile(indices, workers))
+            return sparsify.densify(*gathered, size), kept
+
+    elif strategy == "topk_a2a":
+        k_shard = min(sparsify.per_shard_k(k, workers), size // workers)
+
+        def work(x):
+            values, local = sparsify.per_shard_topk(x, k_shard, workers)  # [P, k/P]
+            offsets = (jnp.arange(workers) * (size // workers))[:, None]
+            kept = x - sparsify.densify(values, local + offsets, size)
+            return sparsify.densify(values, local, size // workers), kept
+
+    else:
+        return None
+    return jax.jit(work)
+
+
+def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
+    """``LocalWork`` of the sparse strategies, timed at each bucket size (padded to a
+    multiple of P) on this device and fitted as a line in the size.
+
+    Args:
+      sizes: bucket sizes (entries), e.g. those of the run's fusion plan.
+      density: fraction selected.
+      workers: P.
+      timer: ``(fn, x) -> seconds``; default the median of 5 timed calls after one.
+
+    Returns:
+      A ``LocalWork`` to pass as ``Link(..., local=...)``.
+    """
+    timer = timer or _median_seconds
+    rng, lines = np.random.default_rng(0), {}
+    for strategy in CHOICES:
+        points = []
+        for size in sorted({-(-s // workers) * workers for s in sizes}):
+            fn = local_work_fn(strategy, size, density, workers)
+            if fn is not None:
+                x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties
+                points.append((size, timer(fn, x)))
+        if points:
+            lines[strategy] = fit_line(points)
+    return LocalWork(lines)
+
+
+def _median_seconds(fn, x, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), repeats=5):
     """Fits ``Link`` from timed all-reduces of a few sizes on ``mesh`` (the current
     cluster: simulated devices, processes, or the emulated network).
@@ -136,11 +252,6 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
     points = []
     for n in sizes:
         x = runtime.put_global(np.ones((p * n,), np.float32), mesh, P(axis_name))
-        jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t)
-        points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, statistics.median(times)))
+        seconds = _median_seconds(fn, x, repeats)
+        points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, seconds))
     return fit(points), points

@@ -38,9 +38,9 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int | None, itemsize: int =
     if not bucket_bytes:
         return [list(range(len(sizes)))] if len(sizes) else []
     buckets: list[list[int]] = []
-    used = bucket_bytes  # forces a new bucket for the first leaf
+    used = 0
     for i, n in enumerate(sizes):
-        if used + n * itemsize > bucket_bytes:
+        if not buckets or used + n * itemsize > bucket_bytes:
             buckets.append([])
             used = 0
         buckets[-1].append(i)
@@ -72,22 +72,37 @@ def unpack(flat, leaves_like, bucket: Sequence[int]) -> dict[int, jnp.ndarray]:
 
 
 def candidate_thresholds(sizes: Sequence[int], itemsize: int = 4) -> list[int]:
-    """Thresholds at which the greedy plan can change: every contiguous run's bytes,
-    limited to the distinct prefix sums and leaf sizes (sorted, ascending)."""
-    prefix, total = set(), 0
-    for n in sizes:
-        total += n * itemsize
-        prefix.add(total)
-        prefix.add(n * itemsize)
-    return sorted(prefix)
+    """One threshold per distinct greedy plan, ascending: the smallest leaf's bytes (every
+    leaf alone), then the smallest threshold of each next plan, up to one bucket.
+
+    A plan changes only when the threshold reaches a bucket's bytes plus its next leaf's,
+    so the plans are swept in order, each once (no plateau of repeated plans), none
+    missed.
+
+    Example:
+        >>> candidate_thresholds([10, 10, 30, 5])
+        [20, 80, 140, 200, 220]
+    """
+    nbytes = [n * itemsize for n in sizes]
+    if not nbytes:
+        return []
+    out, threshold = [], max(1, min(nbytes))
+    while True:
+        out.append(threshold)
+        plan = plan_buckets(sizes, threshold, itemsize)
+        grow = [sum(nbytes[i] for i in b) + nbytes[b[-1] + 1] for b in plan[:-1]]
+        if not grow:
+            return out
+        threshold = min(grow)
 
 
 def search_threshold(cost: Callable[[int], float], candidates: Sequence[int]) -> tuple[int, int]:
     """Binary search for the threshold of least ``cost`` (assumed unimodal in the
-    threshold: small buckets pay latency, large ones lose overlap).
+    threshold: small buckets pay latency, large ones lose overlap; plateaus allowed).
 
-    Compares ``cost(c[m])`` with ``cost(c[m + 1])`` and keeps the half that descends;
-    about 2 log2(len) evaluations, each a measured or modelled step time.
+    Compares ``cost(c[m])`` with ``cost(c[m + 1])`` and keeps the half that descends; on
+    a plateau (equal costs) it walks right to the first different cost to tell. About
+    2 log2(len) evaluations off plateaus, each a measured or modelled step time.
 
     Args:
       cost: threshold in bytes -> step time.
@@ -95,6 +110,10 @@ def search_threshold(cost: Callable[[int], float], candidates: Sequence[int]) ->
 
     Returns:
       ``(best threshold, number of cost evaluations)``.
+
+    Example:
+        >>> search_threshold(lambda c: {1: 5, 2: 5, 3: 5, 4: 1}[c], [1, 2, 3, 4])
+        (4, 4)
     """
     if not candidates:
         raise ValueError("candidates must not be empty")
@@ -108,10 +127,13 @@ def search_threshold(cost: Callable[[int], float], candidates: Sequence[int]) ->
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if f(mid) <= f(mid + 1):
-            hi = mid
+        j = mid + 1
+        while j < hi and f(j) == f(mid):  # a plateau: find where it ends
+            j += 1
+        if f(j) < f(mid):
+            lo = j
         else:
-            lo = mid + 1
+            hi = mid
     return candidates[lo], len(cache)
 
 

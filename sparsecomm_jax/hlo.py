@@ -168,11 +168,6 @@ def total_bytes(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> fl
     return float(sum(c.bytes_sent for c in colls if c.kind in kinds))
 
 
-def collective_order(fn: Callable, *args, **kwargs) -> list[str]:
-    """Names of the collectives in the order the compiled program issues them."""
-    return [c.name for c in collectives(fn, *args, **kwargs)]
-
-
 class Instruction(NamedTuple):
     """One instruction of the entry computation, in scheduled order.
 

@@ -3,7 +3,15 @@
 Every selector returns fixed-size ``(values, indices)`` (so collectives have static
 shapes) and selects each index at most once; padding entries carry value 0 at index 0.
 ``densify`` scatter-adds a selection back, so ``acc - densify(sel)`` is exactly what
-error feedback keeps.
+error feedback keeps (``select_with_residual`` returns both, fused where it can).
+
+Selectors: ``"auto"`` (the default) is exact and the fastest one for the platform: on
+CPU the host kernel of ``hostkernel`` (a sampled band, then an exact finish on the band:
+a few passes over d); elsewhere ``lax.top_k``. ``"exact"`` is ``lax.top_k`` itself, the
+reference; ``"radix"`` the same entries by bitwise counting; ``"threshold"`` the sampled
+DGC threshold (approximate). The exact selectors agree entry for entry: the k largest
+magnitudes, and among equal magnitudes the lower index first (the rule of
+``lax.top_k``); NaN ranks above inf, and -0.0 ties with 0.0.
 
 Example:
     >>> import jax.numpy as jnp
@@ -25,7 +33,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-SELECTORS = ("exact", "threshold", "radix")
+from sparsecomm_jax import hostkernel
+
+SELECTORS = ("auto", "exact", "threshold", "radix")
+DEFAULT_SELECTOR = "auto"
 
 
 def check_density(density: float) -> None:
@@ -85,7 +96,8 @@ def kth_largest_bits(a, k: int):
         candidate = t | jnp.left_shift(jnp.int32(1), 30 - i)
         return jnp.where(jnp.sum(a >= candidate) >= k, candidate, t)
 
-    return jax.lax.fori_loop(0, 31, try_bit, jnp.int32(0))
+    zero = jnp.zeros_like(a[0])  # int32, varying like a inside shard_map
+    return jax.lax.fori_loop(0, 31, try_bit, zero)
 
 
 def radix_topk(x, k: int):
@@ -108,8 +120,61 @@ def radix_topk(x, k: int):
     return x[idx], idx.astype(jnp.int32)
 
 
-def select(x, k: int, selector: str = "exact"):
-    """Dispatch to ``exact_topk``, ``threshold_topk`` or ``radix_topk``."""
+def check_selector(selector: str) -> None:
+    """``ValueError`` unless ``selector`` is one of ``SELECTORS``."""
+    if selector not in SELECTORS:
+        raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
+
+
+def _lax_topk(x, k: int):
+    """``lax.top_k`` while k is small against d, else ``radix_topk`` (the crossover
+    measured with XLA:CPU at d = 8M lies between densities 0.01 and 0.2)."""
+    return exact_topk(x, k) if 50 * k <= x.shape[-1] else radix_topk(x, k)
+
+
+def _use_host(x) -> bool:
+    return x.dtype == jnp.float32 and hostkernel.available()
+
+
+def auto_topk(x, k: int):
+    """The fastest exact top-k on this platform: the same entries as ``exact_topk``.
+
+    On CPU the host kernel (``hostkernel.topk``, entries in index order), or, when no
+    C++ compiler is found, ``lax.top_k`` or ``radix_topk`` by density; on other
+    platforms ``lax.top_k``.
+
+    Example:
+        >>> vals, idx = auto_topk(jnp.array([0.1, -3.0, 2.0, 0.5]), k=2)
+        >>> sorted(idx.tolist())
+        [1, 2]
+    """
+    if not _use_host(x):
+        return _lax_topk(x, k)
+    return jax.lax.platform_dependent(
+        x, cpu=lambda v: hostkernel.topk(v, k)[:2], default=lambda v: exact_topk(v, k)
+    )
+
+
+def select_with_residual(x, k: int, selector: str = DEFAULT_SELECTOR):
+    """``(values, indices, residual)``: ``select(x, k, selector)`` and what it leaves,
+    ``x - densify(values, indices, d)`` (on CPU with ``"auto"``: written by the kernel
+    in the same pass, zero where taken; the same numbers for finite x).
+    """
+    if selector != "auto" or not _use_host(x):
+        values, indices = select(x, k, selector)
+        return values, indices, x - densify(values, indices, x.shape[0])
+
+    def other(v):
+        values, indices = exact_topk(v, k)
+        return values, indices, v - densify(values, indices, v.shape[0])
+
+    return jax.lax.platform_dependent(x, cpu=lambda v: hostkernel.topk(v, k, True), default=other)
+
+
+def select(x, k: int, selector: str = DEFAULT_SELECTOR):
+    """Dispatch to ``auto_topk``, ``exact_topk``, ``threshold_topk`` or ``radix_topk``."""
+    if selector == "auto":
+        return auto_topk(x, k)
     if selector == "exact":
         return exact_topk(x, k)
     if selector == "threshold":
@@ -119,20 +184,41 @@ def select(x, k: int, selector: str = "exact"):
     raise ValueError(f"selector must be one of {SELECTORS}, got {selector!r}")
 
 
-def per_shard_topk(x, k_shard: int, num_shards: int, selector: str = "exact"):
+def per_shard_topk(x, k_shard: int, num_shards: int, selector: str = DEFAULT_SELECTOR):
     """TopKA2A's selection: ``k_shard`` entries in each of P contiguous shards.
 
     Args:
       x: float[d], d divisible by ``num_shards``.
       k_shard: entries per shard.
       num_shards: P.
-      selector: ``"exact"`` or ``"threshold"``, applied per shard.
+      selector: one of ``SELECTORS``, applied per shard.
 
     Returns:
       ``(values, indices)`` of shape [P, k_shard]; indices are shard-local.
     """
     shards = x.reshape(num_shards, -1)  # float[P, d/P]
     return jax.vmap(lambda s: select(s, k_shard, selector))(shards)
+
+
+def per_shard_topk_with_residual(x, k_shard: int, num_shards: int, selector: str = "auto"):
+    """``per_shard_topk`` and what it leaves: ``(values, local, residual)`` with
+    ``residual = x - densify(values, local + shard offsets, d)`` (with ``"auto"`` on
+    CPU written by the kernel in the same call).
+    """
+    d = x.shape[0]
+    if selector != "auto" or not _use_host(x):
+        values, local = per_shard_topk(x, k_shard, num_shards, selector)
+        offsets = (jnp.arange(num_shards) * (d // num_shards))[:, None]
+        return values, local, x - densify(values, local + offsets, d)
+
+    def other(v):
+        return per_shard_topk_with_residual(v, k_shard, num_shards, "exact")
+
+    def cpu(v):
+        values, local, rest = hostkernel.topk(v.reshape(num_shards, -1), k_shard, True)
+        return values, local, rest.reshape(-1)
+
+    return jax.lax.platform_dependent(x, cpu=cpu, default=other)
 
 
 def densify(values, indices, size: int):

@@ -96,3 +96,74 @@ def test_adaptive_picks_per_bucket_and_conserves(density, expected):
     np.testing.assert_allclose(N * mean[0] + new_r.sum(0), (g + r).sum(0), atol=1e-4)
     kinds = {c.kind for c in hlo.collectives(fn, *args)}
     assert expected in kinds
+
+
+def test_fit_line_against_numpy():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(1, 100, 6)
+    y = 0.5 + 0.25 * x + rng.normal(0, 0.01, 6)
+    slope, fixed = np.polyfit(x, y, 1)
+    assert costmodel.fit_line(list(zip(x, y, strict=True))) == pytest.approx((fixed, slope))
+    assert costmodel.fit_line([(10.0, 2.0)]) == (0.0, 0.2)  # one point: through the origin
+
+
+def test_local_work_turns_the_choice_to_the_shorter_step():
+    # P=4, density 0.2: topk_a2a sends fewer bytes than topk_allgather (crossover 1/6),
+    # but here its local work is 50 ms a bucket against 5 ms.
+    size, density, workers = 1 << 20, 0.2, 4
+    stand_in = {"topk_allgather": 0.005, "topk_a2a": 0.05}
+    timer = lambda fn, x: stand_in[calls.pop(0)]  # noqa: E731
+    calls = [s for s in ("topk_allgather", "topk_a2a") for _ in range(2)]
+    local = costmodel.measure_local_work([size, size // 2], density, workers, timer)
+    assert local.seconds("topk_a2a", size) == pytest.approx(0.05)
+    assert local.seconds("dense", size) == 0.0
+    link = costmodel.Link(alpha=50e-6, beta=8 / 1e9)  # 1 Gbit/s
+    assert costmodel.choose(size, density, workers, link) == "topk_a2a"  # fewer bytes
+    with_local = costmodel.Link(link.alpha, link.beta, local)
+    assert costmodel.choose(size, density, workers, with_local) == "topk_allgather"
+    ag, a2a = (costmodel.strategy_time(s, size, density, workers, with_local) for s in stand_in)
+    assert ag < a2a
+
+
+@pytest.mark.parametrize("strategy", ["topk_allgather", "topk_a2a"])
+def test_local_work_fn_is_the_exchange_without_collectives(strategy):
+    size, workers, density = 400, 4, 0.05
+    x = np.random.default_rng(1).normal(size=size).astype(np.float32)
+    total, kept = costmodel.local_work_fn(strategy, size, density, workers)(x)
+    k = 20
+    if strategy == "topk_allgather":
+        top = np.argsort(-np.abs(x), kind="stable")[:k]
+        sent = np.zeros_like(x)
+        sent[top] = x[top]
+        np.testing.assert_allclose(np.asarray(total), workers * sent, rtol=1e-6)
+    else:
+        shards = x.reshape(workers, -1)
+        sent = np.zeros_like(shards)
+        for s, shard in enumerate(shards):
+            top = np.argsort(-np.abs(shard), kind="stable")[: k // workers]
+            sent[s, top] = shard[top]
+        np.testing.assert_allclose(np.asarray(total), sent.sum(0), rtol=1e-6)
+        sent = sent.reshape(-1)
+    np.testing.assert_array_equal(np.asarray(kept), x - sent)
+    assert costmodel.local_work_fn("dense", size, density, workers) is None
+
+
+def test_adaptive_prices_local_work():
+    # density 0.3 goes by all-to-all on bytes alone (above); a slow local a2a turns it.
+    local = costmodel.LocalWork({"topk_a2a": (1.0, 0.0)})
+    agg = aggregators.adaptive(0.3, "data", link=costmodel.Link(0.0, 1e-9, local),
+                               bucket_bytes=None)  # fmt: skip
+    body = lambda g: agg.update({"w": g[0]}, agg.init({"w": g[0]}))[0]["w"][None]  # noqa: E731
+    mesh = runtime.data_mesh(N)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                               check_vma=False))  # fmt: skip
+    x = runtime.put_global(np.ones((N, 4000), np.float32), mesh, P("data"))
+    kinds = {c.kind for c in hlo.collectives(fn, x)}
+    assert "all-to-all" not in kinds and "all-reduce" in kinds  # dense is next cheapest
+
+
+@pytest.mark.parametrize("size", [13, 1001, 4099])
+@pytest.mark.parametrize("name", ["dense", "topk_allgather", "topk_a2a"])
+def test_formulas_match_compiled_bytes_for_any_size(name, size):
+    nbytes = costmodel.messages_and_bytes(name, size, 0.1, N)[1]
+    assert hlo.total_bytes(_compiled(name, 0.1, size)) == pytest.approx(nbytes, rel=1e-6)

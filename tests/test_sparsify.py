@@ -1,10 +1,16 @@
-"""Selectors against numpy, and their argument checks."""
+"""Selectors against numpy and lax.top_k, and their argument checks."""
 
+import shutil
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import sparsify
+from sparsecomm_jax import hostkernel, runtime, sparsify
 
 
 def test_exact_topk_matches_numpy():
@@ -54,7 +60,7 @@ def test_radix_topk_with_zeros_and_signed_zeros():
     assert np.asarray(values).tolist() == [0.0, 0.0, -2.0]
 
 
-@pytest.mark.parametrize("selector", ["exact", "radix"])
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_per_shard_topk_matches_numpy(selector):
     x = np.random.default_rng(2).normal(size=64).astype(np.float32)
     values, local = sparsify.per_shard_topk(jnp.asarray(x), 3, 4, selector)
@@ -79,3 +85,116 @@ def test_k_rounding_to_zero():
 def test_unknown_selector():
     with pytest.raises(ValueError, match="selector must be one of"):
         sparsify.select(jnp.ones(4), 1, "magic")
+
+
+def _lax_reference(x, k):
+    """lax.top_k's entries, in index order (the reference of every exact selector)."""
+    return sorted(np.asarray(jax.lax.top_k(jnp.abs(jnp.asarray(x)), k)[1]).tolist())
+
+
+@st.composite
+def vectors(draw):
+    """Random, tied, all-zero, heavy-tailed and sign-mixed float32 vectors, and a k."""
+    d = draw(st.integers(1, 40_000))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["normal", "ties", "zeros", "heavy", "signed_zeros"]))
+    x = {
+        "normal": lambda: rng.normal(size=d),
+        "ties": lambda: rng.integers(-3, 4, d),
+        "zeros": lambda: np.zeros(d),
+        "heavy": lambda: rng.standard_cauchy(d) ** 3,
+        "signed_zeros": lambda: np.where(rng.random(d) < 0.5, -0.0, 0.0) * rng.integers(0, 2, d),
+    }[kind]()
+    k = draw(st.integers(1, d) | st.sampled_from([max(1, d // 100), max(1, d // 5)]))
+    return x.astype(np.float32), min(k, d)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=vectors())
+def test_auto_topk_is_lax_top_k(case):
+    x, k = case
+    values, idx = jax.jit(lambda v: sparsify.auto_topk(v, k))(jnp.asarray(x))
+    assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+
+
+def test_tie_rule_lower_index_wins():
+    x = jnp.array([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], jnp.float32)
+    for selector in ("auto", "exact", "radix"):
+        _, idx = sparsify.select(x, 2, selector)
+        assert sorted(np.asarray(idx).tolist()) == [1, 2], selector
+
+
+@pytest.mark.parametrize("where", ["tail", "head"])
+def test_host_kernel_exact_when_the_sample_misses(where):
+    # n > the kernel's 16384 samples with stride 1: the sample sees only the head.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=50_000).astype(np.float32) * 1e-3
+    if where == "tail":  # the sample's band lies below the top-k: too many above it
+        x[30_000:] *= 1e6
+    else:  # the sample's band lies above the top-k: too few candidates
+        x[:16_384] *= 1e6
+    k = 20_000
+    values, idx, residual = hostkernel.topk(jnp.asarray(x), k, residual=True)
+    assert np.asarray(idx).tolist() == _numpy_topk(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    kept = x.copy()
+    kept[np.asarray(idx)] = 0
+    np.testing.assert_array_equal(np.asarray(residual), kept)
+
+
+def test_host_kernel_orders_nan_first_like_lax():
+    x = np.array([1.0, np.nan, np.inf, -3.0, 2.0], np.float32)
+    _, idx = sparsify.auto_topk(jnp.asarray(x), 3)
+    assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, 3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("selector", sparsify.SELECTORS)
+def test_select_with_residual_is_x_minus_densify(selector):
+    x = np.random.default_rng(4).normal(size=3000).astype(np.float32)
+    values, idx, kept = jax.jit(lambda v: sparsify.select_with_residual(v, 60, selector))(x)
+    dense = np.asarray(sparsify.densify(values, idx, 3000))
+    np.testing.assert_array_equal(np.asarray(kept), x - dense)
+
+
+def test_auto_topk_per_worker_in_shard_map_and_under_vmap():
+    x = np.random.default_rng(5).normal(size=(4, 300)).astype(np.float32)
+    mesh = runtime.data_mesh(4)
+    body = jax.shard_map(lambda v: sparsify.auto_topk(v[0], 7)[1][None], mesh=mesh,
+                         in_specs=P("data"), out_specs=P("data"))  # fmt: skip
+    got = jax.jit(body)(runtime.put_global(x, mesh, P("data")))
+    batched = jax.jit(jax.vmap(lambda v: sparsify.auto_topk(v, 7)[1]))(x)
+    for w in range(4):
+        assert sorted(np.asarray(got[w]).tolist()) == _lax_reference(x[w], 7)
+        assert sorted(np.asarray(batched[w]).tolist()) == _lax_reference(x[w], 7)
+
+
+def test_auto_topk_without_host_kernel_uses_lax(monkeypatch):
+    monkeypatch.setattr(hostkernel, "available", lambda: False)
+    x = np.random.default_rng(6).normal(size=1000).astype(np.float32)
+    for k in (5, 300):  # lax.top_k below the crossover, radix above
+        _, idx = sparsify.auto_topk(jnp.asarray(x), k)
+        assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, k)
+
+
+def test_host_kernel_builds_when_a_compiler_exists():
+    if shutil.which("c++") or shutil.which("g++"):
+        assert hostkernel.available()
+        text = jax.jit(lambda v: sparsify.auto_topk(v, 3)).lower(jnp.ones(64)).as_text()
+        assert "callback" in text  # the CPU program runs the kernel, not lax.top_k
+    with pytest.raises(RuntimeError, match="building the top-k host kernel failed"):
+        hostkernel.build(compiler="false")
+
+
+@pytest.mark.parametrize("selector", sparsify.SELECTORS)
+def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
+    x = np.random.default_rng(7).normal(size=400).astype(np.float32)
+    fn = jax.jit(lambda v: sparsify.per_shard_topk_with_residual(v, 5, 4, selector))
+    values, local, kept = fn(x)
+    ref_values, ref_local = sparsify.per_shard_topk(jnp.asarray(x), 5, 4, selector)
+    pairs = lambda i, v: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
+    for s in range(4):  # the same entries per shard (order may differ)
+        assert pairs(local[s], values[s]) == pairs(ref_local[s], ref_values[s])
+    offsets = (np.arange(4) * 100)[:, None]
+    dense = np.asarray(sparsify.densify(values, np.asarray(local) + offsets, 400))
+    np.testing.assert_array_equal(np.asarray(kept), x - dense)

@@ -1,0 +1,108 @@
+"""Start-up measurements: the fusion threshold of ``--bucket-mb auto`` and the local
+work ``adaptive`` prices with a calibrated link.
+
+Before training, ``fusion.search_threshold`` binary-searches the distinct bucket plans
+of the model's gradient leaves (``fusion.candidate_thresholds``); each evaluation builds
+the train step with that threshold and times a few steps of it on this cluster. With
+``--strategy adaptive --link-gbit 0`` the local work of each sparse strategy is timed
+at the run's bucket sizes (``costmodel.measure_local_work``).
+
+References:
+    Peng et al., "TopKA2A", ICPP 2024 (binary-searched fusion threshold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from experiments.config import RunConfig
+
+TIMED_STEPS = 3  # per evaluation; the first (warm-up) is not counted
+
+
+def leaf_sizes(config: RunConfig) -> list[int]:
+    """Entries of each parameter leaf of the model, in tree order (no arrays made)."""
+    import jax
+    import numpy as np
+
+    from models import get_workload
+
+    workload = get_workload(config.model, **config.model_overrides())
+    params = jax.eval_shape(workload.init, jax.random.key(config.seed))
+    return [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)]
+
+
+def local_work(config: RunConfig):
+    """``costmodel.LocalWork`` of the sparse strategies at this run's bucket sizes."""
+    from sparsecomm_jax import fusion
+
+    sizes = leaf_sizes(config)
+    plan = fusion.plan_buckets(sizes, int(float(config.bucket_mb) * 2**20))
+    buckets = tuple(sorted({sum(sizes[i] for i in bucket) for bucket in plan}))
+    return _measure_local_work(buckets, config.density, config.devices)
+
+
+@functools.cache  # once per process and bucket sizes
+def _measure_local_work(buckets: tuple[int, ...], density: float, devices: int):
+    from sparsecomm_jax import costmodel
+
+    return costmodel.measure_local_work(buckets, density, devices)
+
+
+def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
+    """Median seconds of a step built with ``bucket_bytes`` (after one warm-up step).
+
+    Args:
+      config: the run; its ``bucket_mb`` is replaced.
+      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
+      bucket_bytes: the fusion threshold to time.
+
+    Returns:
+      Seconds per step.
+    """
+    import jax
+
+    from sparsecomm_jax.train import place_for_step
+
+    workload, ts = build(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)))
+    state, times = ts.state, []
+    for step in range(TIMED_STEPS):
+        batch = place_for_step(ts, workload.batch_at, step, config.steps)
+        start = time.perf_counter()
+        state, loss = ts.step(state, batch)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[str, Any]]:
+    """The config with the searched ``bucket_mb``, and the search's record.
+
+    Args:
+      config: a run with ``bucket_mb == "auto"``.
+      build: ``config -> (workload, TrainStep)``.
+
+    Returns:
+      ``(config, {"bucket_bytes", "evaluations", "step_s"})``; ``step_s`` maps each
+      timed threshold (bytes, as a string) to its measured step time.
+
+    Example:
+        >>> # python -m experiments.train --strategy topk_allgather --bucket-mb auto
+    """
+    from sparsecomm_jax import fusion
+
+    sizes = leaf_sizes(config)
+    timed: dict[str, float] = {}
+
+    def cost(bucket_bytes: int) -> float:
+        timed[str(bucket_bytes)] = measured_step_s(config, build, bucket_bytes)
+        return timed[str(bucket_bytes)]
+
+    best, evaluations = fusion.search_threshold(cost, fusion.candidate_thresholds(sizes))
+    chosen = dataclasses.replace(config, bucket_mb=repr(best / 2**20))
+    return chosen, {"bucket_bytes": best, "evaluations": evaluations, "step_s": timed}

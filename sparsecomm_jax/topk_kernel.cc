@@ -1,0 +1,120 @@
+// Exact top-k by magnitude in a few passes over a float32 vector (host kernel).
+//
+// Same entries as lax.top_k(abs(x), k): magnitudes are ordered through the bit pattern
+// of |x| (uint32 orders like the floats, NaN above inf), and among entries of equal
+// magnitude the lower index wins. Results come in index order.
+//
+// Per row: (1) a strided sample gives a band [lo, hi] that holds the k-th largest
+// magnitude with high probability; (2) one pass over the row compacts the indices of
+// the candidates (magnitude >= lo) and counts the entries above hi; (3) nth_element on
+// the band's magnitudes finds the k-th magnitude v; (4) one pass over the candidates
+// writes every entry above v and, in index order, as many equal to v as make k (and,
+// when asked, the residual: x with the taken entries zeroed). When the band misses
+// (fewer than k at or above lo, or k or more above hi) the whole row is the band:
+// still exact, one pass slower.
+//
+// References: Lin et al., "Deep Gradient Compression", ICLR 2018 (sampled threshold).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+inline uint32_t key(const float* x, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, x + i, 4);
+  return b & 0x7fffffffu;
+}
+
+// The band [lo, hi] from a strided sample: hi is taken a few standard deviations above
+// the sample's estimate of the k-th magnitude and lo as many below.
+void sample_band(const float* x, int64_t n, int64_t k, uint32_t* lo, uint32_t* hi) {
+  const int64_t s = std::min<int64_t>(n, 16384);
+  const int64_t stride = n / s;
+  std::vector<uint32_t> sample(s);
+  for (int64_t j = 0; j < s; ++j) sample[j] = key(x, j * stride);
+  const double r = double(k) * s / n;  // expected rank of the k-th magnitude, from the top
+  const double m = 4.0 * std::sqrt(r * (1.0 - r / s)) + 8.0;
+  const int64_t r_hi = int64_t(r - m), r_lo = int64_t(std::ceil(r + m));
+  *hi = 0xffffffffu;  // nothing above
+  *lo = 0;            // everything at or above
+  if (r_hi >= 1) {
+    std::nth_element(sample.begin(), sample.begin() + (s - r_hi), sample.end());
+    *hi = sample[s - r_hi];
+  }
+  if (r_lo <= s) {
+    std::nth_element(sample.begin(), sample.begin() + (s - r_lo), sample.end());
+    *lo = sample[s - r_lo];
+  }
+}
+
+// Compacts the indices of entries at or above lo into cand (index order, branch-free);
+// returns their number and counts the entries above hi into *above.
+int64_t scan(const float* x, int64_t n, uint32_t lo, uint32_t hi, int32_t* cand,
+             int64_t* above) {
+  int64_t c = 0, a_hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t a = key(x, i);
+    cand[c] = int32_t(i);
+    c += a >= lo;
+    a_hi += a > hi;
+  }
+  *above = a_hi;
+  return c;
+}
+
+void topk_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* idx,
+              float* resid) {
+  uint32_t lo, hi;
+  sample_band(x, n, k, &lo, &hi);
+  std::unique_ptr<int32_t[]> cand(new int32_t[n]);  // pages touched only as written
+  int64_t above;
+  int64_t c = scan(x, n, lo, hi, cand.get(), &above);
+  std::vector<uint32_t> keys;  // magnitudes in the band [lo, hi]
+  keys.reserve(size_t(c - std::min(c, above)));
+  for (int64_t j = 0; j < c; ++j) {
+    const uint32_t a = key(x, cand[j]);
+    if (a <= hi) keys.push_back(a);
+  }
+  int64_t need = k - above;  // entries the band must give
+  if (need < 1 || need > int64_t(keys.size())) {  // the sample missed: the whole row
+    c = scan(x, n, 0, 0xffffffffu, cand.get(), &above);
+    keys.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) keys[i] = key(x, i);
+    need = k;
+  }
+  std::nth_element(keys.begin(), keys.begin() + (keys.size() - need), keys.end());
+  const uint32_t v = keys[keys.size() - need];  // the k-th largest magnitude
+  int64_t ties = need;  // entries equal to v to take: need minus the band's ones above v
+  for (size_t j = keys.size() - need; j < keys.size(); ++j) ties -= keys[j] > v;
+  int64_t out = 0;
+  for (int64_t j = 0; j < c; ++j) {
+    const int32_t i = cand[j];
+    const uint32_t a = key(x, i);
+    if (a > v || (a == v && ties-- > 0)) {
+      vals[out] = x[i];
+      idx[out++] = i;
+    }
+  }
+  if (resid) {
+    std::memcpy(resid, x, size_t(n) * sizeof(float));
+    for (int64_t j = 0; j < k; ++j) resid[idx[j]] = 0.0f;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// rows x n floats -> rows x k (values, int32 indices); resid (rows x n) may be null.
+void sparsecomm_topk(const float* x, int64_t rows, int64_t n, int64_t k, float* vals,
+                     int32_t* idx, float* resid) {
+  for (int64_t r = 0; r < rows; ++r) {
+    topk_row(x + r * n, n, k, vals + r * k, idx + r * k, resid ? resid + r * n : nullptr);
+  }
+}
+}

@@ -1,0 +1,59 @@
+"""--bucket-mb auto: the search over measured step times, and the recorded result."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import startup, train
+from experiments.config import RunConfig
+from experiments.train import build, train_and_evaluate, validate
+from models import get_workload
+from sparsecomm_jax import fusion
+
+TINY = dict(model="lstm_lm", strategy="topk_allgather", devices=2, batch=4, steps=2,
+            warmup=0, vocab=100, dim=8, hidden=8, seq_len=4)  # fmt: skip
+
+
+def test_choose_bucket_finds_the_least_stand_in_step_time(monkeypatch):
+    config = RunConfig(**TINY, bucket_mb="auto")
+    seen = []
+
+    def stand_in(cfg, build_fn, bucket_bytes):  # unimodal in the threshold
+        seen.append(bucket_bytes)
+        return abs(bucket_bytes - 3000) + 1.0
+
+    monkeypatch.setattr(startup, "measured_step_s", stand_in)
+    chosen, record = startup.choose_bucket(config, build)
+    params = jax.eval_shape(get_workload("lstm_lm", vocab=100, dim=8, hidden=8,
+                                         seq_len=4, batch=4).init, jax.random.key(0))  # fmt: skip
+    sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+    candidates = fusion.candidate_thresholds(sizes)
+    best = min(candidates, key=lambda c: abs(c - 3000))
+    assert record["bucket_bytes"] == best and float(chosen.bucket_mb) * 2**20 == best
+    assert record["evaluations"] == len(set(seen)) < len(candidates)
+
+
+def test_auto_bucket_run_records_the_threshold():
+    result = train_and_evaluate(RunConfig(**TINY, bucket_mb="auto"), progress=False)
+    search = result["bucket_search"]
+    assert search["evaluations"] == len(search["step_s"]) >= 1
+    assert str(search["bucket_bytes"]) in search["step_s"]
+    assert float(result["config"]["bucket_mb"]) * 2**20 == search["bucket_bytes"]
+    assert len(result["losses"]) == 2
+
+
+@pytest.mark.parametrize("value", ["-1", "big"])
+def test_bad_bucket_mb(value):
+    with pytest.raises(ValueError, match="--bucket-mb must be a number >= 0 or auto"):
+        validate(dataclasses.replace(RunConfig(**TINY), bucket_mb=value))
+
+
+def test_calibrated_adaptive_link_carries_local_work(monkeypatch):
+    monkeypatch.setattr(train, "calibrated_link", lambda devices: {"alpha": 1e-5, "beta": 1e-9})
+    config = RunConfig(**{**TINY, "strategy": "adaptive"}, link_gbit=0.0)
+    link = train.adaptive_link(config)
+    assert set(link.local.lines) == {"topk_allgather", "topk_a2a"}
+    assert all(fixed >= 0 and per >= 0 for fixed, per in link.local.lines.values())
+    assert train.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None
