@@ -242,8 +242,8 @@ class Checkpointer:
         """
         if not (force or self.should_save(step)):
             return False
-        self._record_run()
         try:
+            self._record_run()
             return self._manager.save(
                 step, args=ocp.args.StandardSave(_portable(ts, state)), force=force
             )
