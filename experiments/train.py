@@ -202,6 +202,9 @@ def trajectory_differences(config: RunConfig, record: dict[str, Any]) -> list[st
 def _check_owner(config: RunConfig) -> None:
     """Refuses to mix runs in one folder; clears it for a fresh run."""
     folder = config.checkpoint_dir
+    if foreign := checkpoint.foreign_folders(folder):
+        raise ValueError(f"--checkpoint-dir {folder} holds folders {foreign} that are not "
+                         "checkpoints: give the run a folder of its own")  # fmt: skip
     steps, record = checkpoint.saved_steps(folder), checkpoint.read_run(folder)
     if not config.resume:
         if steps and not config.overwrite:

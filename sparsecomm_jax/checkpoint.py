@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 from sparsecomm_jax.placement import first_replica
 from sparsecomm_jax.step import TrainState, TrainStep
 
-RUN_FILE = "run.json"
+RUN_FILE = "checkpoint_run.json"
 LOCK_FILE = ".lock"
 TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -53,12 +53,29 @@ class MismatchError(ValueError):
     """A checkpoint that is intact but does not fit this run (other model or layout)."""
 
 
-def saved_steps(directory: str | Path) -> list[int]:
-    """Steps of the checkpoint folders in ``directory`` (complete or not), ascending."""
+# What an orbax step folder holds (one of them suffices; an empty one counts as damaged).
+_STEP_MARKS = ("_CHECKPOINT_METADATA", "commit_success.txt", "default")
+
+
+def _step_folders(directory: str | Path) -> list[Path]:
     path = Path(directory)
     if not path.is_dir():
         return []
-    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+    return [p for p in path.iterdir() if p.name.isdigit() and p.is_dir()]
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    return not any(folder.iterdir()) or any((folder / m).exists() for m in _STEP_MARKS)
+
+
+def saved_steps(directory: str | Path) -> list[int]:
+    """Steps of the checkpoint folders in ``directory`` (complete or not), ascending."""
+    return sorted(int(p.name) for p in _step_folders(directory) if _is_checkpoint(p))
+
+
+def foreign_folders(directory: str | Path) -> list[str]:
+    """Folders named like steps that are no checkpoints (a folder used for other things)."""
+    return sorted(p.name for p in _step_folders(directory) if not _is_checkpoint(p))
 
 
 def read_run(directory: str | Path) -> dict[str, Any] | None:
