@@ -1,95 +1,253 @@
-"""The run configuration shared by every experiment script, and its CLI flags."""
+"""The run configuration shared by every experiment script, its CLI flags and its checks.
+
+Every ``RunConfig`` field is one ``--flag`` (``seq_len`` -> ``--seq-len``) whose help text,
+fixed choices and value check live in the field's metadata, so the parser, ``--help``
+and ``check_fields`` (used by ``experiments.train.validate``) cannot disagree.
+
+Example:
+    >>> from experiments.config import RunConfig, check_fields
+    >>> check_fields(RunConfig(lr=1e-2))
+    >>> RunConfig(model="gpt2").trajectory()["model"]
+    'gpt2'
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from collections.abc import Callable
 from typing import Any
+
+from models import MODELS, config_fields
+from sparsecomm_jax.sparsify import SELECTORS, check_density
+from sparsecomm_jax.train import NONFINITE, parse_strategy, strategy_names
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+MAX_SEED = 2**32 - 1
+
+# ----------------------------------------------------------------- value checks
+# Each returns what is wrong with a value ("must be >= 1, got 0") or None.
+
+Check = Callable[[Any], "str | None"]
+
+
+def at_least(low: int) -> Check:
+    """Integers >= ``low``."""
+    return lambda v: None if v >= low else f"must be >= {low}, got {v}"
+
+
+def finite_at_least(low: float, strict: bool = False) -> Check:
+    """Finite numbers >= ``low`` (> ``low`` when ``strict``)."""
+
+    def check(v: float) -> str | None:
+        ok = math.isfinite(v) and (v > low if strict else v >= low)
+        return None if ok else f"must be {'>' if strict else '>='} {low} (finite), got {v}"
+
+    return check
+
+
+def seed_range(v: int) -> str | None:
+    return None if 0 <= v <= MAX_SEED else f"must be in [0, 2**32 - 1], got {v}"
+
+
+def bucket_size(v: str) -> str | None:
+    """A size in MiB (finite, > 0) or ``auto``."""
+    if v == "auto":
+        return None
+    try:
+        return finite_at_least(0, strict=True)(float(v))
+    except ValueError:
+        return f"must be a size in MiB or auto, got {v!r}"
+
+
+def density_range(v: float) -> str | None:
+    try:
+        check_density(v)
+    except ValueError as e:
+        return str(e).removeprefix("density ")
+    return None
+
+
+def _field(default: Any, help: str, check: Check | None = None, choices=None) -> Any:
+    """A ``RunConfig`` field: its ``--help`` text, value check and fixed choices
+    (a sequence, or a function giving one, evaluated when the parser is built)."""
+    meta = {"help": help, "check": check, "choices": choices}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass
 class RunConfig:
-    model: str = "lstm_lm"  # workload name (models.MODELS)
-    strategy: str = "dense"  # communication strategy (sparsecomm_jax.train.STRATEGIES)
-    devices: int = 8  # workers; on a CPU-only host this many devices are simulated
-    steps: int = 20  # training steps
-    warmup: int = 2  # first steps left out of the step-time median (compilation)
-    seed: int = 0  # init and data seed
-    optimizer: str = "adam"  # sgd | momentum | adam
-    lr: float = 1e-3  # learning rate
-    batch: int = 32  # global batch (examples per step, all workers together)
-    seq_len: int = 16  # tokens per example (language models)
-    vocab: int = 2000  # vocabulary size V (language models)
-    dim: int = 32  # embedding / model width D
-    hidden: int = 64  # LSTM units per layer
-    layers: int = 1  # recurrent or transformer layers
-    heads: int = 2  # attention heads (transformer, bert, gpt2)
-    masked: int = 3  # masked positions per example (bert)
-    image_size: int = 32  # image height = width (resnet, vgg)
-    width: int = 8  # channels of the first stage (resnet, vgg)
-    blocks: int = 1  # blocks per stage (resnet, vgg)
-    noise: float = 1.0  # noise std of the synthetic images (resnet, vgg)
-    sampled_softmax: int = 0  # shared negative samples per step; 0 = full softmax
-    tie_embeddings: bool = False  # tie the output table to the input table
-    zipf_exponent: float = 1.1  # Zipf exponent of synthetic tokens
-    text_file: str = ""  # word-level corpus instead of synthetic tokens
-    capacity: int = 0  # embrace_rowwise slots per bucket; 0 = sized per batch
-    density: float = 0.01  # fraction sent by top-k strategies, in (0, 1]
-    selector: str = "auto"  # top-k: auto (exact, fastest) | exact (lax.top_k) | radix | threshold
-    bucket_mb: str = "64"  # top-k tensor-fusion threshold in MiB, or auto (searched)
-    link_gbit: float = 10.0  # adaptive: link Gbit/s of the cost model; 0 = calibrate here
-    link_alpha_us: float = 50.0  # adaptive: latency per message of the cost model (us)
-    nonfinite: str = "skip"  # NaN/Inf gradient: skip the step (counted) | error | off
-    checkpoint_dir: str = ""  # where checkpoints go ("" = none)
-    checkpoint_every: int = 0  # save every N steps (0 = only at the end)
-    resume: bool = False  # continue from the newest checkpoint in --checkpoint-dir
-    calibrate: bool = False  # after training, fit the link's alpha and beta (costmodel)
-    out: str = ""  # JSON result path ("" = do not write)
-    # real data, logs and traces (help text: IO_HELP)
-    data_dir: str = ""  # WikiText / PTB token files or CIFAR-10 batches
-    eval_every: int = 0  # held-out evaluation every N steps (0 = only at the end)
-    eval_batches: int = 0  # held-out batches per evaluation (0 = the whole split)
-    log_dir: str = ""  # per-step logs and traces ("" = next to --out)
-    profile_steps: str = ""  # A:B = trace steps A .. B-1 with jax.profiler
+    model: str = _field("lstm_lm", "workload to train", choices=lambda: sorted(MODELS))
+    strategy: str = _field("dense", "communication strategy: %(choices)s",
+                           choices=strategy_names)  # fmt: skip
+    devices: int = _field(8, "workers; 0 = every device of the job (the command line's "
+                          "default; a single process on a CPU-only host simulates this many "
+                          "devices, 8 for 0)", at_least(0))  # fmt: skip
+    steps: int = _field(20, "training steps (the run's total, resumed or not)", at_least(1))
+    warmup: int = _field(2, "first steps left out of the step-time median (compilation)",
+                         at_least(0))  # fmt: skip
+    seed: int = _field(0, "seed of initialisation and data, in [0, 2**32 - 1]", seed_range)
+    optimizer: str = _field("adam", "optax optimizer", choices=OPTIMIZERS)
+    lr: float = _field(1e-3, "learning rate (finite, > 0)", finite_at_least(0, strict=True))
+    batch: int = _field(32, "global batch: examples per step, all workers together; "
+                        "divisible by --devices", at_least(1))  # fmt: skip
+    seq_len: int = _field(16, "tokens per example (language models)", at_least(1))
+    vocab: int = _field(2000, "vocabulary size V (language models)", at_least(2))
+    dim: int = _field(32, "embedding / model width D (language models); divisible by "
+                      "--heads for attention models", at_least(1))  # fmt: skip
+    hidden: int = _field(64, "LSTM units per layer (lstm_lm)", at_least(1))
+    layers: int = _field(1, "recurrent or transformer layers", at_least(1))
+    heads: int = _field(2, "attention heads (transformer, bert, gpt2)", at_least(1))
+    masked: int = _field(3, "masked positions per example (bert), <= --seq-len", at_least(1))
+    image_size: int = _field(32, "image height = width (resnet, vgg)", at_least(1))
+    width: int = _field(8, "channels of the first stage (resnet, vgg)", at_least(1))
+    blocks: int = _field(1, "blocks per stage (resnet, vgg)", at_least(1))
+    noise: float = _field(1.0, "noise std of the synthetic images (resnet, vgg)",
+                          finite_at_least(0))  # fmt: skip
+    sampled_softmax: int = _field(0, "shared negative samples per step; 0 = full softmax",
+                                  at_least(0))  # fmt: skip
+    tie_embeddings: bool = _field(False, "tie the output table to the input table")
+    zipf_exponent: float = _field(1.1, "Zipf exponent of the synthetic tokens (> 0)",
+                                  finite_at_least(0, strict=True))  # fmt: skip
+    text_file: str = _field(
+        "",
+        "one word-level text file as training data instead of "
+        "synthetic tokens (language models only; no held-out split)",
+    )
+    capacity: int = _field(0, "embrace_rowwise slots per bucket; 0 = sized per batch",
+                           at_least(0))  # fmt: skip
+    density: float = _field(0.01, "fraction sent by top-k strategies, in (0, 1]", density_range)
+    selector: str = _field(
+        "auto",
+        "top-k selection: auto (exact, the fastest for the "
+        "platform and size), exact (lax.top_k), radix (same result, no "
+        "sort) or threshold (sampled, approximate)",
+        choices=SELECTORS,
+    )
+    bucket_mb: str = _field("64", "tensor-fusion threshold in MiB for top-k strategies, or "
+                            "auto (binary search on measured step times at start-up)",
+                            bucket_size)  # fmt: skip
+    link_gbit: float = _field(10.0, "adaptive: link Gbit/s of the cost model; 0 = calibrate "
+                              "on this cluster first", finite_at_least(0))  # fmt: skip
+    link_alpha_us: float = _field(50.0, "adaptive: latency per message of the cost model "
+                                  "(microseconds)", finite_at_least(0))  # fmt: skip
+    nonfinite: str = _field("skip", "NaN/Inf gradient: skip the step (listed in "
+                            "skipped_steps), error (stop naming it) or off (apply it)",
+                            choices=NONFINITE)  # fmt: skip
+    max_skipped: int = _field(10, "stop (non-zero exit) when more than this many steps in "
+                              "a row are skipped", at_least(0))  # fmt: skip
+    checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
+    checkpoint_every: int = _field(0, "save every N steps (0 = only at the end)", at_least(0))
+    resume: bool = _field(False, "continue the run in --checkpoint-dir from its newest "
+                          "checkpoint that restores")  # fmt: skip
+    resume_step: int = _field(0, "with --resume: the checkpoint step to continue from "
+                              "(0 = the newest that restores)", at_least(0))  # fmt: skip
+    overwrite: bool = _field(False, "replace another run's checkpoints in --checkpoint-dir")
+    calibrate: bool = _field(False, "after training, fit the link's alpha and beta "
+                             "(costmodel) and add them to the result")  # fmt: skip
+    out: str = _field("", 'JSON result path ("" = do not write)')
+    data_dir: str = _field(
+        "",
+        "folder of local data, nothing is downloaded: WikiText "
+        "(wiki.{train,valid,test}.tokens) or PTB (ptb.{train,valid,test}.txt) "
+        "for the language models, cifar-10-batches-py/ for resnet and vgg",
+    )
+    eval_every: int = _field(
+        0,
+        "held-out loss and perplexity/accuracy every N steps and at "
+        "the end (0 = only at the end); needs --data-dir",
+        at_least(0),
+    )
+    eval_batches: int = _field(0, "held-out batches per evaluation (0 = the whole split)",
+                               at_least(0))  # fmt: skip
+    log_dir: str = _field(
+        "",
+        "per-step logs (steps.jsonl, TensorBoard scalars) and traces "
+        "go here; default: <--out without .json>.logs/ when --out is given",
+    )
+    profile_steps: str = _field("", "A:B = a jax.profiler trace of steps A to B-1 into "
+                                "<log dir>/trace (TensorBoard's profile plugin or "
+                                "ui.perfetto.dev)")  # fmt: skip
 
     def model_overrides(self) -> dict[str, Any]:
-        """The fields a model config may take (models ignore the ones they lack)."""
-        skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
-                "capacity", "density", "selector", "bucket_mb", "nonfinite", "link_gbit",
-                "link_alpha_us",
-                "checkpoint_dir", "checkpoint_every", "resume", "calibrate",
-                *RUN_IO_FIELDS}  # fmt: skip
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        """The fields some model's config takes (each model ignores the ones it lacks)."""
+        known = set().union(*(config_fields(m) for m in MODELS))
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in known}
+
+    def trajectory(self) -> dict[str, Any]:
+        """The fields that decide this run's losses: a resumed run must match them.
+
+        Everything but the run's length, placement, outputs and policies; model fields
+        only where this model reads them, aggregator fields only where this strategy
+        uses them.
+        """
+        values = dataclasses.asdict(self)
+        unused = (set(self.model_overrides()) - config_fields(self.model)) | (
+            set(AGGREGATOR_FIELDS) - set(aggregator_fields(self.strategy))
+        )
+        return {k: v for k, v in values.items() if k not in NOT_TRAJECTORY | unused}
 
 
-RUN_IO_FIELDS = ("eval_every", "eval_batches", "log_dir", "profile_steps")
-IO_HELP = {
-    "data_dir": "folder of local data, nothing is downloaded: WikiText (wiki.{train,valid,"
-    "test}.tokens) or PTB (ptb.{train,valid,test}.txt) for the language models, "
-    "cifar-10-batches-py/ for resnet and vgg",
-    "text_file": "one word-level text file as training data (language models only; no "
-    "held-out split)",
-    "eval_every": "held-out loss and perplexity/accuracy every N steps and at the end "
-    "(0 = only at the end); needs --data-dir",
-    "eval_batches": "held-out batches per evaluation (0 = the whole split)",
-    "log_dir": "per-step logs (steps.jsonl, TensorBoard scalars) and traces go here; "
-    "default: <--out without .json>.logs/ when --out is given, else none",
-    "profile_steps": "A:B = a jax.profiler trace of steps A to B-1 into <log dir>/trace "
-    "(open with TensorBoard's profile plugin or ui.perfetto.dev)",
-}
+# Fields that may change between a run and its resumption (the device count too:
+# the global batch, and so the losses, do not depend on it).
+NOT_TRAJECTORY = frozenset(
+    {"devices", "steps", "warmup", "capacity", "nonfinite", "max_skipped", "checkpoint_dir",
+     "checkpoint_every", "resume", "resume_step", "overwrite", "calibrate", "out",
+     "eval_every", "eval_batches", "log_dir", "profile_steps"}
+)  # fmt: skip
+AGGREGATOR_FIELDS = ("density", "selector", "bucket_mb", "link_gbit", "link_alpha_us")
+
+
+def aggregator_fields(strategy: str) -> tuple[str, ...]:
+    """The ``AGGREGATOR_FIELDS`` that ``strategy``'s gradient aggregator reads."""
+    agg = parse_strategy(strategy)[1]
+    if agg == "dense":
+        return ()
+    fields = ("density", "bucket_mb", "selector")
+    return fields + (("link_gbit", "link_alpha_us") if agg == "adaptive" else ())
+
+
+def _choices(f: dataclasses.Field) -> Any:
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
+def check_fields(config: RunConfig) -> None:
+    """Each field on its own: ``ValueError`` naming the first bad flag."""
+    for f in dataclasses.fields(RunConfig):
+        value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        choices = _choices(f)
+        if choices is not None and value not in choices:
+            raise ValueError(f"unknown {flag} {value!r}; choose one of {list(choices)}")
+        problem = f.metadata.get("check") and f.metadata["check"](value)
+        if problem:
+            raise ValueError(f"{flag} {problem}")
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per ``RunConfig`` field (``seq_len`` -> ``--seq-len``)."""
+    """One ``--flag`` per ``RunConfig`` field (``seq_len`` -> ``--seq-len``), with its
+    help, default and fixed choices; values are checked by ``check_fields``."""
     for f in dataclasses.fields(RunConfig):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: %(default)r)"
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", default=f.default)
-        else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(flag, type=kind, default=f.default, help=IO_HELP.get(f.name))
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+            continue
+        kind = {"int": int, "float": float, "str": str}[str(f.type)]
+        choices = _choices(f)
+        metavar = "NAME" if choices is not None and len(choices) > 8 else None
+        parser.add_argument(flag, type=kind, default=f.default, choices=choices,
+                            metavar=metavar, help=help_text)  # fmt: skip
 
 
 def from_namespace(ns: argparse.Namespace) -> RunConfig:

@@ -8,8 +8,12 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from experiments import train as cli
 from experiments.config import RunConfig
-from experiments.train import adaptive_link, train_and_evaluate
+from experiments.train import adaptive_link, main, train_and_evaluate
+from models import MODELS
+from sparsecomm_jax import train
+from sparsecomm_jax.sparsify import SELECTORS
 
 SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)
 
@@ -57,29 +61,91 @@ def test_more_devices_than_exist():
         train_and_evaluate(RunConfig(devices=16, **{**SMALL, "batch": 16}), progress=False)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--model", "nope"], "unknown --model"),
-        (["--strategy", "nope"], "unknown --strategy"),
-        (["--devices", "4", "--batch", "6"], "not divisible"),
-        (["--steps", "0"], "--steps must be >= 1"),
-        (["--steps", "-3"], "--steps must be >= 1"),
-        (["--link-gbit", "-1"], "--link-gbit must be >= 0"),
-    ],
-)
-def test_bad_input_is_one_line_error(args, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "experiments.train", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run_main(args, capsys) -> tuple[int, list[str]]:
+    """``experiments.train.main(args)`` in this process: exit status and stderr lines."""
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+BAD_INPUT = [
+    (["--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    (["--strategy", "nope"], "argument --strategy: invalid choice: 'nope'"),
+    (["--optimizer", "adagrad"], "argument --optimizer: invalid choice"),
+    (["--selector", "fast"], "argument --selector: invalid choice"),
+    (["--nonfinite", "ignore"], "argument --nonfinite: invalid choice"),
+    (["--lr", "abc"], "argument --lr: invalid float value"),
+    (["--devices", "4", "--batch", "6"], "not divisible"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "-3"], "--steps must be >= 1"),
+    (["--link-gbit", "-1"], "--link-gbit must be >= 0"),
+    (["--link-gbit", "nan"], "--link-gbit must be >= 0 (finite), got nan"),
+    (["--link-alpha-us", "-5"], "--link-alpha-us must be >= 0"),
+    (["--lr", "nan"], "--lr must be > 0 (finite), got nan"),
+    (["--lr", "inf"], "--lr must be > 0 (finite), got inf"),
+    (["--lr", "0"], "--lr must be > 0"),
+    (["--lr", "-0.1"], "--lr must be > 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1"),
+    (["--model", "resnet", "--image-size", "0"], "--image-size must be >= 1"),
+    (["--dim", "0"], "--dim must be >= 1"),
+    (["--hidden", "0"], "--hidden must be >= 1"),
+    (["--layers", "0"], "--layers must be >= 1"),
+    (["--model", "vgg", "--width", "0"], "--width must be >= 1"),
+    (["--vocab", "1"], "--vocab must be >= 2"),
+    (["--model", "transformer", "--heads", "3"], "--heads 3 does not divide --dim 32"),
+    (["--model", "bert", "--masked", "20"], "--masked 20 is more than --seq-len 16"),
+    (["--model", "resnet", "--noise", "nan"], "--noise must be >= 0 (finite), got nan"),
+    (["--zipf-exponent", "nan"], "--zipf-exponent must be > 0 (finite), got nan"),
+    (["--zipf-exponent", "inf"], "--zipf-exponent must be > 0 (finite), got inf"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be > 0 (finite), got inf"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be > 0 (finite), got nan"),
+    (["--density", "2"], "--density must be in (0, 1]"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
+    (["--seed", str(2**32)], "--seed must be in [0, 2**32 - 1]"),
+    (["--sampled-softmax", "-3"], "--sampled-softmax must be >= 0, got -3"),
+    (["--max-skipped", "-1"], "--max-skipped must be >= 0"),
+    (["--text-file", "/nonexistent/corpus.txt"], "--text-file /nonexistent/corpus.txt does not"),
+    (["--text-file", "/"], "--text-file / is a directory"),
+    (["--model", "gpt2", "--text-file", __file__], "--text-file is read by lstm_lm only"),
+    (["--devices", "1000", "--batch", "1000"], "--devices 1000: one process runs at most 256"),
+    (["--devices", "1", "--batch", str(10**9)], "--batch 1000000000: one global batch alone"),
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    (["--resume-step", "2"], "--resume-step needs --resume"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_error(args, message, capsys, monkeypatch):
+    """Every bad flag stops before JAX builds anything, with one line naming it."""
+    monkeypatch.setattr(cli, "build", lambda config: pytest.fail("built despite bad input"))
+    code, lines = run_main(args, capsys)
+    assert code == 2
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_bad_input_as_a_process_is_one_line_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--lr", "nan"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0]
+    assert len(lines) == 1 and "--lr must be > 0" in lines[0]
+
+
+def test_every_flag_has_help_and_fixed_sets_have_choices():
+    parser = cli.make_parser()
+    for action in parser._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    choices = {a.dest: a.choices for a in parser._actions if a.choices is not None}
+    assert list(choices["strategy"]) == train.strategy_names()
+    assert sorted(choices["model"]) == sorted(MODELS)
+    assert set(choices["selector"]) == set(SELECTORS)
+    assert set(choices["nonfinite"]) == set(train.NONFINITE)
+    assert set(choices["optimizer"]) == {"sgd", "momentum", "adam"}
+    text = parser.format_help()
+    assert "--max-skipped" in text and "--resume-step" in text and "--overwrite" in text
 
 
 def test_writes_json(tmp_path):

@@ -1,7 +1,9 @@
-"""Checkpoint and exact resume, non-finite gradients, determinism, killed ranks."""
+"""Checkpoint and exact resume, one run per checkpoint folder, damaged checkpoints,
+unwritable outputs, non-finite gradients and parameters, determinism, killed ranks."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +17,9 @@ import pytest
 from conftest import REPO
 from helpers import place
 
+from experiments import train as cli
 from experiments.config import RunConfig
-from experiments.train import train_and_evaluate
+from experiments.train import main, train_and_evaluate
 from models import get_workload
 from sparsecomm_jax import checkpoint, runtime, train
 
@@ -73,6 +76,201 @@ def test_interrupted_write_keeps_previous_checkpoint(tmp_path):
     resumed = train_and_evaluate(RunConfig(**{**cfg, "steps": 3, "resume": True}),
                                  progress=False)  # fmt: skip
     assert resumed["start_step"] == 2
+    assert not partial.exists()  # the unfinished write is cleaned at start
+
+
+def _truncate_arrays(step_folder: Path) -> int:
+    """Cuts every array data file of a checkpoint to half its size; returns how many."""
+    files = [f for f in step_folder.rglob("*") if f.is_file() and f.parent.name == "d"]
+    for f in files:
+        os.truncate(f, f.stat().st_size // 2)
+    return len(files)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, capsys):
+    """Resume skips a newest checkpoint that does not restore, says so in one line, and
+    continues from the one before to the losses of an uninterrupted run."""
+    cfg = dict(strategy="embrace", **SMALL)
+    full = train_and_evaluate(RunConfig(steps=4, **cfg), progress=False)
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=3, **cfg, **ck), progress=False)
+    assert checkpoint.saved_steps(tmp_path) == [2, 3]
+    if damage == "truncated":
+        assert _truncate_arrays(tmp_path / "3") > 0
+    else:
+        shutil.rmtree(tmp_path / "3")
+        (tmp_path / "3").mkdir()
+    capsys.readouterr()
+    resumed = train_and_evaluate(RunConfig(steps=4, resume=True, **cfg, **ck), progress=False)
+    notes = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert len(notes) == 1 and "checkpoint step 3 skipped" in notes[0]
+    assert damage != "empty" or "its folder is empty" in notes[0]
+    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+    assert checkpoint.saved_steps(tmp_path) == [3, 4]  # its own step 3 replaced the damaged one
+
+
+def test_resume_step_picks_a_checkpoint(tmp_path):
+    full = train_and_evaluate(RunConfig(steps=4, **SMALL), progress=False)
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=3, **ck, **SMALL), progress=False)
+    with pytest.raises(ValueError, match=r"no checkpoint of step 1 .* it has \[2, 3\]"):
+        train_and_evaluate(RunConfig(steps=4, resume=True, resume_step=1, **ck, **SMALL),
+                           progress=False)  # fmt: skip
+    resumed = train_and_evaluate(RunConfig(steps=4, resume=True, resume_step=2, **ck, **SMALL),
+                                 progress=False)  # fmt: skip
+    assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
+
+
+def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=2, **ck, **SMALL), progress=False)
+    first = checkpoint.read_run(tmp_path)
+    assert first["config"]["seed"] == 0 and first["config"]["devices"] == 8
+    with pytest.raises(ValueError, match=rf"holds checkpoints \(steps \[1, 2\]\) of run "
+                                         rf"{first['run_id'][:8]}.*--overwrite"):  # fmt: skip
+        train_and_evaluate(RunConfig(steps=4, **ck, **{**SMALL, "seed": 1}), progress=False)
+    assert checkpoint.read_run(tmp_path) == first  # untouched
+    result = train_and_evaluate(RunConfig(steps=1, overwrite=True, **ck, **{**SMALL, "seed": 1}),
+                                progress=False)  # fmt: skip
+    second = checkpoint.read_run(tmp_path)
+    assert result["start_step"] == 0 and checkpoint.saved_steps(tmp_path) == [1]
+    assert second["run_id"] != first["run_id"] and second["config"]["seed"] == 1
+
+
+def test_folder_used_for_other_things_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "2024").mkdir()
+    (tmp_path / "2024" / "notes.txt").write_text("not a checkpoint")
+    monkeypatch.setattr(cli, "build", lambda config: pytest.fail("built despite the folder"))
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"holds folders \['2024'\] that are not checkp"):
+            train_and_evaluate(RunConfig(checkpoint_dir=str(tmp_path), overwrite=overwrite))
+    assert (tmp_path / "2024" / "notes.txt").exists()
+
+
+def test_resume_refuses_a_different_trajectory_and_names_it(tmp_path):
+    base = dict(strategy="topk_a2a", density=0.1, checkpoint_dir=str(tmp_path),
+                checkpoint_every=1, **SMALL)  # fmt: skip
+    train_and_evaluate(RunConfig(steps=2, **base), progress=False)
+    changes = [
+        ({"lr": 0.01}, ["--lr (0.001 there, 0.01 here)"]),
+        ({"seed": 1}, ["--seed (0 there, 1 here)"]),
+        ({"optimizer": "sgd", "density": 0.2}, ["--optimizer", "--density"]),
+        ({"hidden": 8}, ["--hidden (16 there, 8 here)"]),
+    ]
+    for change, names in changes:
+        with pytest.raises(ValueError, match="this run differs from run") as err:
+            train_and_evaluate(RunConfig(**{**base, "steps": 3, "resume": True, **change}),
+                               progress=False)  # fmt: skip
+        assert all(name in str(err.value) for name in names), str(err.value)
+    # the run's length, outputs, policies and fields this model or strategy does not read
+    # may change
+    same = dict(steps=3, resume=True, warmup=1, checkpoint_every=2, nonfinite="error",
+                image_size=8, link_gbit=1.0, out=str(tmp_path / "r.json"))  # fmt: skip
+    assert train_and_evaluate(RunConfig(**{**base, **same}), progress=False)["start_step"] == 2
+
+
+def test_resume_refuses_checkpoints_without_a_record(tmp_path):
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=1, **ck, **SMALL), progress=False)
+    (tmp_path / checkpoint.RUN_FILE).unlink()  # as written before runs were recorded
+    with pytest.raises(ValueError, match="records no configuration"):
+        train_and_evaluate(RunConfig(steps=2, resume=True, **ck, **SMALL), progress=False)
+
+
+def test_two_runs_cannot_share_a_folder(tmp_path):
+    """A second process holding the folder's lock stops this run; once that process is
+    killed, the lock is free."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from sparsecomm_jax.checkpoint import "
+         "DirectoryLock; lock = DirectoryLock(sys.argv[1]); print('locked', flush=True); "
+         "time.sleep(120)", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=rf"in use by another run \(process {holder.pid} "):
+            train_and_evaluate(RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL),
+                               progress=False)  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    result = train_and_evaluate(RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL),
+                                progress=False)  # fmt: skip
+    assert len(result["losses"]) == 1
+
+
+def _read_only_dir(tmp_path):
+    """A folder that cannot be written, and the command prefix that makes it so: for
+    root (whom permission bits do not stop) a read-only tmpfs mounted over it in a
+    private mount namespace."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() != 0:
+        return folder, []
+    script = 'mount -t tmpfs -o ro none "$0" && exec "$@"'
+    return folder, ["unshare", "-m", "sh", "-c", script, str(folder)]
+
+
+@pytest.mark.parametrize("where", ["a regular file", "a read-only folder"])
+def test_unwritable_checkpoint_dir_exits_fast(tmp_path, where):
+    if where == "a regular file":
+        target, prefix = tmp_path / "file", []
+        target.write_text("not a folder")
+    else:
+        target, prefix = _read_only_dir(tmp_path)
+    cmd = [*prefix, sys.executable, "-m", "experiments.train", "--devices", "2", "--batch",
+           "4", "--vocab", "100", "--steps", "2", "--checkpoint-dir", str(target)]  # fmt: skip
+    t = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - t < 30
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"error: --checkpoint-dir {target}")
+
+
+FAILED_SAVE = """
+import shutil, sys
+from pathlib import Path
+from sparsecomm_jax import runtime
+runtime.simulate_cpu_devices(2)
+import jax, optax
+from models import get_workload
+from sparsecomm_jax import checkpoint, train
+w = get_workload("lstm_lm", vocab=64, dim=8, hidden=8, seq_len=4, batch=4)
+ts = train.make_train_step(w.loss, optax.sgd(0.1), runtime.data_mesh(2),
+                           w.init(jax.random.key(0)), "dense")
+folder = Path(sys.argv[1])
+ckpt = checkpoint.Checkpointer(folder)
+checkpoint._write_json = lambda path, record: None  # the run record aside,
+shutil.rmtree(folder)
+folder.write_text("the folder became a file")  # orbax's own write fails midway
+try:
+    ckpt.save(1, ts, ts.state, force=True)
+except OSError as e:
+    print("raised:", e)
+"""
+
+
+def test_failed_save_raises_and_the_process_still_exits(tmp_path):
+    """A save that cannot be written raises at once, and nothing it started keeps the
+    process alive at exit (a plain interpreter exit, no forced one)."""
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", FAILED_SAVE, str(tmp_path / "ck")], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert time.monotonic() - t < 30
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "raised: cannot write checkpoint step 1 into" in proc.stdout
+
+
+@pytest.mark.parametrize("where", ["directory", "under a file"])
+def test_unwritable_out_is_refused_before_the_run(tmp_path, where, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "build", lambda config: pytest.fail("trained despite bad --out"))
+    (tmp_path / "file").write_text("x")
+    out = tmp_path if where == "directory" else tmp_path / "file" / "r.json"
+    assert main(["--steps", "1", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}")
 
 
 def test_resume_on_another_device_count(tmp_path):
@@ -98,17 +296,21 @@ def test_resume_on_another_device_count(tmp_path):
                                      **{**base, "steps": 3}), progress=False)  # fmt: skip
 
 
-def _poisoned(w, bad_step):
+def _poisoned(w, bad_steps, through_gradient=True):
+    """``w`` whose loss is NaN at ``bad_steps`` (an int or a predicate on the step): with
+    a NaN gradient for a replicated weight, or (``through_gradient=False``) none."""
+    is_bad = bad_steps if callable(bad_steps) else (lambda step: step == bad_steps)
+
     def batch_at(step):
         batch = w.batch_at(step)
-        if step == bad_step:
-            batch["poison"] = np.full((SMALL["batch"],), np.nan, np.float32)
-        else:
-            batch["poison"] = np.zeros((SMALL["batch"],), np.float32)
+        value = np.nan if is_bad(step) else 0.0
+        batch["poison"] = np.full((SMALL["batch"],), value, np.float32)
         return batch
 
     def loss(params, batch, emb=None):
         dense = jax.tree.leaves(params["lstm"])[0].reshape(-1)[0]  # a replicated weight
+        if not through_gradient:
+            dense = jax.lax.stop_gradient(dense)
         return w.loss(params, batch, emb) + jax.numpy.mean(batch["poison"]) * dense
 
     return w._replace(batch_at=batch_at, loss=loss)
@@ -117,7 +319,7 @@ def _poisoned(w, bad_step):
 @pytest.mark.parametrize("strategy", ["dense", "embrace", "topk_a2a", "embrace_2d"])
 def test_nonfinite_step_is_skipped_and_state_kept(strategy):
     w = get_workload("lstm_lm", **{k: v for k, v in SMALL.items() if k != "warmup"})
-    bad = _poisoned(w, bad_step=1)
+    bad = _poisoned(w, bad_steps=1)
     params = w.init(jax.random.key(0))
     ts = train.make_train_step(bad.loss, optax.adam(1e-2), runtime.data_mesh(8), params,
                                strategy, replicated_keys=w.replicated_keys,
@@ -132,16 +334,57 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy):
         assert np.all(np.isfinite(b))
 
 
-def test_nonfinite_policy_in_the_runner(monkeypatch):
-    import models
+def _poison_runs(monkeypatch, bad_steps, through_gradient=True):
+    """Makes ``experiments.train`` build poisoned workloads."""
+    real = cli.get_workload
 
-    real = models.get_workload
-    monkeypatch.setattr(models, "get_workload", lambda *a, **k: _poisoned(real(*a, **k), 2))
+    def poisoned(*args, **kwargs):
+        return _poisoned(real(*args, **kwargs), bad_steps, through_gradient)
+
+    monkeypatch.setattr(cli, "get_workload", poisoned)
+
+
+def test_nonfinite_policy_in_the_runner(monkeypatch):
+    _poison_runs(monkeypatch, 2)
     cfg = dict(strategy="dense", steps=4, **SMALL)
     result = train_and_evaluate(RunConfig(**cfg), progress=False)
     assert result["skipped_steps"] == [2] and np.isfinite(result["losses"][3])
     with pytest.raises(FloatingPointError, match="non-finite gradient at step 2"):
         train_and_evaluate(RunConfig(nonfinite="error", **cfg), progress=False)
+
+
+def test_nonfinite_off_lists_no_applied_step(monkeypatch):
+    """A NaN loss whose gradient is finite is applied under ``off``: not 'skipped'."""
+    _poison_runs(monkeypatch, 2, through_gradient=False)
+    result = train_and_evaluate(RunConfig(nonfinite="off", steps=4, **SMALL), progress=False)
+    assert np.isnan(result["losses"][2]) and np.all(np.isfinite(result["losses"][3]))
+    assert result["skipped_steps"] == []
+
+
+def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
+    """``off`` applies the NaN gradient of step 2: the run stops there, non-zero, and its
+    checkpoints end with the state before that step."""
+    _poison_runs(monkeypatch, 2)
+    args = ["--nonfinite", "off", "--steps", "5", "--vocab", "256", "--dim", "16", "--hidden",
+            "16", "--seq-len", "8", "--batch", "16", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "1", "--out", str(tmp_path / "r.json")]  # fmt: skip
+    assert main(args) == 2
+    assert checkpoint.saved_steps(tmp_path / "ck") == [1, 2]
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_too_many_skipped_steps_stop_the_run(monkeypatch, tmp_path):
+    """From step 1 on every gradient is NaN (as after a diverging update): more than
+    --max-skipped skipped steps in a row stop the run, and the state they all started
+    from is not left as a checkpoint."""
+    _poison_runs(monkeypatch, lambda step: step >= 1)
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    with pytest.raises(FloatingPointError, match=r"steps 1-3 \(3 in a row\).*--max-skipped 2"):
+        train_and_evaluate(RunConfig(steps=8, max_skipped=2, **ck, **SMALL), progress=False)
+    assert checkpoint.saved_steps(tmp_path) == []
+    # within the limit the run goes on, listing the skipped steps
+    result = train_and_evaluate(RunConfig(steps=4, max_skipped=3, **SMALL), progress=False)
+    assert result["skipped_steps"] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("strategy", ["dense", "embrace_rowwise", "topk_a2a"])
