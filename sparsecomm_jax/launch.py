@@ -262,11 +262,12 @@ def _wait(procs: Sequence[subprocess.Popen], first: int, poll_s: float, exit_gra
     early_since, reported = None, False
     while True:
         codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes, first):
-            if code not in (None, 0):
-                how = f"signal {-code}" if code < 0 else f"code {code}"
-                _say(f"rank {rank} exited with {how}; stopping the other ranks")
-                return code if code > 0 else 1
+        failed = [(rank, code) for rank, code in enumerate(codes, first) if code not in (None, 0)]
+        if failed:  # a rank killed by a signal is the cause; its peers' errors follow from it
+            rank, code = min(failed, key=lambda rc: rc[1] >= 0)
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            _say(f"rank {rank} exited with {how}; stopping the other ranks")
+            return code if code > 0 else 1
         running = [rank for rank, code in enumerate(codes, first) if code is None]
         if not running:
             return 0

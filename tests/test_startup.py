@@ -46,7 +46,7 @@ def test_auto_bucket_run_records_the_threshold():
 
 @pytest.mark.parametrize("value", ["-1", "big"])
 def test_bad_bucket_mb(value):
-    with pytest.raises(ValueError, match="--bucket-mb must be a number >= 0 or auto"):
+    with pytest.raises(ValueError, match="--bucket-mb must be"):
         validate(dataclasses.replace(RunConfig(**TINY), bucket_mb=value))
 
 
