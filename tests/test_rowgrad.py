@@ -48,9 +48,7 @@ def _row_step(layout_name, wire, loss=_loss):
     layout, mask = LAYOUTS[layout_name](wire), {"t": True, "w": False}
 
     def body(params, batch):
-        _, grads, rows = rowgrad.table_row_grads(
-            loss, params, batch, mask, layout, widths={0: D}
-        )
+        _, grads, rows = rowgrad.table_row_grads(loss, params, batch, mask, layout, widths={0: D})
         g = rows[0]
         dense = jnp.zeros(params["t"].shape).at[g.ids].add(g.rows, mode="drop")
         return dense, grads["w"][None]  # per worker: no all-reduce in the program
