@@ -16,6 +16,7 @@ transform      equal to the dense optax update?
 
 Example:
     >>> import jax.numpy as jnp
+import optax
     >>> from sparsecomm_jax import rowwise
     >>> opt = rowwise.adagrad(0.1)
     >>> table = jnp.zeros((5, 2))
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 
 PyTree = Any
@@ -206,6 +208,68 @@ def by_name(name: str, learning_rate: float) -> RowTransform:
             f"{sorted(ROW_OPTIMIZERS)} or the dense table update"
         )
     return ROW_OPTIMIZERS[name](learning_rate)
+
+
+class TableOptState(NamedTuple):
+    """Optimizer state when tables are updated row-wise.
+
+    Attributes:
+      dense: the optax state of the other leaves (``None`` at the tables).
+      rows: the ``RowTransform`` state of each table, in leaf order.
+    """
+
+    dense: PyTree
+    rows: tuple
+
+
+def _split(tree: PyTree, mask: PyTree) -> tuple[PyTree, list, Any]:
+    """(tree with ``None`` at the tables, the tables in leaf order, treedef)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_none)
+    flags = jax.tree.leaves(mask)
+    rest = [None if f else x for x, f in zip(leaves, flags, strict=True)]
+    return treedef.unflatten(rest), [x for x, f in zip(leaves, flags, strict=True) if f], treedef
+
+
+def init_tables(optimizer, rows: RowTransform, params: PyTree, mask: PyTree) -> TableOptState:
+    """``TableOptState`` for ``params``: ``optimizer`` (optax) on the non-table leaves,
+    ``rows`` on each table flagged in ``mask``."""
+    rest, tables, _ = _split(params, mask)
+    return TableOptState(optimizer.init(rest), tuple(rows.init(t) for t in tables))
+
+
+def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, params, mask):
+    """One step: ``optimizer`` on the non-table gradients ``grads`` (``None`` or
+    anything at the tables: ignored), ``rows`` on each table's ``RowGrad``.
+
+    Args:
+      optimizer: the optax optimizer of the other leaves.
+      rows: the tables' ``RowTransform``.
+      grads: gradient tree shaped like ``params``.
+      table_grads: ``RowGrad`` per table, in leaf order.
+      state: the ``TableOptState``.
+      params: the parameters.
+      mask: bool per leaf: is it a table?
+
+    Returns:
+      ``(params, state)`` after the step.
+    """
+    rest, tables, treedef = _split(params, mask)
+    updates, dense = optimizer.update(_split(grads, mask)[0], state.dense, rest)
+    rest = optax.apply_updates(rest, updates)
+    stepped = [
+        apply_rows(rows, g, s, t) for g, s, t in zip(table_grads, state.rows, tables, strict=True)
+    ]
+    new_tables = iter(t for t, _ in stepped)
+    flags = jax.tree.leaves(mask)
+    leaves = [
+        next(new_tables) if f else x
+        for x, f in zip(jax.tree.leaves(rest, is_leaf=_none), flags, strict=True)
+    ]
+    return treedef.unflatten(leaves), TableOptState(dense, tuple(s for _, s in stepped))
+
+
+def _none(x) -> bool:
+    return x is None
 
 
 def state_specs(state: PyTree, table_spec: P) -> PyTree:

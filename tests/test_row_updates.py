@@ -1,0 +1,142 @@
+"""Row-sparse table updates in training: every lossless table strategy with the row-wise
+SGD and Adagrad equals single-device dense training (tied and untied tables, sampled and
+full softmax); lazy Adam equals a single-device reference; non-finite rows skip the step;
+the bfloat16 wire halves the bytes; bad input fails before compiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, place, reference_run, strategy_run
+
+from models import get_workload
+from sparsecomm_jax import hlo, rowwise, runtime, train
+
+ROW_STRATEGIES = ("embrace", "embrace_rowwise", "sparse_allgather")
+STEPS = 3
+SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
+OPTIMIZERS = {  # (dense optax reference, row-wise table update)
+    "sgd": (lambda: optax.sgd(0.5), lambda: rowwise.sgd(0.5)),
+    "adagrad": (lambda: optax.adagrad(0.3), lambda: rowwise.adagrad(0.3)),
+}
+CASES = [  # model, its variant, optimizer
+    ("lstm_lm", dict(sampled_softmax=16), "sgd"),  # untied, sampled softmax
+    ("lstm_lm", dict(sampled_softmax=16), "adagrad"),
+    ("lstm_lm", dict(sampled_softmax=16, tie_embeddings=True), "adagrad"),  # tied
+    ("gpt2", dict(), "sgd"),  # tied full softmax (attend: every row)
+    ("bert", dict(sampled_softmax=16, tie_embeddings=False), "adagrad"),
+    ("transformer", dict(), "adagrad"),
+]
+
+
+@pytest.mark.parametrize("model, variant, opt", CASES)
+def test_row_updates_match_single_device(model, variant, opt):
+    w = get_workload(model, seed=2, **SMALL, **variant)
+    params = w.init(jax.random.key(2))
+    dense, rows = OPTIMIZERS[opt]
+    ref_losses, ref_params = reference_run(w, dense(), params, STEPS)
+    for strategy in ROW_STRATEGIES:
+        losses, got, ts = strategy_run(w, dense(), params, STEPS, strategy, table_optimizer=rows())
+        assert isinstance(ts.state.opt_state, rowwise.TableOptState), strategy
+        assert losses == pytest.approx(ref_losses, rel=1e-5), strategy
+        assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+
+
+def _lazy_adam_reference(w, params, steps, lr):
+    """One device: dense autodiff gradient, restricted to the rows the batch's ids name
+    (every table reads every id of the batch in the language models)."""
+    mask = train.table_mask(params, w.embedding_paths)
+    opt, rows = optax.adam(lr), rowwise.lazy_adam(lr)
+    state = rowwise.init_tables(opt, rows, params, mask)
+    losses = []
+    for step in range(steps):
+        batch = w.batch_at(step)
+        loss, grads = jax.value_and_grad(w.loss)(params, batch)
+        ids = np.unique(np.concatenate([np.ravel(v) for v in batch.values()]))
+        tables = [g for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask)) if m]
+        row_grads = [rowwise.RowGrad(jnp.asarray(ids), g[ids]) for g in tables]
+        params, state = rowwise.apply_tables(opt, rows, grads, row_grads, state, params, mask)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def test_lazy_adam_matches_single_device_reference():
+    w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
+    params = w.init(jax.random.key(3))
+    ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
+    for strategy in ("embrace", "embrace_rowwise"):
+        losses, got, _ = strategy_run(
+            w, optax.adam(1e-2), params, STEPS, strategy, table_optimizer=rowwise.lazy_adam(1e-2)
+        )
+        assert losses == pytest.approx(ref_losses, rel=1e-5), strategy
+        assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(SMALL["vocab"]), w.batch_at(0)["tokens"])
+    untouched = np.setdiff1d(
+        untouched, np.concatenate([w.batch_at(s)["tokens"].ravel() for s in range(STEPS)])
+    )
+    untouched = np.setdiff1d(
+        untouched, np.concatenate([w.batch_at(s)["negatives"] for s in range(STEPS)])
+    )
+    assert untouched.size
+    np.testing.assert_array_equal(got["embed"][untouched], np.asarray(params["embed"])[untouched])
+
+
+def test_nonfinite_rows_skip_the_step():
+    w = get_workload("lstm_lm", seed=4, **SMALL, sampled_softmax=16)
+
+    def batch_at(step):
+        return {
+            **w.batch_at(step),
+            "poison": np.full((SMALL["batch"],), np.nan if step else 0.0, np.float32),
+        }
+
+    def loss(params, batch, emb):  # NaN reaches only the table's gradient rows
+        rows = emb.lookup(params["embed"], batch["tokens"][:, :1])
+        return w.loss(params, batch, emb) + jnp.mean(batch["poison"]) * jnp.sum(rows)
+
+    bad = w._replace(batch_at=batch_at, loss=loss)
+    ts = train.make_train_step(
+        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), "embrace",
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.1),
+    )  # fmt: skip
+    state, _ = ts.step(ts.state, place(ts, bad, 0, 2))
+    before = jax.tree.map(np.asarray, ts.host_params(state))
+    state, loss_value = ts.step(state, place(ts, bad, 1, 2))
+    assert np.isnan(train.loss_value(loss_value))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ts.host_params(state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _row_bytes(strategy, comm_dtype):
+    w = get_workload("lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32,
+                     sampled_softmax=16)  # fmt: skip
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(5)), strategy,
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.1), comm_dtype=comm_dtype,
+    )  # fmt: skip
+    colls = hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
+    ids = sum(c.bytes_sent for c in colls if c.shapes[0][0] in ("s32", "pred"))
+    return hlo.total_bytes(colls) - ids, colls
+
+
+@pytest.mark.parametrize("strategy", ["embrace", "sparse_allgather"])
+def test_bfloat16_wire_halves_the_bytes(strategy):
+    f32, _ = _row_bytes(strategy, "float32")
+    bf16, colls = _row_bytes(strategy, "bfloat16")
+    assert bf16 == pytest.approx(f32 / 2, rel=0.02)
+    assert not [c for c in colls if c.shapes[0][0] == "f32" and c.kind != "all-reduce"]
+
+
+def test_bad_input_fails_before_compiling():
+    w = get_workload("lstm_lm", **SMALL)
+    args = (w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)))
+    kw = dict(embedding_paths=w.embedding_paths)
+    with pytest.raises(ValueError, match="unknown comm_dtype 'float8'"):
+        train.make_train_step(*args, "embrace", comm_dtype="float8", **kw)
+    with pytest.raises(ValueError, match="table_optimizer"):
+        train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
+    with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
+        train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
