@@ -15,7 +15,9 @@ class RunConfig:
     steps: int = 20  # training steps
     warmup: int = 2  # first steps left out of the step-time median (compilation)
     seed: int = 0  # init and data seed
-    optimizer: str = "adam"  # sgd | momentum | adam
+    optimizer: str = "adam"  # sgd | momentum | adam | adagrad | lazy_adam
+    table_update: str = "auto"  # auto (row-sparse when it can) | sparse | dense
+    comm_dtype: str = "float32"  # float32 | bfloat16 (row exchanges and dense all-reduce)
     lr: float = 1e-3  # learning rate
     batch: int = 32  # global batch (examples per step, all workers together)
     seq_len: int = 16  # tokens per example (language models)
@@ -56,7 +58,7 @@ class RunConfig:
         """The fields a model config may take (models ignore the ones they lack)."""
         skip = {"model", "strategy", "devices", "steps", "warmup", "optimizer", "lr", "out",
                 "capacity", "density", "selector", "bucket_mb", "nonfinite", "link_gbit",
-                "link_alpha_us",
+                "link_alpha_us", "table_update", "comm_dtype",
                 "checkpoint_dir", "checkpoint_every", "resume", "calibrate",
                 *RUN_IO_FIELDS}  # fmt: skip
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}

@@ -54,7 +54,9 @@ def _lazy_adam_reference(w, params, steps, lr):
         batch = w.batch_at(step)
         loss, grads = jax.value_and_grad(w.loss)(params, batch)
         ids = np.unique(np.concatenate([np.ravel(v) for v in batch.values()]))
-        tables = [g for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask)) if m]
+        tables = [
+            g for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mask), strict=True) if m
+        ]
         row_grads = [rowwise.RowGrad(jnp.asarray(ids), g[ids]) for g in tables]
         params, state = rowwise.apply_tables(opt, rows, grads, row_grads, state, params, mask)
         losses.append(float(loss))
