@@ -27,7 +27,8 @@ from experiments.config import RunConfig, add_arguments, from_namespace
 if TYPE_CHECKING:
     from sparsecomm_jax.costmodel import Link
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
+TABLE_UPDATES = ("auto", "sparse", "dense")
 
 
 def validate(config: RunConfig) -> None:
@@ -48,6 +49,7 @@ def validate(config: RunConfig) -> None:
         raise ValueError(f"unknown --selector {config.selector!r}; choose one of {SELECTORS}")
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown --optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
+    row_updates(config)
     for name in ("steps", "devices", "batch"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(config, name)}")
@@ -81,11 +83,56 @@ def start_devices(devices: int) -> int:
 
 
 def make_optimizer(name: str, lr: float):
+    """The optax optimizer of ``--optimizer`` (``lazy_adam``: Adam for the dense layers)."""
     import optax
 
     if name == "momentum":
         return optax.sgd(lr, momentum=0.9)
-    return {"sgd": optax.sgd, "adam": optax.adam}[name](lr)
+    return {"sgd": optax.sgd, "adam": optax.adam, "adagrad": optax.adagrad,
+            "lazy_adam": optax.adam}[name](lr)  # fmt: skip
+
+
+def row_updates(config: RunConfig) -> bool:
+    """Whether tables get the row-sparse update (``--table-update``: ``auto`` = when the
+    strategy and ``--optimizer`` allow); ``ValueError`` for combinations that cannot."""
+    from sparsecomm_jax import rowgrad, rowwise
+    from sparsecomm_jax.train import STRATEGIES, parse_strategy
+
+    if config.table_update not in TABLE_UPDATES:
+        raise ValueError(
+            f"--table-update must be one of {TABLE_UPDATES}, got {config.table_update!r}"
+        )
+    if config.comm_dtype not in rowgrad.COMM_DTYPES:
+        raise ValueError(
+            f"unknown --comm-dtype {config.comm_dtype!r}; "
+            f"choose one of {sorted(rowgrad.COMM_DTYPES)}"
+        )
+    can = STRATEGIES[parse_strategy(config.strategy)[0]].row_updates
+    has_form = config.optimizer in rowwise.ROW_OPTIMIZERS
+    sparse = config.table_update == "sparse" or (config.table_update == "auto" and can and has_form)
+    if sparse and not has_form:
+        raise ValueError(
+            f"--optimizer {config.optimizer} has no row-sparse table update; "
+            f"use --table-update dense or one of {sorted(rowwise.ROW_OPTIMIZERS)}"
+        )
+    if sparse and not can:
+        rows = [s.name for s in STRATEGIES.values() if s.row_updates]
+        raise ValueError(f"--table-update sparse needs a strategy among {rows}")
+    if config.optimizer == "lazy_adam" and not sparse:
+        raise ValueError(
+            "--optimizer lazy_adam is a row-sparse table update: use it with "
+            "--table-update auto or sparse and embrace, embrace_rowwise or sparse_allgather"
+        )
+    if config.comm_dtype != "float32" and parse_strategy(config.strategy)[1] != "dense":
+        raise ValueError(
+            f"--comm-dtype {config.comm_dtype} replaces the dense all-reduce: no top-k"
+        )
+    if config.comm_dtype != "float32" and not sparse:
+        raise ValueError(
+            f"--comm-dtype {config.comm_dtype} needs the row-sparse table update "
+            "(--table-update sparse with sgd, adagrad or lazy_adam)"
+        )
+    return sparse
 
 
 def _peak_memory(compiled) -> int | None:
@@ -127,7 +174,7 @@ def build(config: RunConfig):
     import jax
 
     from models import get_workload
-    from sparsecomm_jax import runtime, train
+    from sparsecomm_jax import rowwise, runtime, train
 
     workload = get_workload(config.model, **config.model_overrides())
     mesh = runtime.data_mesh(config.devices)
@@ -143,6 +190,10 @@ def build(config: RunConfig):
         id_keys=workload.id_keys,
         capacity=config.capacity or None,
         nonfinite=config.nonfinite,
+        table_optimizer=rowwise.by_name(config.optimizer, config.lr)
+        if row_updates(config)
+        else None,
+        comm_dtype=config.comm_dtype,
         **_aggregator_options(config),
     )
     return workload, ts

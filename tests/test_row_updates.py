@@ -10,6 +10,8 @@ import optax
 import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
+from experiments.config import RunConfig
+from experiments.train import main, validate
 from models import get_workload
 from sparsecomm_jax import hlo, rowwise, runtime, train
 
@@ -142,3 +144,26 @@ def test_bad_input_fails_before_compiling():
         train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
         train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(comm_dtype="float8"), "unknown --comm-dtype 'float8'"),
+        (dict(optimizer="momentum", table_update="sparse"), "momentum has no row-sparse"),
+        (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
+        (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
+        (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
+        (dict(table_update="sparse", strategy="embrace_2d"), "needs a strategy among"),
+    ],
+)
+def test_cli_rejects_before_jax_starts(flags, message):
+    config = RunConfig(**{"strategy": "embrace", "optimizer": "sgd", **flags})
+    with pytest.raises(ValueError, match=message):
+        validate(config)
+
+
+def test_cli_error_is_one_line(capsys):
+    assert main(["--strategy", "embrace", "--comm-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown --comm-dtype 'fp8'") and "\n" not in err
