@@ -237,7 +237,7 @@ def init_tables(optimizer, rows: RowTransform, params: PyTree, mask: PyTree) -> 
     return TableOptState(optimizer.init(rest), tuple(rows.init(t) for t in tables))
 
 
-def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, params, mask):
+def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, params, mask, ok=True):
     """One step: ``optimizer`` on the non-table gradients ``grads`` (``None`` or
     anything at the tables: ignored), ``rows`` on each table's ``RowGrad``.
 
@@ -249,15 +249,19 @@ def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, param
       state: the ``TableOptState``.
       params: the parameters.
       mask: bool per leaf: is it a table?
+      ok: a boolean scalar; when false nothing changes (the tables are not selected
+        whole: their rows are dropped from the update, so this stays O(rows)).
 
     Returns:
       ``(params, state)`` after the step.
     """
     rest, tables, treedef = _split(params, mask)
     updates, dense = optimizer.update(_split(grads, mask)[0], state.dense, rest)
-    rest = optax.apply_updates(rest, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+    rest, dense = keep(optax.apply_updates(rest, updates), rest), keep(dense, state.dense)
     stepped = [
-        apply_rows(rows, g, s, t) for g, s, t in zip(table_grads, state.rows, tables, strict=True)
+        apply_rows(rows, g._replace(ids=jnp.where(ok, g.ids, t.shape[0])), s, t)
+        for g, s, t in zip(table_grads, state.rows, tables, strict=True)
     ]
     new_tables = iter(t for t, _ in stepped)
     flags = jax.tree.leaves(mask)
@@ -275,9 +279,3 @@ def _none(x) -> bool:
 def state_specs(state: PyTree, table_spec: P) -> PyTree:
     """``PartitionSpec`` of each state leaf: the table's, cut to the leaf's rank."""
     return jax.tree.map(lambda x: P(*tuple(table_spec)[: x.ndim]), state)
-
-
-def all_finite(grads: list[RowGrad]) -> jax.Array:
-    """True when every gradient row is finite (padding rows are zeros)."""
-    leaves = [jnp.all(jnp.isfinite(g.rows)) for g in grads]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

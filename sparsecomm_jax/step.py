@@ -204,19 +204,21 @@ def finish_step(
     residuals hold NaN/Inf on any worker leaves parameters, optimizer state and
     residuals as they were and reports a NaN loss.
     """
-    if rows is None:
-        params, opt_state = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
-    else:
+    agg_state = state.agg_state if agg_state is None else agg_state
+    loss = jax.lax.pmean(loss, ctx.axis_name)
+    check = ctx.nonfinite != "off"
+    ok = all_finite(ctx, (grads, agg_state, [g.rows for g in rows or ()])) if check else True
+    if rows is not None:  # skipping touches the rows only, never whole tables
         params, opt_state = rowwise.apply_tables(
             ctx.optimizer, ctx.table_optimizer, grads, rows, state.opt_state, state.params,
-            ctx.table_mask,
+            ctx.table_mask, ok,
         )  # fmt: skip
-    agg_state = state.agg_state if agg_state is None else agg_state
+        agg_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), agg_state, state.agg_state)
+        return TrainState(params, opt_state, agg_state, carry), jnp.where(ok, loss, jnp.nan)
+    params, opt_state = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
     new = TrainState(params, opt_state, agg_state, carry)
-    loss = jax.lax.pmean(loss, ctx.axis_name)
-    if ctx.nonfinite == "off":
+    if not check:
         return new, loss
-    ok = all_finite(ctx, (grads, agg_state, [g.rows for g in rows or ()]))
     keep = TrainState(state.params, state.opt_state, state.agg_state, carry)
     new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, keep)
     return new, jnp.where(ok, loss, jnp.nan)
