@@ -4,40 +4,54 @@
 
 One device, LSTM LM D=H=128, 16 x 32 tokens, sampled softmax 1,024, SGD: the step time
 of ``--strategy`` (``embrace``) at each vocabulary, with the row-sparse table update
-(O(tokens x D)) and with the dense one (O(V x D)). Prints the ratio of the largest to
-the smallest vocabulary for each and writes ``table_cost.json`` into ``--out-dir``.
+(O(tokens x D)) and with the dense one (O(V x D)). The steps of every configuration
+are timed in turn, a block of steps each, round after round (a busy host slows them
+alike; the first step of a block, which pays for the switch, is not counted), and each
+gets the median of its steps. Prints the ratio of the largest to the smallest vocabulary for
+each update and writes ``table_cost.json`` into ``--out-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 from experiments.config import RunConfig
-from experiments.train import train_and_evaluate
+from experiments.train import build, start_devices, validate
 
 WORKLOAD = dict(
     model="lstm_lm", dim=128, hidden=128, batch=16, seq_len=32, sampled_softmax=1024, lr=0.1
 )
 
 
-def measure(strategy: str, vocab: int, update: str, steps: int, warmup: int) -> dict:
-    """One run's step time (median after ``warmup``) and throughput."""
+def prepared(strategy: str, vocab: int, update: str, rounds: int):
+    """``run()`` -> seconds of one step of this configuration (compiled beforehand)."""
+    import jax
+
     config = RunConfig(
         strategy=strategy, devices=1, vocab=vocab, optimizer="sgd", table_update=update,
-        steps=steps, warmup=warmup, **WORKLOAD,
+        **WORKLOAD,
     )  # fmt: skip
-    result = train_and_evaluate(config, progress=False)
-    return {
-        "strategy": strategy,
-        "vocab": vocab,
-        "table_update": update,
-        "step_time_s": result["step_time_s"],
-        "tokens_per_s": result["tokens_per_s"],
-        "final_loss": result["losses"][-1],
-    }
+    validate(config)
+    workload, ts = build(config)
+    batches = [ts.place_batch(workload.batch_at(i)) for i in range(rounds)]
+    step = ts.step.lower(ts.state, batches[0]).compile()
+    box = {"state": ts.state, "i": 0, "loss": None}
+
+    def run() -> float:
+        batch = batches[box["i"] % rounds]
+        t = time.perf_counter()
+        box["state"], loss = step(box["state"], batch)
+        jax.block_until_ready((box["state"], loss))
+        box["i"] += 1
+        box["loss"] = float(loss)
+        return time.perf_counter() - t
+
+    return run, box
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,15 +59,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="embrace")
     parser.add_argument("--vocabs", type=int, nargs="+", default=[1000, 100_000])
     parser.add_argument("--updates", nargs="+", default=["sparse", "dense"])
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over the configurations")
+    parser.add_argument("--block", type=int, default=5, help="steps per configuration a round")
+    parser.add_argument("--warmup", type=int, default=1, help="first rounds not counted")
     parser.add_argument("--out-dir", default="runs/table_cost")
     args = parser.parse_args(argv)
+    start_devices(1)
+    configs = [(v, u) for u in args.updates for v in args.vocabs]
+    runs = {c: prepared(args.strategy, *c, args.block) for c in configs}
+    times: dict = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs:  # a block of steps each; its first step is not counted
+            block = [runs[c][0]() for _ in range(args.block)]
+            if r >= args.warmup:
+                times[c].extend(block[1:])
     rows = [
-        measure(args.strategy, v, u, args.steps, args.warmup)
-        for u in args.updates
-        for v in args.vocabs
-    ]
+        {"strategy": args.strategy, "vocab": v, "table_update": u,
+         "step_time_s": statistics.median(times[(v, u)]), "step_times_s": times[(v, u)],
+         "final_loss": runs[(v, u)][1]["loss"]}
+        for v, u in configs
+    ]  # fmt: skip
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table_cost.json").write_text(json.dumps({"workload": WORKLOAD, "rows": rows}, indent=1))
