@@ -257,8 +257,8 @@ def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, param
     """
     rest, tables, treedef = _split(params, mask)
     updates, dense = optimizer.update(_split(grads, mask)[0], state.dense, rest)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-    rest, dense = keep(optax.apply_updates(rest, updates), rest), keep(dense, state.dense)
+    rest = _unless(ok, optax.apply_updates(rest, updates), rest)
+    dense = _unless(ok, dense, state.dense)
     stepped = [
         apply_rows(rows, g._replace(ids=jnp.where(ok, g.ids, t.shape[0])), s, t)
         for g, s, t in zip(table_grads, state.rows, tables, strict=True)
@@ -270,6 +270,11 @@ def apply_tables(optimizer, rows: RowTransform, grads, table_grads, state, param
         for x, f in zip(jax.tree.leaves(rest, is_leaf=_none), flags, strict=True)
     ]
     return treedef.unflatten(leaves), TableOptState(dense, tuple(s for _, s in stepped))
+
+
+def _unless(ok, new: PyTree, old: PyTree) -> PyTree:
+    """``new`` where ``ok``, else ``old`` (leaf by leaf)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _none(x) -> bool:

@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
 from experiments.config import RunConfig
-from experiments.train import main, validate
+from experiments.train import main, train_and_evaluate, validate
 from models import get_workload
 from sparsecomm_jax import hlo, rowwise, runtime, train
 
@@ -167,3 +167,17 @@ def test_cli_error_is_one_line(capsys):
     assert main(["--strategy", "embrace", "--comm-dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown --comm-dtype 'fp8'") and "\n" not in err
+
+
+def test_row_states_resume_from_a_checkpoint(tmp_path):
+    """Adagrad's row state, sharded like its table, saved on 8 devices, resumed on 4."""
+    base = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16,
+                warmup=0, strategy="embrace_rowwise", optimizer="adagrad", lr=0.3)  # fmt: skip
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=2, **base, **ck), progress=False)
+    full = train_and_evaluate(RunConfig(steps=3, **base), progress=False)
+    resumed = train_and_evaluate(
+        RunConfig(steps=3, devices=4, resume=True, **base, **ck), progress=False
+    )
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
