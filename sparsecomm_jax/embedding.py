@@ -297,8 +297,7 @@ def recording_ops(
     ``kind`` is ``"lookup"``, ``"lookup_shared"`` or ``"attend"`` (ids ``None``; attend
     computes ``attend(table, h)``, by default ``h @ table.T``). Tables are recognised by
     identity among the leaves of ``params`` flagged in ``mask``. With ``attend_error``,
-    ``attend`` raises ``ValueError(attend_error)`` instead (strategies that cannot serve
-    it).
+    ``attend`` raises ``ValueError(attend_error)`` (strategies that cannot serve it).
     """
     attend_fn = attend or (lambda t, h: h @ t.T)
     leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)

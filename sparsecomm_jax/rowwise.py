@@ -200,6 +200,12 @@ ROW_OPTIMIZERS: dict[str, Callable[[float], RowTransform]] = {
 }
 
 
+def check_transform(transform) -> None:
+    """``ValueError`` unless ``transform`` is ``None`` or has ``init`` and ``update``."""
+    if transform is not None and not (hasattr(transform, "init") and hasattr(transform, "update")):
+        raise ValueError("table_optimizer must be a rowwise.RowTransform (init, update)")
+
+
 def by_name(name: str, learning_rate: float) -> RowTransform:
     """The ``RowTransform`` called ``name``; ``ValueError`` when it has no row form."""
     if name not in ROW_OPTIMIZERS:

@@ -294,13 +294,8 @@ def _check_row_updates(strategy: Strategy, agg_name: str, table_optimizer, comm_
     rowgrad.wire_dtype(comm_dtype)  # a known name
     if table_optimizer is not None and not strategy.row_updates:
         names = [s.name for s in STRATEGIES.values() if s.row_updates]
-        raise ValueError(
-            f"table_optimizer (a row-sparse table update) works with {names}; strategy "
-            f"{strategy.name!r} updates every parameter with the optax optimizer"
-        )
-    if not (hasattr(table_optimizer, "init") and hasattr(table_optimizer, "update")):
-        if table_optimizer is not None:
-            raise ValueError("table_optimizer must be a rowwise.RowTransform (init, update)")
+        raise ValueError(f"table_optimizer works with {names}, not {strategy.name!r}")
+    rowwise.check_transform(table_optimizer)
     if comm_dtype != "float32" and (table_optimizer is None or agg_name != "dense"):
         raise ValueError(
             f"comm_dtype={comm_dtype!r} needs the row-sparse table update "
@@ -357,14 +352,12 @@ def make_train_step(
         worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
         state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
-      table_optimizer: a ``rowwise.RowTransform`` (``rowwise.sgd``, ``adagrad``,
-        ``lazy_adam``): tables get their gradient as rows and only the looked-up rows
-        change, a step costs O(tokens x D) instead of O(V x D); ``optimizer`` updates
-        the other leaves. ``None``: the dense update of every table by ``optimizer``.
-        For ``sparse_allgather``, ``embrace``, ``embrace_rowwise``.
-      comm_dtype: ``"float32"`` or ``"bfloat16"``: the dtype the looked-up rows,
-        their gradients, the shared negatives and the dense all-reduce travel in
-        (summed in float32 on arrival); ``bfloat16`` needs ``table_optimizer``.
+      table_optimizer: a ``rowwise.RowTransform`` (``sgd``, ``adagrad``, ``lazy_adam``):
+        tables get their gradient as rows and only those rows change (O(tokens x D) a
+        step; ``sparse_allgather``, ``embrace``, ``embrace_rowwise``); ``optimizer``
+        updates the rest. ``None``: ``optimizer`` updates every table densely.
+      comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
+        dense all-reduce in bfloat16, summed in float32 (needs ``table_optimizer``).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
