@@ -20,10 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 from models import MODELS, config_fields
+from sparsecomm_jax.rowgrad import COMM_DTYPES
 from sparsecomm_jax.sparsify import SELECTORS, check_density
 from sparsecomm_jax.train import NONFINITE, parse_strategy, strategy_names
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
+TABLE_UPDATES = ("auto", "sparse", "dense")
 MAX_SEED = 2**32 - 1
 
 # ----------------------------------------------------------------- value checks
@@ -88,7 +90,15 @@ class RunConfig:
     warmup: int = _field(2, "first steps left out of the step-time median (compilation)",
                          at_least(0))  # fmt: skip
     seed: int = _field(0, "seed of initialisation and data, in [0, 2**32 - 1]", seed_range)
-    optimizer: str = _field("adam", "optax optimizer", choices=OPTIMIZERS)
+    optimizer: str = _field("adam", "optax optimizer (lazy_adam: Adam whose table rows "
+                            "change only on steps that read them)", choices=OPTIMIZERS)  # fmt: skip
+    table_update: str = _field("auto", "embedding tables: auto (row-sparse where the "
+                               "strategy and optimizer allow), sparse (only the rows a batch "
+                               "reads) or dense (a V x D gradient)",
+                               choices=TABLE_UPDATES)  # fmt: skip
+    comm_dtype: str = _field("float32", "dtype on the wire of the embedding rows and the "
+                             "dense all-reduce (bfloat16 halves the bytes; sums in float32)",
+                             choices=sorted(COMM_DTYPES))  # fmt: skip
     lr: float = _field(1e-3, "learning rate (finite, > 0)", finite_at_least(0, strict=True))
     batch: int = _field(32, "global batch: examples per step, all workers together; "
                         "divisible by --devices", at_least(1))  # fmt: skip

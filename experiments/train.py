@@ -45,7 +45,7 @@ from experiments.config import (
 )
 from experiments.startup import choose_bucket, local_work
 from models import MODELS, config_fields, get_workload
-from sparsecomm_jax import checkpoint, costmodel, hlo, runtime, train
+from sparsecomm_jax import checkpoint, costmodel, hlo, rowwise, runtime, train
 from sparsecomm_jax.costmodel import Link
 from sparsecomm_jax.train import loss_value, parse_strategy, place_for_step
 
@@ -59,6 +59,7 @@ MAX_PROCESS_DEVICES = 256
 def validate(config: RunConfig) -> None:
     """Checks a config before JAX starts; raises ``ValueError`` naming the bad flag."""
     check_fields(config)
+    row_updates(config)
     _check_combinations(config)
     _check_model_fields(config)
     _check_text_file(config)
@@ -258,9 +259,42 @@ def start_devices(devices: int) -> int:
 
 
 def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    """The optax optimizer of ``--optimizer`` (``lazy_adam``: Adam for the dense layers)."""
     if name == "momentum":
         return optax.sgd(lr, momentum=0.9)
-    return {"sgd": optax.sgd, "adam": optax.adam}[name](lr)
+    return {"sgd": optax.sgd, "adam": optax.adam, "adagrad": optax.adagrad,
+            "lazy_adam": optax.adam}[name](lr)  # fmt: skip
+
+
+def row_updates(config: RunConfig) -> bool:
+    """Whether tables get the row-sparse update (``--table-update``: ``auto`` = when the
+    strategy and ``--optimizer`` allow); ``ValueError`` for combinations that cannot."""
+    can = train.STRATEGIES[parse_strategy(config.strategy)[0]].row_updates
+    has_form = config.optimizer in rowwise.ROW_OPTIMIZERS
+    sparse = config.table_update == "sparse" or (config.table_update == "auto" and can and has_form)
+    if sparse and not has_form:
+        raise ValueError(
+            f"--optimizer {config.optimizer} has no row-sparse table update; "
+            f"use --table-update dense or one of {sorted(rowwise.ROW_OPTIMIZERS)}"
+        )
+    if sparse and not can:
+        rows = [s.name for s in train.STRATEGIES.values() if s.row_updates]
+        raise ValueError(f"--table-update sparse needs a strategy among {rows}")
+    if config.optimizer == "lazy_adam" and not sparse:
+        raise ValueError(
+            "--optimizer lazy_adam is a row-sparse table update: use it with "
+            "--table-update auto or sparse and embrace, embrace_rowwise or sparse_allgather"
+        )
+    if config.comm_dtype != "float32" and parse_strategy(config.strategy)[1] != "dense":
+        raise ValueError(
+            f"--comm-dtype {config.comm_dtype} replaces the dense all-reduce: no top-k"
+        )
+    if config.comm_dtype != "float32" and not sparse:
+        raise ValueError(
+            f"--comm-dtype {config.comm_dtype} needs the row-sparse table update "
+            "(--table-update sparse with sgd, adagrad or lazy_adam)"
+        )
+    return sparse
 
 
 def _peak_memory(compiled) -> int | None:
@@ -312,6 +346,10 @@ def build(config: RunConfig):
         id_keys=workload.id_keys,
         capacity=config.capacity or None,
         nonfinite=config.nonfinite,
+        table_optimizer=rowwise.by_name(config.optimizer, config.lr)
+        if row_updates(config)
+        else None,
+        comm_dtype=config.comm_dtype,
         **_aggregator_options(config),
     )
     return workload, ts

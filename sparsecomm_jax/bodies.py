@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import numpy as np
 
-from sparsecomm_jax import embedding
+from sparsecomm_jax import embedding, rowgrad
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 from sparsecomm_jax.placement import PlacedBatch
+from sparsecomm_jax.rowgrad import TableLayout
 from sparsecomm_jax.step import (
     StepContext,
     TrainState,
@@ -77,6 +79,52 @@ def sharded_table_body(ctx: StepContext, ops: Callable[[StepContext, int], Embed
     return body
 
 
+def row_update_body(ctx: StepContext, layout: Callable[[StepContext, int], TableLayout]) -> Body:
+    """Tables updated row-sparsely: lookups outside autodiff, the loss differentiated
+    w.r.t. the looked-up rows, the row gradients returned to their owners and summed
+    per id (``rowgrad``), ``ctx.table_optimizer`` on those rows only; the other leaves
+    through the aggregator. A step costs O(tokens x D), not O(V x D).
+
+    Args:
+      ctx: the step context (``ctx.table_optimizer`` set).
+      layout: ``layout(ctx, capacity) -> TableLayout`` of the strategy's tables.
+    """
+    flags, leaves = jax.tree.leaves(ctx.table_mask), jax.tree.leaves(ctx.params)
+    widths = {
+        i: int(np.shape(x)[1]) for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f
+    }
+
+    def body(state: TrainState, batch: PlacedBatch):
+        loss, grads, rows = rowgrad.table_row_grads(
+            ctx.loss_fn, state.params, batch.data, ctx.table_mask,
+            layout(ctx, batch.capacity), widths,
+        )  # fmt: skip
+        rest, agg_state = aggregate(ctx, split_tables(grads, ctx.table_mask)[1], state.agg_state)
+        rows = [rows[i] for i in sorted(rows)]  # leaf order
+        return finish_step(ctx, state, rest, loss, agg_state, rows=rows)
+
+    return body
+
+
+def _wire(ctx: StepContext):
+    return rowgrad.wire_dtype(ctx.comm_dtype)
+
+
+def column_layout(ctx: StepContext, capacity: int) -> TableLayout:
+    """``embrace`` with row updates: column-sharded tables."""
+    return rowgrad.column_layout(ctx.axis_name, _wire(ctx))
+
+
+def row_layout(ctx: StepContext, capacity: int) -> TableLayout:
+    """``embrace_rowwise`` with row updates: row-sharded tables, ``capacity`` slots."""
+    return rowgrad.row_layout(ctx.axis_name, capacity, _wire(ctx))
+
+
+def replicated_layout(ctx: StepContext, capacity: int) -> TableLayout:
+    """``sparse_allgather`` with row updates: replicated tables, all-gathered pairs."""
+    return rowgrad.replicated_layout(ctx.axis_name, _wire(ctx))
+
+
 def column_ops(ctx: StepContext, capacity: int) -> EmbeddingOps:
     """``embrace``: tables sharded by columns (no capacity needed)."""
     del capacity
@@ -91,6 +139,9 @@ def row_ops(ctx: StepContext, capacity: int) -> EmbeddingOps:
 def sparse_allgather_body(ctx: StepContext) -> Body:
     """Replicated tables, sparse gradients: all-gather (id, row) pairs, scatter-add
     (Horovod / PyTorch DDP with sparse embedding gradients)."""
+
+    if ctx.table_optimizer is not None:
+        return row_update_body(ctx, replicated_layout)
 
     def body(state: TrainState, batch: PlacedBatch):
         loss, grads = embedding.sparse_table_grads(

@@ -21,7 +21,7 @@ Example:
     >>> mesh = runtime.data_mesh()
     >>> table = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     >>> sharded = embedding.shard_table(table, mesh, "column", "data")
-    >>> bool((embedding.gather_table(sharded) == table).all())
+    >>> bool((runtime.to_host(sharded) == table).all())
     True
 
 References:
@@ -94,11 +94,6 @@ def shard_table(table: np.ndarray, mesh: Mesh, layout: str, axis_name: str) -> j
     """An ordinary V x D table as a sharded global array (each worker its shard)."""
     check_divisible(np.shape(table), layout, runtime.mesh_axis_size(mesh, axis_name), "table")
     return runtime.put_global(np.asarray(table), mesh, table_spec(layout, axis_name))
-
-
-def gather_table(sharded: jax.Array) -> np.ndarray:
-    """A sharded table back as an ordinary V x D numpy array (for checkpoints, tests)."""
-    return runtime.to_host(sharded)
 
 
 # --------------------------------------------------------------------------- planning
@@ -293,15 +288,18 @@ def allgather_sparse_grad(ids, rows, vocab: int, axis_name: str):
 # ------------------------------------------------- sparse gradients of replicated tables
 
 
-def recording_ops(params, mask, log: list, supply, attend_error: str = "") -> EmbeddingOps:
+def recording_ops(
+    params, mask, log: list, supply, attend_error: str = "", attend: Callable | None = None
+) -> EmbeddingOps:
     """``EmbeddingOps`` that log every table access as ``(kind, table index, ids)`` and
     return ``supply(kind, index, table, ids)`` as the rows.
 
     ``kind`` is ``"lookup"``, ``"lookup_shared"`` or ``"attend"`` (ids ``None``; attend
-    computes ``h @ table.T`` itself). Tables are recognised by identity among the
-    leaves of ``params`` flagged in ``mask``. With ``attend_error``, ``attend`` raises
-    ``ValueError(attend_error)`` instead (strategies that cannot serve it).
+    computes ``attend(table, h)``, by default ``h @ table.T``). Tables are recognised by
+    identity among the leaves of ``params`` flagged in ``mask``. With ``attend_error``,
+    ``attend`` raises ``ValueError(attend_error)`` (strategies that cannot serve it).
     """
+    attend_fn = attend or (lambda t, h: h @ t.T)
     leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)
     index = {id(x): i for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f}
 
@@ -321,29 +319,32 @@ def recording_ops(params, mask, log: list, supply, attend_error: str = "") -> Em
 
         return fn
 
-    def attend(table, h):
+    def attend_logged(table, h):
         if attend_error:
             raise ValueError(attend_error)
         log.append(("attend", which(table), None))
-        return h @ table.T
+        return attend_fn(table, h)
 
     return EmbeddingOps(
-        lookup=access("lookup"), attend=attend, lookup_shared=access("lookup_shared")
+        lookup=access("lookup"), attend=attend_logged, lookup_shared=access("lookup_shared")
     )
 
 
-def logged_lookups(loss_fn, params, batch, mask, widths: dict[int, int], attend_error="") -> list:
+def logged_lookups(
+    loss_fn, params, batch, mask, widths: dict[int, int], attend_error="", attend=None
+) -> list:
     """The table accesses ``loss_fn`` makes on ``batch``, with their (traced) ids.
 
     The loss itself is computed on zero rows and discarded (XLA removes it); only the
-    ids remain. ``widths``: table index -> full row width D.
+    ids remain. ``widths``: table index -> full row width D; ``attend``: as in
+    ``recording_ops`` (sharded tables need theirs).
     """
     log: list = []
 
     def zeros(kind, i, table, ids):
         return jnp.zeros((*ids.shape, widths[i]), table.dtype)
 
-    loss_fn(params, batch, recording_ops(params, mask, log, zeros, attend_error))
+    loss_fn(params, batch, recording_ops(params, mask, log, zeros, attend_error, attend))
     return log
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, runtime
+from sparsecomm_jax import embedding, rowwise, runtime
 from sparsecomm_jax.step import Batch, PyTree, StepContext, TrainState, named_tables
 
 # ------------------------------------------------------------------ batch checks
@@ -219,6 +219,26 @@ def _opt_specs(ctx: StepContext, opt_state, specs) -> PyTree:
     )
 
 
+def _opt_state(ctx: StepContext, host: PyTree, specs: PyTree) -> tuple[PyTree, PyTree]:
+    """The optimizer state (host) and its specs; with ``ctx.table_optimizer`` a
+    ``rowwise.TableOptState`` whose row states are sharded like their tables."""
+    if ctx.table_optimizer is None:
+        opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
+        return opt_state, _opt_specs(ctx, opt_state, specs)
+    state = rowwise.init_tables(ctx.optimizer, ctx.table_optimizer, host, ctx.table_mask)
+    state = jax.tree.map(np.asarray, state)
+    rest = jax.tree.map(lambda m: None if m else P(), ctx.table_mask)
+    flags = jax.tree.leaves(ctx.table_mask)
+    leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
+    table_specs = [s for s, m in zip(leaves, flags, strict=True) if m]
+    rows = tuple(rowwise.state_specs(r, t) for r, t in zip(state.rows, table_specs, strict=True))
+    return state, rowwise.TableOptState(_opt_specs(ctx, state.dense, rest), rows)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
 def initial_agg_state(ctx: StepContext, host_params, layout: str | None):
     """Zeros of the aggregator's state, one slice per worker: global [P, *shape]."""
     if layout:
@@ -235,11 +255,11 @@ def place_state(ctx: StepContext, layout: str | None) -> tuple[TrainState, Train
     if layout:
         for _, name, table in named_tables(host, ctx.table_mask):
             embedding.check_divisible(table.shape, layout, ctx.num_workers, name)
-    opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
+    opt_state, opt_specs = _opt_state(ctx, host, specs)
     agg_state = initial_agg_state(ctx, host, layout)
     state = TrainState(host, opt_state, agg_state)
     agg_specs = jax.tree.map(lambda _: P(ctx.axis_name), agg_state)
-    state_specs = TrainState(specs, _opt_specs(ctx, opt_state, specs), agg_specs)
+    state_specs = TrainState(specs, opt_specs, agg_specs)
     placed = jax.tree.map(
         lambda x, s: runtime.put_global(x, ctx.mesh, s),
         state,

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from sparsecomm_jax import runtime
+from sparsecomm_jax import rowwise, runtime
 from sparsecomm_jax.aggregators import Aggregator
 from sparsecomm_jax.embedding import EmbeddingOps
 
@@ -100,6 +100,8 @@ class StepContext(NamedTuple):
     capacity: int | None  # fixed slots per bucket (None: sized per batch)
     aggregator: Aggregator  # reduces the data-parallel gradients (dense: pmean)
     nonfinite: str  # "skip" (keep the state, NaN loss), "error" (the same; callers stop), "off"
+    table_optimizer: rowwise.RowTransform | None = None  # row-sparse table update, or dense
+    comm_dtype: str = "float32"  # wire dtype of row exchanges and the dense all-reduce
 
     @property
     def num_workers(self) -> int:
@@ -191,20 +193,32 @@ def all_finite(ctx: StepContext, tree: PyTree) -> jax.Array:
     return jax.lax.pmin(local.astype(jnp.int32), ctx.axis_name) == 1
 
 
-def finish_step(ctx: StepContext, state: TrainState, grads, loss, agg_state=None, carry=()):
+def finish_step(
+    ctx: StepContext, state: TrainState, grads, loss, agg_state=None, carry=(), rows=None
+):
     """Optimizer step and the mean loss over workers.
 
-    With ``nonfinite`` on, a step whose mean gradient or new residuals hold NaN/Inf on
-    any worker leaves parameters, optimizer state and residuals as they were and
-    reports a NaN loss.
+    With ``rows`` (a ``rowwise.RowGrad`` per table, in leaf order), the tables take
+    ``ctx.table_optimizer`` on those rows only and ``grads`` is read for the other
+    leaves. With ``nonfinite`` on, a step whose mean gradient (or rows) or new
+    residuals hold NaN/Inf on any worker leaves parameters, optimizer state and
+    residuals as they were and reports a NaN loss.
     """
-    params, opt_state = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
     agg_state = state.agg_state if agg_state is None else agg_state
-    new = TrainState(params, opt_state, agg_state, carry)
     loss = jax.lax.pmean(loss, ctx.axis_name)
-    if ctx.nonfinite == "off":
+    check = ctx.nonfinite != "off"
+    ok = all_finite(ctx, (grads, agg_state, [g.rows for g in rows or ()])) if check else True
+    if rows is not None:  # skipping touches the rows only, never whole tables
+        params, opt_state = rowwise.apply_tables(
+            ctx.optimizer, ctx.table_optimizer, grads, rows, state.opt_state, state.params,
+            ctx.table_mask, ok,
+        )  # fmt: skip
+        agg_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), agg_state, state.agg_state)
+        return TrainState(params, opt_state, agg_state, carry), jnp.where(ok, loss, jnp.nan)
+    params, opt_state = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)
+    new = TrainState(params, opt_state, agg_state, carry)
+    if not check:
         return new, loss
-    ok = all_finite(ctx, (grads, agg_state))
     keep = TrainState(state.params, state.opt_state, state.agg_state, carry)
     new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, keep)
     return new, jnp.where(ok, loss, jnp.nan)

@@ -32,7 +32,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import bodies, embedding, pipeline, placement, runtime
+from sparsecomm_jax import bodies, embedding, pipeline, placement, rowgrad, rowwise, runtime
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.placement import (
     CapacityPolicy,
@@ -79,6 +79,7 @@ class Strategy(NamedTuple):
       needs_tables: the strategy needs at least one embedding table.
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
       engine: ``"shard_map"`` (``jax.jit`` of ``jax.shard_map``) or ``"pmap"``.
+      row_updates: it can update tables row-sparsely (``table_optimizer``).
     """
 
     name: str
@@ -89,6 +90,7 @@ class Strategy(NamedTuple):
     needs_tables: bool = False
     combines: bool = True
     engine: str = "shard_map"
+    row_updates: bool = False
 
 
 def _rowwise_need(ctx: StepContext, batch: Batch) -> int:
@@ -100,10 +102,14 @@ ROWWISE_CAPACITY = CapacityPolicy(_rowwise_need, "distinct rows from one owner",
 
 
 def _embrace(ctx: StepContext) -> bodies.Body:
+    if ctx.table_optimizer is not None:
+        return bodies.row_update_body(ctx, bodies.column_layout)
     return bodies.sharded_table_body(ctx, bodies.column_ops)
 
 
 def _embrace_rowwise(ctx: StepContext) -> bodies.Body:
+    if ctx.table_optimizer is not None:
+        return bodies.row_update_body(ctx, bodies.row_layout)
     return bodies.sharded_table_body(ctx, bodies.row_ops)
 
 
@@ -113,15 +119,20 @@ STRATEGIES: dict[str, Strategy] = {
         Strategy("dense_pmap", bodies.data_parallel_body, combines=False, engine="pmap"),
         Strategy("dense", bodies.data_parallel_body),
         Strategy(
-            "sparse_allgather", bodies.sparse_allgather_body, needs_tables=True, combines=False
+            "sparse_allgather",
+            bodies.sparse_allgather_body,
+            needs_tables=True,
+            combines=False,
+            row_updates=True,
         ),
-        Strategy("embrace", _embrace, layout="column", needs_tables=True),
+        Strategy("embrace", _embrace, layout="column", needs_tables=True, row_updates=True),
         Strategy(
             "embrace_rowwise",
             _embrace_rowwise,
             layout="row",
             capacity=ROWWISE_CAPACITY,
             needs_tables=True,
+            row_updates=True,
         ),
         Strategy(
             "embrace_2d",
@@ -281,6 +292,19 @@ def _check_tables(strategy: Strategy, vocabs: tuple[int, ...]) -> None:
         )
 
 
+def _check_row_updates(strategy: Strategy, agg_name: str, table_optimizer, comm_dtype) -> None:
+    rowgrad.wire_dtype(comm_dtype)  # a known name
+    if table_optimizer is not None and not strategy.row_updates:
+        names = [s.name for s in STRATEGIES.values() if s.row_updates]
+        raise ValueError(f"table_optimizer works with {names}, not {strategy.name!r}")
+    rowwise.check_transform(table_optimizer)
+    if comm_dtype != "float32" and (table_optimizer is None or agg_name != "dense"):
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} needs the row-sparse table update "
+            "(table_optimizer, e.g. rowwise.sgd) and the dense all-reduce (no top-k)"
+        )
+
+
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optax.GradientTransformation,
@@ -295,6 +319,8 @@ def make_train_step(
     capacity: int | None = None,
     density: float = 1.0,
     nonfinite: str = "skip",
+    table_optimizer: rowwise.RowTransform | None = None,
+    comm_dtype: str = "float32",
     **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
@@ -328,6 +354,12 @@ def make_train_step(
         worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
         state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
+      table_optimizer: a ``rowwise.RowTransform`` (``sgd``, ``adagrad``, ``lazy_adam``):
+        tables get their gradient as rows and only those rows change (O(tokens x D) a
+        step; ``sparse_allgather``, ``embrace``, ``embrace_rowwise``); ``optimizer``
+        updates the rest. ``None``: ``optimizer`` updates every table densely.
+      comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
+        dense all-reduce in bfloat16, summed in float32 (needs ``table_optimizer``).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -341,7 +373,10 @@ def make_train_step(
     check_arguments(loss_fn, optimizer, mesh, params)
     num = runtime.mesh_axis_size(mesh, axis_name)
     _check_options(agg_name, num, capacity, nonfinite)
+    _check_row_updates(STRATEGIES[base], agg_name, table_optimizer, comm_dtype)
     aggregator = AGGREGATORS[agg_name](density, axis_name, **aggregator_options)
+    if comm_dtype != "float32":
+        aggregator = rowgrad.wire_mean(axis_name, rowgrad.wire_dtype(comm_dtype))
     mask = table_mask(params, embedding_paths)
     vocabs = tuple(sorted({int(np.shape(t)[0]) for _, _, t in named_tables(params, mask)}))
     _check_tables(STRATEGIES[base], vocabs)
@@ -358,6 +393,8 @@ def make_train_step(
         capacity=capacity,
         aggregator=aggregator,
         nonfinite=nonfinite,
+        table_optimizer=table_optimizer,
+        comm_dtype=comm_dtype,
     )
     built = ENGINES[STRATEGIES[base].engine](ctx, STRATEGIES[base])
     return built._replace(strategy=strategy)

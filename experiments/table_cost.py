@@ -1,0 +1,95 @@
+"""Cost of a table strategy's step against the vocabulary, row-sparse or dense update.
+
+    python -m experiments.table_cost --vocabs 1000 100000 --out-dir runs/table_cost
+
+One device, LSTM LM D=H=128, 16 x 32 tokens, sampled softmax 1,024, SGD: the step time
+of ``--strategy`` (``embrace``) at each vocabulary, with the row-sparse table update
+(O(tokens x D)) and with the dense one (O(V x D)). The steps of every configuration
+are timed in turn, a block of steps each, round after round (a busy host slows them
+alike; the first step of a block, which pays for the switch, is not counted), and each
+gets the median of its steps. Prints the ratio of the largest to the smallest vocabulary for
+each update and writes ``table_cost.json`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from experiments.config import RunConfig
+from experiments.train import build, start_devices, validate
+
+WORKLOAD = dict(
+    model="lstm_lm", dim=128, hidden=128, batch=16, seq_len=32, sampled_softmax=1024, lr=0.1
+)
+
+
+def prepared(strategy: str, vocab: int, update: str, rounds: int):
+    """``run()`` -> seconds of one step of this configuration (compiled beforehand)."""
+    import jax
+
+    config = RunConfig(
+        strategy=strategy, devices=1, vocab=vocab, optimizer="sgd", table_update=update,
+        **WORKLOAD,
+    )  # fmt: skip
+    validate(config)
+    workload, ts = build(config)
+    batches = [ts.place_batch(workload.batch_at(i)) for i in range(rounds)]
+    step = ts.step.lower(ts.state, batches[0]).compile()
+    box = {"state": ts.state, "i": 0, "loss": None}
+
+    def run() -> float:
+        batch = batches[box["i"] % rounds]
+        t = time.perf_counter()
+        box["state"], loss = step(box["state"], batch)
+        jax.block_until_ready((box["state"], loss))
+        box["i"] += 1
+        box["loss"] = float(loss)
+        return time.perf_counter() - t
+
+    return run, box
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.table_cost", description=__doc__)
+    parser.add_argument("--strategy", default="embrace")
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[1000, 100_000])
+    parser.add_argument("--updates", nargs="+", default=["sparse", "dense"])
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over the configurations")
+    parser.add_argument("--block", type=int, default=5, help="steps per configuration a round")
+    parser.add_argument("--warmup", type=int, default=1, help="first rounds not counted")
+    parser.add_argument("--out-dir", default="runs/table_cost")
+    args = parser.parse_args(argv)
+    start_devices(1)
+    configs = [(v, u) for u in args.updates for v in args.vocabs]
+    runs = {c: prepared(args.strategy, *c, args.block) for c in configs}
+    times: dict = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs:  # a block of steps each; its first step is not counted
+            block = [runs[c][0]() for _ in range(args.block)]
+            if r >= args.warmup:
+                times[c].extend(block[1:])
+    rows = [
+        {"strategy": args.strategy, "vocab": v, "table_update": u,
+         "step_time_s": statistics.median(times[(v, u)]), "step_times_s": times[(v, u)],
+         "final_loss": runs[(v, u)][1]["loss"]}
+        for v, u in configs
+    ]  # fmt: skip
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table_cost.json").write_text(json.dumps({"workload": WORKLOAD, "rows": rows}, indent=1))
+    for u in args.updates:
+        mine = [r for r in rows if r["table_update"] == u]
+        for r in mine:
+            print(f"{args.strategy} {u:>6} V={r['vocab']:>7,}: {r['step_time_s'] * 1e3:7.1f} ms")
+        print(f"{u}: V={mine[-1]['vocab']:,} / V={mine[0]['vocab']:,} = "
+              f"{mine[-1]['step_time_s'] / mine[0]['step_time_s']:.2f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

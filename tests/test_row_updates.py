@@ -1,0 +1,185 @@
+"""Row-sparse table updates in training: every lossless table strategy with the row-wise
+SGD and Adagrad equals single-device dense training (tied and untied tables, sampled and
+full softmax); lazy Adam equals a single-device reference; non-finite rows skip the step;
+the bfloat16 wire halves the bytes; bad input fails before compiling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, place, reference_run, strategy_run
+
+from experiments.config import RunConfig
+from experiments.train import main, train_and_evaluate, validate
+from models import get_workload
+from sparsecomm_jax import hlo, rowwise, runtime, train
+
+STEPS = 3
+SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
+OPTIMIZERS = {  # (dense optax reference, row-wise table update)
+    "sgd": (lambda: optax.sgd(0.5), lambda: rowwise.sgd(0.5)),
+    "adagrad": (lambda: optax.adagrad(0.3), lambda: rowwise.adagrad(0.3)),
+}
+ALL = ("embrace", "embrace_rowwise", "sparse_allgather")
+CASES = [  # model, its variant, optimizer, strategies (every strategy on several models)
+    ("lstm_lm", dict(sampled_softmax=16), "sgd", ALL),  # untied, sampled softmax
+    ("lstm_lm", dict(sampled_softmax=16, tie_embeddings=True), "adagrad", ALL),  # tied
+    ("gpt2", dict(), "adagrad", ("embrace", "embrace_rowwise")),  # tied full softmax
+    ("bert", dict(sampled_softmax=16, tie_embeddings=False), "sgd", ("embrace_rowwise",)),
+    ("transformer", dict(), "sgd", ("sparse_allgather", "embrace")),
+]
+
+
+@pytest.mark.parametrize("model, variant, opt, strategies", CASES)
+def test_row_updates_match_single_device(model, variant, opt, strategies):
+    """Adam with the dense update is checked for every strategy in test_equivalence."""
+    w = get_workload(model, seed=2, **SMALL, **variant)
+    params = w.init(jax.random.key(2))
+    dense, rows = OPTIMIZERS[opt]
+    ref_losses, ref_params = reference_run(w, dense(), params, STEPS)
+    for strategy in strategies:
+        losses, got, ts = strategy_run(w, dense(), params, STEPS, strategy, table_optimizer=rows())
+        assert isinstance(ts.state.opt_state, rowwise.TableOptState), strategy
+        assert losses == pytest.approx(ref_losses, rel=1e-5), strategy
+        assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+
+
+def _lazy_adam_reference(w, params, steps, lr):
+    """One device: the dense autodiff gradient, restricted to the rows each table reads
+    (lstm_lm, untied: ``embed`` the inputs, ``softmax`` the targets and negatives)."""
+    mask = train.table_mask(params, w.embedding_paths)
+    opt, rows = optax.adam(lr, eps=1e-3), rowwise.lazy_adam(lr, eps=1e-3)
+    state = rowwise.init_tables(opt, rows, params, mask)
+    losses = []
+    for step in range(steps):
+        batch = w.batch_at(step)
+        loss, grads = jax.value_and_grad(w.loss)(params, batch)
+        tokens = batch["tokens"]
+        read = {"embed": [tokens[:, :-1]], "softmax": [tokens[:, 1:], batch["negatives"]]}
+        row_grads = []
+        for name in ("embed", "softmax"):  # leaf order
+            ids = np.unique(np.concatenate([np.ravel(x) for x in read[name]]))
+            table = grads[name]["embedding"]
+            row_grads.append(rowwise.RowGrad(jnp.asarray(ids), table[ids]))
+        params, state = rowwise.apply_tables(opt, rows, grads, row_grads, state, params, mask)
+        losses.append(float(loss))
+    return losses, jax.tree.map(np.asarray, params)
+
+
+def test_lazy_adam_matches_single_device_reference():
+    w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
+    params = w.init(jax.random.key(3))
+    ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
+    # eps keeps Adam from amplifying float noise in near-zero gradients
+    opt, rows = optax.adam(1e-2, eps=1e-3), rowwise.lazy_adam(1e-2, eps=1e-3)
+    losses, got, _ = strategy_run(w, opt, params, STEPS, "embrace", table_optimizer=rows)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(SMALL["vocab"]), w.batch_at(0)["tokens"])
+    untouched = np.setdiff1d(
+        untouched, np.concatenate([w.batch_at(s)["tokens"].ravel() for s in range(STEPS)])
+    )
+    untouched = np.setdiff1d(
+        untouched, np.concatenate([w.batch_at(s)["negatives"] for s in range(STEPS)])
+    )
+    assert untouched.size
+    before = np.asarray(params["embed"]["embedding"])
+    np.testing.assert_array_equal(got["embed"]["embedding"][untouched], before[untouched])
+
+
+def test_nonfinite_rows_skip_the_step():
+    w = get_workload("lstm_lm", seed=4, **SMALL, sampled_softmax=16)
+
+    def batch_at(step):
+        return {
+            **w.batch_at(step),
+            "poison": np.full((SMALL["batch"],), np.nan if step else 0.0, np.float32),
+        }
+
+    def loss(params, batch, emb):  # NaN reaches only the table's gradient rows
+        rows = emb.lookup(params["embed"]["embedding"], batch["tokens"][:, :1])
+        return w.loss(params, batch, emb) + jnp.mean(batch["poison"]) * jnp.sum(rows)
+
+    bad = w._replace(batch_at=batch_at, loss=loss)
+    ts = train.make_train_step(
+        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), "embrace",
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.1),
+    )  # fmt: skip
+    state, _ = ts.step(ts.state, place(ts, bad, 0, 2))
+    before = jax.tree.map(np.asarray, ts.host_params(state))
+    state, loss_value = ts.step(state, place(ts, bad, 1, 2))
+    assert np.isnan(train.loss_value(loss_value))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ts.host_params(state)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _row_bytes(strategy, comm_dtype):
+    w = get_workload("lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32,
+                     sampled_softmax=16)  # fmt: skip
+    ts = train.make_train_step(
+        w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(5)), strategy,
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.1), comm_dtype=comm_dtype,
+    )  # fmt: skip
+    colls = hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
+    ids = sum(c.bytes_sent for c in colls if c.shapes[0][0] in ("s32", "pred"))
+    return hlo.total_bytes(colls) - ids, colls
+
+
+def test_bfloat16_wire_halves_the_bytes():
+    """Rows, gradient rows, negatives and the dense all-reduce (other layouts: test_rowgrad)."""
+    f32, _ = _row_bytes("embrace", "float32")
+    bf16, colls = _row_bytes("embrace", "bfloat16")
+    assert bf16 == pytest.approx(f32 / 2, rel=0.02)
+    assert not [c for c in colls if c.shapes[0][0] == "f32" and c.kind != "all-reduce"]
+
+
+def test_bad_input_fails_before_compiling():
+    w = get_workload("lstm_lm", **SMALL)
+    args = (w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)))
+    kw = dict(embedding_paths=w.embedding_paths)
+    with pytest.raises(ValueError, match="unknown comm_dtype 'float8'"):
+        train.make_train_step(*args, "embrace", comm_dtype="float8", **kw)
+    with pytest.raises(ValueError, match="table_optimizer"):
+        train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
+    with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
+        train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(comm_dtype="float8"), "unknown --comm-dtype 'float8'"),
+        (dict(optimizer="momentum", table_update="sparse"), "momentum has no row-sparse"),
+        (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
+        (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
+        (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
+        (dict(table_update="sparse", strategy="embrace_2d"), "needs a strategy among"),
+    ],
+)
+def test_cli_rejects_before_jax_starts(flags, message):
+    config = RunConfig(**{"strategy": "embrace", "optimizer": "sgd", **flags})
+    with pytest.raises(ValueError, match=message):
+        validate(config)
+
+
+def test_cli_error_is_one_line(capsys):
+    assert main(["--strategy", "embrace", "--comm-dtype", "fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown --comm-dtype 'fp8'") and "\n" not in err
+
+
+def test_row_states_resume_from_a_checkpoint(tmp_path):
+    """Adagrad's row state, sharded like its table, saved on 8 devices, resumed on 4."""
+    base = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16,
+                warmup=0, strategy="embrace_rowwise", optimizer="adagrad", lr=0.3)  # fmt: skip
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=2, **base, **ck), progress=False)
+    full = train_and_evaluate(RunConfig(steps=3, **base), progress=False)
+    resumed = train_and_evaluate(
+        RunConfig(steps=3, devices=4, resume=True, **base, **ck), progress=False
+    )
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
