@@ -73,7 +73,8 @@ def run_main(args, capsys) -> tuple[int, list[str]]:
 BAD_INPUT = [
     (["--model", "nope"], "argument --model: invalid choice: 'nope'"),
     (["--strategy", "nope"], "argument --strategy: invalid choice: 'nope'"),
-    (["--optimizer", "adagrad"], "argument --optimizer: invalid choice"),
+    (["--optimizer", "rmsprop"], "argument --optimizer: invalid choice"),
+    (["--comm-dtype", "float16"], "argument --comm-dtype: invalid choice"),
     (["--selector", "fast"], "argument --selector: invalid choice"),
     (["--nonfinite", "ignore"], "argument --nonfinite: invalid choice"),
     (["--lr", "abc"], "argument --lr: invalid float value"),
@@ -108,7 +109,7 @@ BAD_INPUT = [
     (["--max-skipped", "-1"], "--max-skipped must be >= 0"),
     (["--text-file", "/nonexistent/corpus.txt"], "--text-file /nonexistent/corpus.txt does not"),
     (["--text-file", "/"], "--text-file / is a directory"),
-    (["--model", "gpt2", "--text-file", __file__], "--text-file is read by lstm_lm only"),
+    (["--model", "resnet", "--text-file", __file__], "--model resnet would ignore it"),
     (["--devices", "1000", "--batch", "1000"], "--devices 1000: one process runs at most 256"),
     (["--devices", "1", "--batch", str(10**9)], "--batch 1000000000: one global batch alone"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
@@ -143,7 +144,9 @@ def test_every_flag_has_help_and_fixed_sets_have_choices():
     assert sorted(choices["model"]) == sorted(MODELS)
     assert set(choices["selector"]) == set(SELECTORS)
     assert set(choices["nonfinite"]) == set(train.NONFINITE)
-    assert set(choices["optimizer"]) == {"sgd", "momentum", "adam"}
+    assert set(choices["optimizer"]) == {"sgd", "momentum", "adam", "adagrad", "lazy_adam"}
+    assert set(choices["table_update"]) == {"auto", "sparse", "dense"}
+    assert set(choices["comm_dtype"]) == {"float32", "bfloat16"}
     text = parser.format_help()
     assert "--max-skipped" in text and "--resume-step" in text and "--overwrite" in text
 
