@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from sparsecomm_jax import embedding, rowgrad
+from sparsecomm_jax.aggregators import vary
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 from sparsecomm_jax.placement import PlacedBatch
 from sparsecomm_jax.rowgrad import TableLayout
@@ -42,7 +43,8 @@ def data_parallel_body(ctx: StepContext) -> Body:
     ``topk_a2a`` and the other sparse aggregators)."""
 
     def body(state: TrainState, batch: PlacedBatch):
-        loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, DENSE_EMBEDDING)
+        params = vary(state.params, ctx.axis_name)  # each worker's own gradient
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, DENSE_EMBEDDING)
         mean, agg_state = aggregate(ctx, grads, state.agg_state)
         return finish_step(ctx, state, mean, loss, agg_state)
 
@@ -69,7 +71,8 @@ def sharded_table_body(ctx: StepContext, ops: Callable[[StepContext, int], Embed
 
     def body(state: TrainState, batch: PlacedBatch):
         emb = ops(ctx, batch.capacity)
-        loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, emb)
+        params = vary(state.params, ctx.axis_name)
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, emb)
         tables, rest = split_tables(grads, ctx.table_mask)
         tables = jax.tree.map(lambda g: g / ctx.num_workers, tables)
         rest, agg_state = aggregate(ctx, rest, state.agg_state)

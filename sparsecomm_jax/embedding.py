@@ -41,6 +41,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
+from sparsecomm_jax.aggregators import vary
 
 LAYOUTS = ("column", "row")
 
@@ -267,8 +268,7 @@ def row_ops(axis_name: str, capacity: int) -> EmbeddingOps:
 def allgather_sparse_grad(ids, rows, vocab: int, axis_name: str):
     """Sum over workers of sparse (id, gradient row) pairs as a dense V x D gradient.
 
-    What Horovod and PyTorch DDP do with sparse gradients: all-gather the pairs of every
-    worker (volume grows with P), then scatter-add.
+    As Horovod and PyTorch DDP do: all-gather every worker's pairs (grows with P), add.
 
     Args:
       ids: int[n] this worker's ids.
@@ -277,9 +277,8 @@ def allgather_sparse_grad(ids, rows, vocab: int, axis_name: str):
       axis_name: the mesh axis.
 
     Returns:
-      float[V, D], identical on every worker.
+      float[V, D], identical on every worker (and typed so, for ``check_vma``).
     """
-    # typed invariant: every worker then holds the same sum (shard_map's check_vma)
     all_ids = jax.lax.all_gather(ids, axis_name, tiled=True, to="invarying")  # int[P*n]
     all_rows = jax.lax.all_gather(rows, axis_name, tiled=True, to="invarying")  # float[P*n, D]
     return jnp.zeros((vocab, rows.shape[-1]), rows.dtype).at[all_ids].add(all_rows)
@@ -367,6 +366,7 @@ def sparse_table_grads(loss_fn, params, batch, mask, axis_name: str):
 
     jax.eval_shape(record, params)
     deltas = [jnp.zeros((*shape, widths[i]), jnp.float32) for i, shape in accesses]
+    params, deltas = vary((params, deltas), axis_name)  # each worker's own gradient
 
     def with_deltas(p, d):
         log: list = []

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsecomm_jax import costmodel, embedding, schedule
+from sparsecomm_jax.aggregators import vary
 from sparsecomm_jax.placement import (
     CapacityPolicy,
     PlacedBatch,
@@ -188,7 +189,8 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
             ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
             return ctx.loss_fn(p, batch.data, ops)
 
-        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows)
+        varying = vary((params, rows), ctx.axis_name)  # each worker's own gradient
+        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
         rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsecomm_jax import embedding, fusion
-from sparsecomm_jax.aggregators import Aggregator, EmptyState
+from sparsecomm_jax.aggregators import Aggregator, EmptyState, vary
 from sparsecomm_jax.rowwise import RowGrad, segment_rows
 
 COMM_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -237,7 +237,8 @@ def table_row_grads(loss_fn, params, batch, mask, layout: TableLayout, widths: d
         return loss_fn(p, batch, ops)
 
     rows_in = [f.rows for f in fetched]
-    loss, (grads, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(params, rows_in)
+    varying = vary((params, rows_in), layout.axis)  # each worker's own gradient
+    loss, (grads, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
     pairs: dict[int, list] = {i: [] for i in widths}
     for (_, i, _), f, g in zip(reads, fetched, g_rows, strict=True):
         pairs[i].append(f.back(g))

@@ -206,7 +206,7 @@ def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     )
 
 
-CHECK_VMA = False  # on once every aggregator types its mean as replicated
+CHECK_VMA = True  # shard_map checks that every P() output is really replicated
 
 ENGINES = {"shard_map": shard_map_step, "pmap": pmap_step}
 
