@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 def _launched() -> bool:
     from sparsecomm_jax import runtime
 
-    return runtime.launched_env() is not None
+    return runtime.distributed_args() is not None
 
 
 if __name__ == "__main__":

@@ -92,9 +92,11 @@ def _a2a(x, axis: str, wire):
     return _receive(jax.lax.all_to_all(_send(x, wire), axis, 0, 0), wire)
 
 
-def _gather(x, axis: str, wire, dim: int = 0):
-    """Tiled ``all_gather`` along ``dim`` in ``wire``, back in float32."""
-    return _receive(jax.lax.all_gather(_send(x, wire), axis, axis=dim, tiled=True), wire)
+def _gather(x, axis: str, wire, dim: int = 0, to: str = "varying"):
+    """Tiled ``all_gather`` along ``dim`` in ``wire``, back in float32 (``to``:
+    ``"invarying"`` types the result replicated, for ``check_vma``)."""
+    gathered = jax.lax.all_gather(_send(x, wire), axis, axis=dim, tiled=True, to=to)
+    return _receive(gathered, wire)
 
 
 def wire_psum(x, axis: str, wire=F32):
@@ -106,7 +108,7 @@ def wire_psum(x, axis: str, wire=F32):
     num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
     flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
     mine = _a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
-    return _gather(mine, axis, wire)[: x.size].reshape(x.shape)
+    return _gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
 
 
 def _column_blocks(g, num: int):
@@ -119,7 +121,7 @@ def column_layout(axis: str, wire=F32) -> TableLayout:
 
     def lookup(shard, ids):
         num, flat = jax.lax.axis_size(axis), ids.reshape(-1)  # ids: int[n]
-        all_ids = jax.lax.all_gather(flat, axis)  # int[P, n]
+        all_ids = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, n], on all workers
         mine = _a2a(jnp.take(shard, all_ids, axis=0), axis, wire)  # float[P, n, D/P]
         rows = jnp.swapaxes(mine, 0, 1).reshape(*ids.shape, -1)  # float[*ids, D]
 
@@ -188,8 +190,9 @@ def replicated_layout(axis: str, wire=F32) -> TableLayout:
     def lookup(table, ids):
         def back(g):
             flat = ids.reshape(-1)  # int[n]
-            all_ids = jax.lax.all_gather(flat, axis, tiled=True)  # int[P*n]
-            return all_ids, _gather(g.reshape(flat.shape[0], -1), axis, wire)  # [P*n, D]
+            all_ids = jax.lax.all_gather(flat, axis, tiled=True, to="invarying")  # int[P*n]
+            rows = _gather(g.reshape(flat.shape[0], -1), axis, wire, to="invarying")
+            return all_ids, rows  # int[P*n], float[P*n, D]: the same on every worker
 
         return Fetched(jnp.take(table, ids, axis=0), back)
 
