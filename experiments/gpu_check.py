@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.config import RunConfig
-from experiments.selection_cost import selector_times, timed
+from experiments.selection_cost import selector_times
 from experiments.train import build, start_devices
 from models import MODELS
 from sparsecomm_jax import sparsify
+from sparsecomm_jax.costmodel import median_seconds
 from sparsecomm_jax.train import loss_value
 
 # One-device model sizes: mid-size on an accelerator, tiny with --small.
@@ -51,7 +52,9 @@ def scatter_add_times(size: int, density: float, workers: int = 8) -> dict[str, 
     for name, n in (("k", k), (f"{workers}k", workers * k)):
         values = jnp.asarray(rng.normal(size=n).astype(np.float32))
         indices = jnp.asarray(rng.integers(0, size, n).astype(np.int32))
-        out[name] = timed(jax.jit(lambda v, i: sparsify.densify(v, i, size)), values, indices)
+        out[name] = median_seconds(
+            jax.jit(lambda v, i: sparsify.densify(v, i, size)), values, indices
+        )
     return out
 
 

@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -23,17 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, runtime, sparsify
-
-
-def timed(fn, *args, repeats: int = 5) -> float:
-    """Median wall time of ``fn(*args)`` after one warm-up call (seconds)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from sparsecomm_jax.costmodel import median_seconds
 
 
 def aggregation_step(density: float, selector: str):
@@ -65,13 +54,13 @@ def measure(size: int, densities, selectors, repeats: int = 5) -> dict:
             select = jax.jit(lambda v, s=selector, k=k: sparsify.select(v, k, s))
             step = aggregation_step(density, selector)
             # a pass timed next to each figure: a shared host's load drifts
-            passes.append(timed(one_pass, x, repeats=repeats))
+            passes.append(median_seconds(one_pass, x, repeats=repeats))
             rows.append({
                 "density": density,
                 "selector": selector,
                 "pass_s": passes[-1],
-                "select_passes": timed(select, x, repeats=repeats) / passes[-1],
-                "aggregate_passes": timed(step, x, r, repeats=repeats) / passes[-1],
+                "select_passes": median_seconds(select, x, repeats=repeats) / passes[-1],
+                "aggregate_passes": median_seconds(step, x, r, repeats=repeats) / passes[-1],
             })  # fmt: skip
     return {"size": size, "pass_s": statistics.median(passes), "rows": rows}
 

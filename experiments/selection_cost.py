@@ -12,24 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-
-def timed(fn, *args, repeats: int = 5) -> float:
-    """Median wall time of ``fn(*args)`` after one warm-up call (seconds)."""
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
+from sparsecomm_jax.costmodel import median_seconds
 
 SELECTORS = ("auto", "exact", "radix", "threshold")
 
@@ -45,10 +31,12 @@ def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
     pad = -(-size // shards) * shards - size
     xs = jax.numpy.pad(x, (0, pad))
     k_shard = sparsify.per_shard_k(k, shards)
-    times = {s: timed(jax.jit(lambda v, s=s: sparsify.select(v, k, s)), x) for s in SELECTORS}
+    times = {
+        s: median_seconds(jax.jit(lambda v, s=s: sparsify.select(v, k, s)), x) for s in SELECTORS
+    }
     for s in ("auto", "exact", "radix"):
         per_shard = jax.jit(lambda v, s=s: sparsify.per_shard_topk(v, k_shard, shards, s))
-        times[f"per_shard_{s}"] = timed(per_shard, xs)
+        times[f"per_shard_{s}"] = median_seconds(per_shard, xs)
     return times
 
 
@@ -71,7 +59,7 @@ def model_step(model: str, **overrides) -> tuple[int, float]:
         return optax.apply_updates(p, u), s
 
     size = sum(int(np.size(x)) for x in jax.tree.leaves(params))
-    return size, timed(step, params, opt.init(params), w.batch_at(0))
+    return size, median_seconds(step, params, opt.init(params), w.batch_at(0))
 
 
 def main(argv: list[str] | None = None) -> int:

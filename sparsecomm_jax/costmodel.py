@@ -214,7 +214,7 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
     Returns:
       A ``LocalWork`` to pass as ``Link(..., local=...)``.
     """
-    timer = timer or _median_seconds
+    timer = timer or median_seconds
     rng, lines = np.random.default_rng(0), {}
     for strategy in CHOICES:
         points = []
@@ -228,12 +228,13 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
     return LocalWork(lines)
 
 
-def _median_seconds(fn, x, repeats: int = 5) -> float:
-    jax.block_until_ready(fn(x))
+def median_seconds(fn, *args, repeats: int = 5) -> float:
+    """Median wall time of ``fn(*args)`` over ``repeats`` calls after one warm-up call."""
+    jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(fn(x))
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -252,6 +253,6 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
     points = []
     for n in sizes:
         x = runtime.put_global(np.ones((p * n,), np.float32), mesh, P(axis_name))
-        seconds = _median_seconds(fn, x, repeats)
+        seconds = median_seconds(fn, x, repeats=repeats)
         points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, seconds))
     return fit(points), points
