@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
@@ -47,6 +46,7 @@ from experiments.startup import choose_bucket, local_work
 from models import MODELS, config_fields, get_workload
 from sparsecomm_jax import checkpoint, costmodel, hlo, rowwise, runtime, train
 from sparsecomm_jax.costmodel import Link
+from sparsecomm_jax.step import finite
 from sparsecomm_jax.train import loss_value, parse_strategy, place_for_step
 
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
@@ -381,10 +381,7 @@ def _start_state(config: RunConfig, ts):
 # ------------------------------------------------------------------ the steps
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves))
+_finite = jax.jit(finite)  # one reduction on the devices
 
 
 def params_finite(ts, state) -> bool:
@@ -392,7 +389,7 @@ def params_finite(ts, state) -> bool:
     params = state.params
     if ts.per_device_state:  # identical replicas: the first one
         params = jax.tree.map(lambda x: x.addressable_data(0), params)
-    return bool(np.asarray(_all_finite(params).addressable_data(0)))
+    return bool(np.asarray(_finite(params).addressable_data(0)))
 
 
 def _runner(ts, compiled):

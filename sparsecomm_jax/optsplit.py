@@ -23,6 +23,7 @@ from sparsecomm_jax.step import (
     StepContext,
     TrainState,
     apply_optimizer,
+    finite,
     merge_tables,
     split_tables,
 )
@@ -63,8 +64,7 @@ def dense_update(ctx: StepContext, state: TrainState, mean, ok) -> TrainState:
 
 def nonfinite(*trees):
     """True when this worker has a NaN or Inf in any of ``trees``."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)]
-    return ~jnp.all(jnp.stack(leaves)) if leaves else jnp.array(False)
+    return ~finite(trees)
 
 
 def where(ok, new, old):

@@ -186,11 +186,15 @@ def apply_optimizer(optimizer: optax.GradientTransformation, grads, opt_state, p
     return optax.apply_updates(params, updates), opt_state
 
 
+def finite(tree: PyTree) -> jax.Array:
+    """True when no leaf of ``tree`` holds a NaN or Inf (what this worker sees)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
 def all_finite(ctx: StepContext, tree: PyTree) -> jax.Array:
     """True on every worker when no worker has a NaN or Inf in ``tree``."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    local = jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
-    return jax.lax.pmin(local.astype(jnp.int32), ctx.axis_name) == 1
+    return jax.lax.pmin(finite(tree).astype(jnp.int32), ctx.axis_name) == 1
 
 
 def finish_step(
