@@ -89,16 +89,6 @@ class Overlapped(NamedTuple):
     place: Callable | None = None  # place(batch, next, *later) -> PlacedBatch
 
 
-def _loss_of_rows(ctx: StepContext, data):
-    def loss(p, rows):
-        pending = iter(rows)
-        ops = embedding.recording_ops(p, ctx.table_mask, [], lambda *_: next(pending),
-                                      pipeline.NO_ATTEND_2D)  # fmt: skip
-        return ctx.loss_fn(p, data, ops)
-
-    return loss
-
-
 def fetch_body(ctx: StepContext, widths: dict[int, int]) -> Callable:
     """Rows of every table access of ``data`` (per worker), from the tables."""
 
@@ -116,7 +106,7 @@ def compute_body(ctx: StepContext) -> Callable:
     loss float[1], local dense gradients (leading axis 1) and gradient rows."""
 
     def body(params, rows, data):
-        grad = jax.value_and_grad(_loss_of_rows(ctx, data), argnums=(0, 1))
+        grad = jax.value_and_grad(pipeline.loss_of_rows(ctx, data), argnums=(0, 1))
         loss, (g, g_rows) = grad(params, list(rows))
         dense = split_tables(g, ctx.table_mask)[1]
         return loss[None], jax.tree.map(lambda x: x[None], dense), tuple(g_rows)

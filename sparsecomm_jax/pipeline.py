@@ -153,6 +153,19 @@ def later_chunks(ctx: StepContext, plan: Plan, after):
     return out
 
 
+def loss_of_rows(ctx: StepContext, data) -> Callable:
+    """``loss(params, rows)``: the model's loss on ``data`` with its table lookups
+    answered, in call order, by ``rows`` (rows fetched before the step, so the loss is
+    differentiated with respect to them, not the tables)."""
+
+    def loss(p, rows):
+        pending = iter(rows)
+        ops = embedding.recording_ops(p, ctx.table_mask, [], lambda *_: next(pending), NO_ATTEND_2D)
+        return ctx.loss_fn(p, data, ops)
+
+    return loss
+
+
 def _vocab(ctx: StepContext, i: int) -> int:
     return int(np.shape(jax.tree.leaves(ctx.params)[i])[0])
 
@@ -184,13 +197,9 @@ def embrace_2d_body(ctx: StepContext) -> Callable:
         tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
         rows = list(state.carry) if state.carry != () else prefetch(tables, calls, ctx.axis_name)
 
-        def loss_of_rows(p, r):
-            pending = iter(r)
-            ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending))
-            return ctx.loss_fn(p, batch.data, ops)
-
         varying = vary((params, rows), ctx.axis_name)  # each worker's own gradient
-        loss, (g_params, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
+        grad_fn = jax.value_and_grad(loss_of_rows(ctx, batch.data), argnums=(0, 1))
+        loss, (g_params, g_rows) = grad_fn(*varying)
         rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
