@@ -11,20 +11,20 @@ Two hosts (the same command on each, ``--node-rank`` 0 on the host at ``--coordi
         --nproc 4 -- python -m experiments.train --strategy embrace --steps 5
 
 Rank ``node_rank * nproc + local_rank`` gets ``SPARSECOMM_*`` variables (coordinator,
-process count and id, its local device ids) that ``runtime.initialize_distributed``
-reads; on a GPU host local rank ``r`` drives GPUs ``r * M .. r * M + M - 1`` (``M`` =
-``--devices-per-proc``), on CPU it simulates ``M`` devices. Output lines are prefixed
-``[rank i]``.
+process count and id, local device ids) for ``runtime.initialize_distributed``; on a GPU
+host local rank ``r`` drives GPUs ``r*M .. r*M+M-1`` (``M = --devices-per-proc``), on CPU
+it simulates ``M`` devices. Output lines are prefixed ``[rank i]``.
 
-The ranks die with the launcher, even when it is killed with SIGKILL; a failing rank,
-a rank that exits 0 while others run on past ``--exit-grace``, or SIGINT/SIGTERM stops
-them all, and further signals cannot interrupt that clean-up; a busy port, an
-unreachable coordinator or a missing command is a one-line error before any rank starts.
+The ranks die with the launcher, even under SIGKILL; a failing rank, one that exits 0
+while others run past ``--exit-grace``, or SIGINT/SIGTERM stops them all, and further
+signals cannot interrupt that clean-up; a busy port, an unreachable coordinator or a
+missing command is a one-line error before any rank starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import shutil
@@ -226,8 +226,7 @@ def _start(cmd: Sequence[str], job: Job) -> list[subprocess.Popen]:
 
 def _stream(rank: int, pipe, out) -> None:
     for line in iter(pipe.readline, ""):
-        out.write(f"[rank {rank}] {line}")
-        out.flush()
+        print(f"[rank {rank}] {line}", end="", file=out, flush=True)
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
@@ -238,10 +237,8 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         for p in procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
@@ -256,15 +253,18 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def _wait(procs: Sequence[subprocess.Popen], first: int, poll_s: float, exit_grace_s: float) -> int:
-    """The job's exit code: the first failure's, 0 when all succeed, 1 when ranks still
-    run ``exit_grace_s`` after another one exited 0 (``0``: wait for them). Ranks still
-    running 5 s after another one exited 0 are reported."""
-    early_since, reported = None, False
+    """Exit code: the first failure's in exit order (its peers' errors follow), 0 when all
+    succeed, 1 when ranks outlive ``exit_grace_s`` (0: no limit) after one exited 0."""
+    early_since, reported, exited = None, False, []
+    for rank, p in enumerate(procs, first):  # one waiter each: ranks in exit order
+        wait = lambda p=p, r=rank: (p.wait(), exited.append(r))  # noqa: E731
+        threading.Thread(target=wait, daemon=True).start()
     while True:
         codes = [p.poll() for p in procs]
-        failed = [(rank, code) for rank, code in enumerate(codes, first) if code not in (None, 0)]
-        if failed:  # a rank killed by a signal is the cause; its peers' errors follow from it
-            rank, code = min(failed, key=lambda rc: rc[1] >= 0)
+        order = list(exited) + [r for r in range(first, first + len(procs)) if r not in exited]
+        failed = [r for r in order if codes[r - first] not in (None, 0)]
+        if failed:
+            rank, code = failed[0], codes[failed[0] - first]
             how = f"signal {-code}" if code < 0 else f"code {code}"
             _say(f"rank {rank} exited with {how}; stopping the other ranks")
             return code if code > 0 else 1
