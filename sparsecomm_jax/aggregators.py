@@ -179,7 +179,7 @@ def _check(density: float, selector: str) -> None:
     sparsify.check_selector(selector)
 
 
-def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_workers: bool):
+def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
     """The shared skeleton: residual add, fusion, one ``exchange`` per bucket.
 
     ``exchange(flat) -> (total, kept)``: the sum over workers of what is sent, and what
@@ -197,7 +197,7 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, pad_to_wor
         num = jax.lax.axis_size(axis_name)
         mean, residual = {}, {}
         for bucket in fusion.plan_buckets([a.size for a in acc], bucket_bytes):
-            flat = fusion.pack(acc, bucket, num if pad_to_workers else 1)  # float[d]
+            flat = fusion.pack(acc, bucket)  # float[d]
             total, kept = exchange(flat)
             mean.update(fusion.unpack(total / num, leaves, bucket))
             residual.update(fusion.unpack(kept, acc, bucket))
@@ -223,14 +223,16 @@ def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -
 
 
 def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
-    """``flat -> (total, kept)`` of TopKA2A; ``flat`` divisible by P."""
+    """``flat -> (total, kept)`` of TopKA2A, any length: k entries in all, split over the
+    P shards by their real entries (``sparsify.shard_slots``)."""
 
     def exchange(flat):
         num, d = jax.lax.axis_size(axis_name), flat.shape[0]
-        k_shard = sparsify.per_shard_k(sparsify.num_selected(density, d), num)
-        k_shard = min(k_shard, d // num)
-        values, local, kept = sparsify.per_shard_topk_with_residual(flat, k_shard, num, selector)
-        return collectives.topk_a2a(values, local, d, axis_name), kept  # values: [P, k/P]
+        k = sparsify.num_selected(density, d)
+        values, local, kept = sparsify.shard_topk_with_residual(flat, k, num, selector)
+        size = num * -(-d // num)  # the shards of ceil(d/P), padding included
+        total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
+        return sparsify.from_shards(total.reshape(num, -1), d), kept
 
     return exchange
 
@@ -274,7 +276,7 @@ def topk_allgather(
     """
     _check(density, selector)
     exchange = allgather_exchange(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+    return _error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def topk_a2a(
@@ -283,8 +285,9 @@ def topk_a2a(
     selector: str = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
-    """TopKA2A: ceil(k/P) entries per contiguous shard, one all-to-all, local sum,
-    tiled all-gather. Buckets are zero-padded to a multiple of P.
+    """TopKA2A: k = round(density * d) entries per bucket, as ``topk_allgather``, split
+    over P contiguous shards by their real entries (``sparsify.shard_slots``); one
+    all-to-all of ceil(k/P) pairs per shard, local sum, tiled all-gather.
 
     Args: as ``topk_allgather``.
 
@@ -293,7 +296,7 @@ def topk_a2a(
     """
     _check(density, selector)
     exchange = a2a_exchange(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
+    return _error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def gtopk(
@@ -316,7 +319,7 @@ def gtopk(
     """
     _check(density, selector)
     exchange = gtopk_exchange(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=False)
+    return _error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def adaptive(
@@ -353,7 +356,7 @@ def adaptive(
         num = jax.lax.axis_size(axis_name)
         return builders[costmodel.choose(flat.shape[0], density, num, link)]()(flat)
 
-    return _error_feedback(exchange, axis_name, bucket_bytes, pad_to_workers=True)
+    return _error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:

@@ -10,14 +10,14 @@ strategy       messages                  bytes per worker
 ============== ========================= ==============================
 dense          2(P-1)                    2(P-1)/P * 4d
 topk_allgather 2(P-1)                    2(P-1) * 4k
-topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + d')
+topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + Pc)
 gtopk          2 log2 P                  2 log2(P) * 4k
 ============== ========================= ==============================
 
-topk_a2a pads the bucket to d', a multiple of P, and sends s = min(ceil(k'/P), d'/P)
-pairs per shard, k' = round(density * d') (``a2a_bytes``); for d a multiple of P and
-k a multiple of P this is (P-1)/P * 4(2k + d). This table is the one home of the
-volumes: ``collectives`` and the experiments refer to it.
+topk_a2a splits the bucket into P shards of c = ceil(d/P) entries (padding included)
+and sends s = ceil(k/P) pair slots to each (``a2a_bytes``); for d and k multiples of P
+this is (P-1)/P * 4(2k + d). Here k = round(density * d), at least 1. This table is the
+one home of the volumes: ``collectives`` and the experiments refer to it.
 
 A link may also carry ``local``, the measured seconds of each strategy's local work
 (selection, residual, scatter-add) as a line in the bucket size
@@ -114,13 +114,11 @@ def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
 
 
 def a2a_bytes(size: int, density: float, workers: int) -> float:
-    """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled: the
-    bucket is zero-padded to d' = a multiple of P, and each shard sends
-    s = min(ceil(k' / P), d' / P) pairs with k' = round(density * d')."""
-    p = workers
-    padded = -(-size // p) * p
-    k_shard = min(math.ceil(max(1, round(density * padded)) / p), padded // p)
-    return (p - 1) / p * 4 * (2 * p * k_shard + padded)
+    """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled, for any
+    size: an all-to-all of s = ceil(k/P) (value, index) slots per shard, k = round(density
+    * size) (``sparsify.shard_slots``), and an all-gather of P shards of ceil(size/P)."""
+    p, k = workers, min(size, max(1, round(density * size)))
+    return (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + p * math.ceil(size / p))
 
 
 def strategy_time(strategy: str, size: int, density: float, workers: int, link: Link) -> float:
@@ -188,13 +186,10 @@ def local_work_fn(strategy: str, size: int, density: float, workers: int):
             return sparsify.densify(*gathered, size), kept
 
     elif strategy == "topk_a2a":
-        k_shard = min(sparsify.per_shard_k(k, workers), size // workers)
 
         def work(x):
-            values, local = sparsify.per_shard_topk(x, k_shard, workers)  # [P, k/P]
-            offsets = (jnp.arange(workers) * (size // workers))[:, None]
-            kept = x - sparsify.densify(values, local + offsets, size)
-            return sparsify.densify(values, local, size // workers), kept
+            values, local, kept = sparsify.shard_topk_with_residual(x, k, workers)  # [P, k/P]
+            return sparsify.densify(values, local, -(-size // workers)), kept
 
     else:
         return None
@@ -202,8 +197,8 @@ def local_work_fn(strategy: str, size: int, density: float, workers: int):
 
 
 def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
-    """``LocalWork`` of the sparse strategies, timed at each bucket size (padded to a
-    multiple of P) on this device and fitted as a line in the size.
+    """``LocalWork`` of the sparse strategies, timed at each bucket size on this device
+    and fitted as a line in the size.
 
     Args:
       sizes: bucket sizes (entries), e.g. those of the run's fusion plan.
@@ -218,7 +213,7 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
     rng, lines = np.random.default_rng(0), {}
     for strategy in CHOICES:
         points = []
-        for size in sorted({-(-s // workers) * workers for s in sizes}):
+        for size in sorted(set(sizes)):
             fn = local_work_fn(strategy, size, density, workers)
             if fn is not None:
                 x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties

@@ -66,6 +66,50 @@ def per_shard_k(k: int, num_shards: int) -> int:
     return math.ceil(k / num_shards)
 
 
+def shard_slots(k: int, size: int, num_shards: int) -> list[int]:
+    """TopKA2A's entries per destination shard of a bucket of ``size`` entries: k in all,
+    floor(k/P) per shard and one more in each of the first k mod P shards.
+
+    The shards (``to_shards``) hold floor(d/P) or ceil(d/P) real entries, the longer
+    ones first, so slots follow the real entries: no shard gets more slots than entries,
+    and padding earns none (d=13, P=4, k=1: [1, 0, 0, 0], not one per shard).
+
+    Example:
+        >>> shard_slots(6, 13, 4)
+        [2, 2, 1, 1]
+    """
+    if not 1 <= k <= size:
+        raise ValueError(f"k must be in [1, size={size}], got {k}")
+    return [k // num_shards + (j < k % num_shards) for j in range(num_shards)]
+
+
+def to_shards(x, num_shards: int):
+    """float[d] -> float[P, ceil(d/P)]: P contiguous shards, the first d - P*floor(d/P)
+    of ceil(d/P) entries and the others of floor(d/P) entries plus one zero at the end
+    (d a multiple of P: a plain reshape). ``from_shards`` inverts it."""
+    d, long = x.shape[0], _long_shards(x.shape[0], num_shards)
+    if long == num_shards:
+        return x.reshape(num_shards, -1)
+    width = -(-d // num_shards)
+    head = x[: long * width].reshape(long, width)
+    tail = x[long * width :].reshape(num_shards - long, width - 1)
+    return jnp.concatenate([head, jnp.pad(tail, ((0, 0), (0, 1)))])
+
+
+def from_shards(shards, size: int):
+    """float[P, ceil(d/P)] -> float[d], the inverse of ``to_shards`` (drops the padding)."""
+    num_shards = shards.shape[0]
+    long = _long_shards(size, num_shards)
+    if long == num_shards:
+        return shards.reshape(-1)
+    return jnp.concatenate([shards[:long].reshape(-1), shards[long:, :-1].reshape(-1)])
+
+
+def _long_shards(size: int, num_shards: int) -> int:
+    """How many shards of ``to_shards`` hold ceil(d/P) real entries."""
+    return size - num_shards * (-(-size // num_shards) - 1)
+
+
 def exact_topk(x, k: int):
     """The k entries of largest magnitude: ``(values, indices)``, int32 indices."""
     _, idx = jax.lax.top_k(jnp.abs(x), k)
@@ -219,6 +263,48 @@ def per_shard_topk_with_residual(x, k_shard: int, num_shards: int, selector: str
         return values, local, rest.reshape(-1)
 
     return jax.lax.platform_dependent(x, cpu=cpu, default=other)
+
+
+def shard_topk_with_residual(x, k: int, num_shards: int, selector: str = DEFAULT_SELECTOR):
+    """TopKA2A's selection on a bucket of any length d: ``shard_slots(k, d, P)`` entries
+    of largest magnitude in each shard of ``to_shards`` (ties to the lower index).
+
+    Args:
+      x: float[d].
+      k: entries selected in all, 1 <= k <= d.
+      num_shards: P.
+      selector: one of ``SELECTORS``, applied per shard.
+
+    Returns:
+      ``(values, local, residual)``: float[P, s] and int32[P, s] shard-local indices,
+      s = ceil(k/P) (a shard with one slot fewer sends a zero), and float[d], ``x`` less
+      what is sent.
+
+    Example:
+        >>> vals, local, rest = shard_topk_with_residual(jnp.arange(5.0), 2, 2)
+        >>> vals.tolist(), local.tolist(), rest.tolist()
+        ([[2.0], [4.0]], [[2], [1]], [0.0, 1.0, 0.0, 3.0, 0.0])
+    """
+    d, slots = x.shape[0], shard_slots(k, x.shape[0], num_shards)
+    shards = to_shards(x, num_shards)  # float[P, c]
+    values, local, rest = per_shard_topk_with_residual(
+        shards.reshape(-1), max(slots), num_shards, selector
+    )  # [P, s], [P, s], float[P*c]
+    if min(slots) < max(slots):  # the last shards give their weakest entry back
+        values, back = _drop_weakest(values, local, jnp.array(slots) < max(slots))
+        offsets = (jnp.arange(num_shards) * shards.shape[1])[:, None]
+        rest = rest.at[(local + offsets).reshape(-1)].add(back.reshape(-1))
+    return values, local, from_shards(rest.reshape(shards.shape), d)
+
+
+def _drop_weakest(values, local, rows):
+    """``(kept, dropped)``: in each row where ``rows`` holds, the selected entry of least
+    magnitude (the higher index among equals: the last of a top-k) moves to ``dropped``."""
+    key = jax.lax.bitcast_convert_type(jnp.abs(values), jnp.int32)  # ordered like |v|
+    low = key == key.min(axis=1, keepdims=True)
+    last = jnp.max(jnp.where(low, local, -1), axis=1, keepdims=True)
+    weakest = low & (local == last) & rows[:, None]
+    return jnp.where(weakest, 0.0, values), jnp.where(weakest, values, 0.0)
 
 
 def densify(values, indices, size: int):
