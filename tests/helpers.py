@@ -1,4 +1,5 @@
-"""Shared test helpers: single-device reference training and tree comparison."""
+"""Shared test helpers: single-device reference training, tree comparison and the numpy
+reference of TopKA2A's selection."""
 
 import jax
 import numpy as np
@@ -51,3 +52,16 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):
     assert tree_a == tree_b
     for x, y in zip(leaves_a, leaves_b, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def a2a_sent(x, k, workers):
+    """What TopKA2A sends of a float[d] ``x`` at k entries, as float[d] (numpy): P shards
+    cut as ``np.array_split`` cuts them, the k slots dealt one by one from the first
+    shard on, in each shard its largest magnitudes (ties to the lower index)."""
+    slots = np.bincount(np.arange(k) % workers, minlength=workers)
+    parts = np.array_split(np.arange(x.size), workers)
+    by_size = [p[np.argsort(-np.abs(x[p]), kind="stable")] for p in parts]
+    taken = np.concatenate([p[:n] for p, n in zip(by_size, slots, strict=True)])
+    sent = np.zeros_like(x)
+    sent[taken] = x[taken]
+    return sent

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import a2a_sent
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, costmodel, hlo, runtime
@@ -100,6 +101,20 @@ def test_topk_a2a_is_mean_of_per_shard_topk(selector):
         [np.concatenate([_topk_dense(s, 4) for s in x.reshape(N, -1)]) for x in g], axis=0
     )
     np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("d, workers, density, kind", [(13, 4, 0.1, "ties"),
+                                                     (101, 8, 0.3, "random")])  # fmt: skip
+def test_topk_a2a_any_length_sends_k_entries_by_real_shard_sizes(d, workers, density, kind):
+    # d=13, P=4, density 0.1: k = 1 entry in all, not one per shard (4, a density of 31%)
+    g, r = (x[:workers] for x in inputs(kind, d=d, seed=11))
+    agg = aggregators.topk_a2a(density, "data", bucket_bytes=None)
+    mean, new_r = run(agg, g, r, devices=workers)
+    k = round(density * d)
+    sent = np.stack([a2a_sent(x, k, workers) for x in g + r])
+    np.testing.assert_allclose(mean[0], sent.mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(new_r, g + r - sent)
+    assert (np.count_nonzero(new_r != g + r, axis=1) == k).all()  # every worker sent k
 
 
 def test_gtopk_keeps_at_most_k_and_matches_reference():

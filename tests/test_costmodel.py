@@ -11,8 +11,8 @@ from sparsecomm_jax import aggregators, costmodel, hlo, runtime
 N = 8
 
 
-def _compiled(name, density, size):
-    mesh = runtime.data_mesh(N)
+def _compiled(name, density, size, workers=N):
+    mesh = runtime.data_mesh(workers)
     agg = aggregators.AGGREGATORS[name](density, "data", bucket_bytes=None)
 
     def body(g, r):
@@ -22,7 +22,7 @@ def _compiled(name, density, size):
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
                                out_specs=P("data"), check_vma=False))  # fmt: skip
-    x = jax.ShapeDtypeStruct((N, size), np.float32, sharding=NamedSharding(mesh, P("data")))
+    x = jax.ShapeDtypeStruct((workers, size), np.float32, sharding=NamedSharding(mesh, P("data")))
     return hlo.collectives(fn, x, x)
 
 
@@ -163,7 +163,20 @@ def test_adaptive_prices_local_work():
 
 
 @pytest.mark.parametrize("size", [13, 1001, 4099])
-@pytest.mark.parametrize("name", ["dense", "topk_allgather", "topk_a2a"])
+@pytest.mark.parametrize("name", ["dense", "topk_allgather"])
 def test_formulas_match_compiled_bytes_for_any_size(name, size):
     nbytes = costmodel.messages_and_bytes(name, size, 0.1, N)[1]
     assert hlo.total_bytes(_compiled(name, 0.1, size)) == pytest.approx(nbytes, rel=1e-6)
+
+
+@pytest.mark.parametrize("size, workers, density", [
+    (13, 4, 0.1), (13, 4, 0.3), (37, 8, 0.05), (37, 4, 0.5), (1001, 8, 0.1),
+    (1001, 4, 0.01), (1001, 8, 0.3)])  # fmt: skip
+def test_topk_a2a_formula_matches_compiled_bytes_for_any_size(size, workers, density):
+    # k < P, k not a multiple of P, d not a multiple of P: ceil(k/P) slots per shard
+    colls = _compiled("topk_a2a", density, size, workers)
+    nbytes = costmodel.messages_and_bytes("topk_a2a", size, density, workers)[1]
+    assert hlo.total_bytes(colls) == pytest.approx(nbytes, rel=1e-6)
+    slots = -(-round(density * size) // workers)
+    a2a_shapes = {shape for c in colls if c.kind == "all-to-all" for _, shape in c.shapes}
+    assert a2a_shapes == {(1, slots)}  # one [1, ceil(k/P)] chunk per destination
