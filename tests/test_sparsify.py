@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import a2a_sent
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -68,6 +69,40 @@ def test_per_shard_topk_matches_numpy(selector):
         ref = np.argsort(-np.abs(shard))[:3]
         assert set(np.asarray(local[s]).tolist()) == set(ref.tolist())
         np.testing.assert_array_equal(np.asarray(values[s]), shard[np.asarray(local[s])])
+
+
+def test_shards_are_array_split_and_slots_follow_real_entries():
+    to_shards = jax.jit(sparsify.to_shards, static_argnums=1)
+    from_shards = jax.jit(sparsify.from_shards, static_argnums=1)
+    for d, p in [(13, 4), (37, 8), (5, 8), (64, 8)]:
+        x = np.arange(1, d + 1, dtype=np.float32)
+        shards, parts = np.asarray(to_shards(x, p)), np.array_split(x, p)
+        assert shards.shape == (p, -(-d // p))
+        for row, part in zip(shards, parts, strict=True):
+            np.testing.assert_array_equal(row[: part.size], part)
+            assert not row[part.size :].any()  # padding is zero
+        np.testing.assert_array_equal(from_shards(shards, d), x)
+        for k in range(1, d + 1):  # k in all; no shard above its real entries or its share
+            slots = sparsify.shard_slots(k, d, p)
+            assert sum(slots) == k
+            for n, part in zip(slots, parts, strict=True):
+                assert 0 <= n <= part.size and abs(n - k * part.size / d) < 1
+
+
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
+def test_shard_topk_with_residual_matches_numpy_at_any_length(selector):
+    rng = np.random.default_rng(12)
+    for d, p, k in [(13, 4, 1), (37, 8, 11), (50, 4, 50)]:
+        x = np.round(rng.normal(size=d)).astype(np.float32)  # ties and zeros
+        fn = jax.jit(lambda v, k=k, p=p: sparsify.shard_topk_with_residual(v, k, p, selector))
+        values, local, kept = (np.asarray(a) for a in fn(x))
+        sent = a2a_sent(x, k, p)
+        np.testing.assert_array_equal(kept, x - sent)
+        assert values.shape == local.shape == (p, -(-k // p))
+        starts = np.cumsum([0] + [a.size for a in np.array_split(x, p)])[:-1, None]
+        got, nonzero = np.zeros_like(x), values != 0  # zeros: padding or dropped slots
+        np.add.at(got, (local + starts)[nonzero], values[nonzero])
+        np.testing.assert_array_equal(got, sent)
 
 
 @pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan"), "0.1"])
