@@ -54,6 +54,25 @@ def _measure_local_work(buckets: tuple[int, ...], density: float, devices: int):
     return costmodel.measure_local_work(buckets, density, devices)
 
 
+def selectable_thresholds(sizes: list[int], density: float) -> list[int]:
+    """``fusion.candidate_thresholds`` whose every bucket keeps at least one entry at
+    ``density`` (``round(density * n) >= 1``); the largest (one bucket) is always kept.
+
+    Example:
+        >>> selectable_thresholds([8, 400, 8], 0.01)  # an 8-entry bucket keeps none
+        [1664]
+    """
+    from sparsecomm_jax import fusion
+
+    candidates = fusion.candidate_thresholds(sizes)
+
+    def selectable(threshold: int) -> bool:
+        plan = fusion.plan_buckets(sizes, threshold)
+        return all(round(density * sum(sizes[i] for i in b)) >= 1 for b in plan)
+
+    return [c for c in candidates[:-1] if selectable(c)] + candidates[-1:]
+
+
 def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
     """Median seconds of a step built with ``bucket_bytes`` (after one warm-up step).
 
@@ -103,6 +122,7 @@ def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[s
         timed[str(bucket_bytes)] = measured_step_s(config, build, bucket_bytes)
         return timed[str(bucket_bytes)]
 
-    best, evaluations = fusion.search_threshold(cost, fusion.candidate_thresholds(sizes))
+    candidates = selectable_thresholds(sizes, config.density)
+    best, evaluations = fusion.search_threshold(cost, candidates)
     chosen = dataclasses.replace(config, bucket_mb=repr(best / 2**20))
     return chosen, {"bucket_bytes": best, "evaluations": evaluations, "step_s": timed}

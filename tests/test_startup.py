@@ -35,6 +35,23 @@ def test_choose_bucket_finds_the_least_stand_in_step_time(monkeypatch):
     assert record["evaluations"] == len(set(seen)) < len(candidates)
 
 
+def test_search_skips_thresholds_whose_buckets_keep_no_entry(monkeypatch):
+    config = RunConfig(**TINY, bucket_mb="auto", density=0.01)
+    sizes, seen = startup.leaf_sizes(config), []
+
+    def stand_in(cfg, build_fn, bucket_bytes):  # smaller is faster: leaves alone would win
+        seen.append(bucket_bytes)
+        return float(bucket_bytes)
+
+    monkeypatch.setattr(startup, "measured_step_s", stand_in)
+    _, record = startup.choose_bucket(config, build)
+    for threshold in seen:
+        plan = fusion.plan_buckets(sizes, threshold)
+        assert all(round(0.01 * sum(sizes[i] for i in b)) >= 1 for b in plan)
+    valid = startup.selectable_thresholds(sizes, 0.01)
+    assert record["bucket_bytes"] == valid[0] > fusion.candidate_thresholds(sizes)[0]
+
+
 def test_auto_bucket_run_records_the_threshold():
     result = train_and_evaluate(RunConfig(**TINY, bucket_mb="auto"), progress=False)
     search = result["bucket_search"]
