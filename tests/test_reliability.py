@@ -419,14 +419,15 @@ def test_killed_rank_then_resume(tmp_path):
     assert time.monotonic() - t < 30
     assert job.returncode != 0 and "rank 1 exited with signal 9" in err
     assert _rank_pid(0) is None and _rank_pid(1) is None  # no orphans
-    resumed = subprocess.run([*launch[:-len(args)], *args, "--resume", "--steps", "62",
+    steps = 2 + max(int(p.name) for p in ck.iterdir() if p.name.isdigit())  # 2 past the last
+    resumed = subprocess.run([*launch[:-len(args)], *args, "--resume", "--steps", str(steps),
                               "--out", str(out)], cwd=REPO, capture_output=True, text=True,
                              timeout=240)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["start_step"] >= 2 and len(result["losses"]) == 62 - result["start_step"]
+    assert result["start_step"] >= 2 and len(result["losses"]) == steps - result["start_step"]
     single = train_and_evaluate(RunConfig(strategy="dense", devices=2, batch=4, vocab=200,
-                                          steps=62), progress=False)  # fmt: skip
+                                          steps=steps), progress=False)  # fmt: skip
     np.testing.assert_allclose(result["losses"], single["losses"][result["start_step"]:],
                                rtol=1e-6)  # fmt: skip
 
