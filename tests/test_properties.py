@@ -142,7 +142,8 @@ def test_bucket_plan_places_every_id(workers, rows, n, seed):
     vocab = rows * workers
     ids = np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
     capacity = embedding.rowwise_capacity([ids], vocab, workers)
-    send, pos = embedding.bucket_plan(jnp.asarray(ids), vocab, workers, capacity)
+    plan = jax.jit(embedding.bucket_plan, static_argnums=(1, 2, 3))  # one program per draw
+    send, pos = plan(jnp.asarray(ids), vocab, workers, capacity)
     flat = np.asarray(send).reshape(-1)
     np.testing.assert_array_equal(flat[np.asarray(pos)], ids)  # each token finds its id
     owners = np.repeat(np.arange(workers), capacity)
