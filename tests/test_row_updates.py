@@ -1,7 +1,8 @@
-"""Row-sparse table updates in training: every lossless table strategy with the row-wise
-SGD and Adagrad equals single-device dense training (tied and untied tables, sampled and
-full softmax); lazy Adam equals a single-device reference; non-finite rows skip the step;
-the bfloat16 wire halves the bytes; bad input fails before compiling."""
+"""Row-sparse table updates in training: every lossless table strategy (``embrace_2d``
+too) with the row-wise SGD and Adagrad equals single-device dense training (tied and
+untied tables, sampled and full softmax); lazy Adam equals a single-device reference;
+non-finite rows skip the step; the bfloat16 wire halves the bytes; bad input fails
+before compiling."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ OPTIMIZERS = {  # (dense optax reference, row-wise table update)
     "sgd": (lambda: optax.sgd(0.5), lambda: rowwise.sgd(0.5)),
     "adagrad": (lambda: optax.adagrad(0.3), lambda: rowwise.adagrad(0.3)),
 }
-ALL = ("embrace", "embrace_rowwise", "sparse_allgather")
+ALL = ("embrace", "embrace_rowwise", "sparse_allgather", "embrace_2d")  # 2d: no emb.attend
 CASES = [  # model, its variant, optimizer, strategies (every strategy on several models)
     ("lstm_lm", dict(sampled_softmax=16), "sgd", ALL),  # untied, sampled softmax
     ("lstm_lm", dict(sampled_softmax=16, tie_embeddings=True), "adagrad", ALL),  # tied
@@ -88,7 +89,9 @@ def test_lazy_adam_matches_single_device_reference():
     np.testing.assert_array_equal(got["embed"]["embedding"][untouched], before[untouched])
 
 
-def test_nonfinite_rows_skip_the_step():
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
+def test_nonfinite_rows_skip_the_step(strategy):
+    """Only the table's gradient rows hold NaN at step 1: the check looks at the rows."""
     w = get_workload("lstm_lm", seed=4, **SMALL, sampled_softmax=16)
 
     def batch_at(step):
@@ -103,7 +106,7 @@ def test_nonfinite_rows_skip_the_step():
 
     bad = w._replace(batch_at=batch_at, loss=loss)
     ts = train.make_train_step(
-        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), "embrace",
+        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), strategy,
         replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
         table_optimizer=rowwise.sgd(0.1),
     )  # fmt: skip
@@ -146,6 +149,9 @@ def test_bad_input_fails_before_compiling():
         train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
         train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+    with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
+        train.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16",
+                              table_optimizer=rowwise.sgd(0.1), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -156,7 +162,8 @@ def test_bad_input_fails_before_compiling():
         (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
         (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
         (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
-        (dict(table_update="sparse", strategy="embrace_2d"), "needs a strategy among"),
+        (dict(table_update="sparse", strategy="dense"), "needs a strategy among"),
+        (dict(comm_dtype="bfloat16", strategy="embrace_2d"), "not available for embrace_2d"),
     ],
 )
 def test_cli_rejects_before_jax_starts(flags, message):
