@@ -92,7 +92,9 @@ def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
             rows.append(g.reshape(call_ids.size, -1))
         elif t == i:
             shared.append((g, call_ids))
-    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
+    # int[P, n], the same on every worker (typed so: a row state such as lazy_adam's
+    # step counts, indexed by these ids, stays replicated)
+    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis, to="invarying")
     rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
     if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
@@ -110,7 +112,7 @@ def _future_ids(future: list, i: int, axis: str) -> list:
              for calls in future]  # fmt: skip
     sizes = [sum(x.size for x in ids) for ids in local]
     flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
-    every = jax.lax.all_gather(flat, axis)  # int[P, sum(sizes)]
+    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, sum(sizes)]
     bounds = np.cumsum([0, *sizes])
     out = []
     for k, calls in enumerate(future):

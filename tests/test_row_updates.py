@@ -68,13 +68,15 @@ def _lazy_adam_reference(w, params, steps, lr):
     return losses, jax.tree.map(np.asarray, params)
 
 
-def test_lazy_adam_matches_single_device_reference():
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
+def test_lazy_adam_matches_single_device_reference(strategy):
+    """(embrace_2d: the step counts, indexed by ids every worker holds, stay replicated.)"""
     w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
     params = w.init(jax.random.key(3))
     ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
     # eps keeps Adam from amplifying float noise in near-zero gradients
     opt, rows = optax.adam(1e-2, eps=1e-3), rowwise.lazy_adam(1e-2, eps=1e-3)
-    losses, got, _ = strategy_run(w, opt, params, STEPS, "embrace", table_optimizer=rows)
+    losses, got, _ = strategy_run(w, opt, params, STEPS, strategy, table_optimizer=rows)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
     untouched = np.setdiff1d(np.arange(SMALL["vocab"]), w.batch_at(0)["tokens"])
