@@ -3,7 +3,8 @@
     python -m experiments.table_cost --vocabs 1000 100000 --out-dir runs/table_cost
 
 One device, LSTM LM D=H=128, 16 x 32 tokens, sampled softmax 1,024, SGD: the step time
-of ``--strategy`` (``embrace``) at each vocabulary, with the row-sparse table update
+of ``--strategy`` (``embrace``; ``embrace_2d`` pipelined, each batch placed with the
+ones after it) at each vocabulary, with the row-sparse table update
 (O(tokens x D)) and with the dense one (O(V x D)). The steps of every configuration
 are timed in turn, a block of steps each, round after round (a busy host slows them
 alike; the first step of a block, which pays for the switch, is not counted), and each
@@ -22,10 +23,25 @@ from pathlib import Path
 
 from experiments.config import RunConfig
 from experiments.train import build, start_devices, validate
+from sparsecomm_jax.train import place_for_step
 
 WORKLOAD = dict(
     model="lstm_lm", dim=128, hidden=128, batch=16, seq_len=32, sampled_softmax=1024, lr=0.1
 )
+
+
+def placed_cycle(ts, workload, count: int) -> list:
+    """Batches 0..count-1 placed for a run that cycles through them: a pipelined
+    strategy's batch ``count - 1`` looks ahead to batches 0, 1, ... Placed twice, so
+    every batch has the capacity the largest needs (one program)."""
+
+    def batch_at(i: int):
+        return workload.batch_at(i % count)
+
+    steps = count + ts.lookahead + 1
+    for _ in range(2):
+        batches = [place_for_step(ts, batch_at, i, steps) for i in range(count)]
+    return batches
 
 
 def prepared(strategy: str, vocab: int, update: str, rounds: int):
@@ -38,9 +54,13 @@ def prepared(strategy: str, vocab: int, update: str, rounds: int):
     )  # fmt: skip
     validate(config)
     workload, ts = build(config)
-    batches = [ts.place_batch(workload.batch_at(i)) for i in range(rounds)]
-    step = ts.step.lower(ts.state, batches[0]).compile()
-    box = {"state": ts.state, "i": 0, "loss": None}
+    batches = placed_cycle(ts, workload, rounds)
+    state = ts.state
+    if ts.lookahead:  # a pipelined step carries the next batch's rows: compile that form
+        state, _ = ts.step(state, batches[0])
+        batches = batches[1:] + batches[:1]
+    step = ts.step.lower(state, batches[0]).compile()
+    box = {"state": state, "i": 0, "loss": None}
 
     def run() -> float:
         batch = batches[box["i"] % rounds]

@@ -269,7 +269,9 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
 def row_updates(config: RunConfig) -> bool:
     """Whether tables get the row-sparse update (``--table-update``: ``auto`` = when the
     strategy and ``--optimizer`` allow); ``ValueError`` for combinations that cannot."""
-    can = train.STRATEGIES[parse_strategy(config.strategy)[0]].row_updates
+    base = parse_strategy(config.strategy)[0]
+    can = train.STRATEGIES[base].row_updates
+    rows = [s.name for s in train.STRATEGIES.values() if s.row_updates]
     has_form = config.optimizer in rowwise.ROW_OPTIMIZERS
     sparse = config.table_update == "sparse" or (config.table_update == "auto" and can and has_form)
     if sparse and not has_form:
@@ -278,12 +280,16 @@ def row_updates(config: RunConfig) -> bool:
             f"use --table-update dense or one of {sorted(rowwise.ROW_OPTIMIZERS)}"
         )
     if sparse and not can:
-        rows = [s.name for s in train.STRATEGIES.values() if s.row_updates]
         raise ValueError(f"--table-update sparse needs a strategy among {rows}")
     if config.optimizer == "lazy_adam" and not sparse:
         raise ValueError(
             "--optimizer lazy_adam is a row-sparse table update: use it with "
-            "--table-update auto or sparse and embrace, embrace_rowwise or sparse_allgather"
+            f"--table-update auto or sparse and a strategy among {rows}"
+        )
+    if config.comm_dtype != "float32" and base == "embrace_2d":
+        raise ValueError(
+            f"--comm-dtype {config.comm_dtype} is not available for embrace_2d: "
+            "use --comm-dtype float32 or --strategy embrace"
         )
     if config.comm_dtype != "float32" and parse_strategy(config.strategy)[1] != "dense":
         raise ValueError(

@@ -3,7 +3,7 @@
 Each ``*_body(ctx, ...)`` returns ``body(state, batch) -> (state, loss)``, run once per
 worker inside ``jax.shard_map`` (or ``jax.pmap`` for ``dense_pmap``) with ``batch`` a
 ``placement.PlacedBatch`` holding this worker's slice. The pipelined ``embrace_2d`` body
-lives in ``pipeline``.
+lives in ``pipeline`` (dense table update) and ``pipeline_rows`` (row-sparse).
 
 Example:
     >>> import jax.numpy as jnp, optax
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from sparsecomm_jax import embedding, rowgrad
+from sparsecomm_jax import embedding, pipeline, pipeline_rows, rowgrad
 from sparsecomm_jax.aggregators import vary
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 from sparsecomm_jax.placement import PlacedBatch
@@ -153,3 +153,17 @@ def sparse_allgather_body(ctx: StepContext) -> Body:
         return finish_step(ctx, state, grads, loss)
 
     return body
+
+
+def embrace_2d_body(ctx: StepContext) -> Body:
+    """``embrace_2d``: the row-sparse pipelined step when ``ctx.table_optimizer`` is set,
+    else the dense table update (exact for any optax optimizer). A narrow
+    ``comm_dtype`` is refused (``ValueError``): this step sends float32."""
+    if ctx.comm_dtype != "float32":
+        raise ValueError(
+            f"comm_dtype={ctx.comm_dtype!r} is not available for embrace_2d; "
+            "use comm_dtype='float32' or strategy 'embrace'"
+        )
+    if ctx.table_optimizer is not None:
+        return pipeline_rows.embrace_2d_rows_body(ctx)
+    return pipeline.embrace_2d_body(ctx)

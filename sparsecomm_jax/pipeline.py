@@ -60,7 +60,7 @@ def prefetch(tables: dict[int, Any], calls: list, axis_name: str) -> list:
     return out
 
 
-def _waits_for(x, after):
+def waits_for(x, after):
     """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
     with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
     before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
@@ -92,7 +92,9 @@ def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
             rows.append(g.reshape(call_ids.size, -1))
         elif t == i:
             shared.append((g, call_ids))
-    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis)  # int[P, n]
+    # int[P, n], the same on every worker (typed so: a row state such as lazy_adam's
+    # step counts, indexed by these ids, stays replicated)
+    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis, to="invarying")
     rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
     if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
@@ -110,7 +112,7 @@ def _future_ids(future: list, i: int, axis: str) -> list:
              for calls in future]  # fmt: skip
     sizes = [sum(x.size for x in ids) for ids in local]
     flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
-    every = jax.lax.all_gather(flat, axis)  # int[P, sum(sizes)]
+    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, sum(sizes)]
     bounds = np.cumsum([0, *sizes])
     out = []
     for k, calls in enumerate(future):
@@ -145,7 +147,7 @@ def first_chunk(ctx: StepContext, plan: Plan):
 def later_chunks(ctx: StepContext, plan: Plan, after):
     """float[V, D/P] (or 0.0): the remaining chunks, issued only once ``after`` (every
     table's first chunk) has arrived."""
-    rows, out = _waits_for(plan.rows, after), 0.0
+    rows, out = waits_for(plan.rows, after), 0.0
     for bound in plan.chunks[1:]:
         out = out + schedule.column_grad_chunk(
             rows, plan.ids, plan.order, bound, plan.vocab, ctx.axis_name
@@ -180,51 +182,67 @@ NO_ATTEND_2D = (
 )
 
 
+class Front(NamedTuple):
+    """What a pipelined step computes before its table exchange (either table update)."""
+
+    loss: Any  # this worker's loss
+    g_params: Any  # gradient of every leaf (zero at the tables: lookups read rows)
+    rest: Any  # the aggregated gradient of the other leaves (None at the tables)
+    agg_state: Any
+    nxt: list | None  # the logged reads of batch t+1 (None at the last step)
+    plans: dict  # table index -> Plan
+    spill: Any  # bool, on every worker: a row batch t+1 reads missed the first chunk
+
+
+def front(ctx: StepContext, widths: dict[int, int], state: TrainState, batch: PlacedBatch):
+    """Forward and backward of batch t on the rows fetched during step t-1 (or now, at
+    the first step), the dense layers' aggregation, and each table's ``Plan``."""
+    params, mask = state.params, ctx.table_mask
+    calls = embedding.logged_lookups(ctx.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D)
+    tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
+    rows = list(state.carry) if state.carry != () else prefetch(tables, calls, ctx.axis_name)
+    varying = vary((params, rows), ctx.axis_name)  # each worker's own gradient
+    grad_fn = jax.value_and_grad(loss_of_rows(ctx, batch.data), argnums=(0, 1))
+    loss, (g_params, g_rows) = grad_fn(*varying)
+    rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
+    ahead = [batch.next, *batch.later] if batch.next is not None else []
+    future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
+    plans = {i: exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
+    spill = jnp.any(jnp.stack([s for _, s in plans.values()])).astype(jnp.int32)
+    spill = jax.lax.pmax(spill, ctx.axis_name) > 0
+    plans = {i: plan for i, (plan, _) in plans.items()}
+    return Front(loss, g_params, rest, agg_state, future[0] if future else None, plans, spill)
+
+
 def embrace_2d_body(ctx: StepContext) -> Callable:
     """EmbRace with 2D scheduling, one pipelined step: batch t's forward reads rows
     fetched during step t-1; its table gradients travel in priority chunks; the rows
     batch t+1 needs are updated from the first chunk alone and fetched for it right
     away; the rest of the exchange and the full update follow. Exactly equivalent to
-    ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...)."""
+    ``embrace`` for element-wise optimizers (SGD, momentum, Adam, ...). Dense table
+    update (a V x D/P gradient per table); the row-sparse form is ``pipeline_rows``."""
     widths = table_widths(ctx)
     num = ctx.num_workers
 
     def body(state: TrainState, batch: PlacedBatch):
-        params, mask = state.params, ctx.table_mask
-        calls = embedding.logged_lookups(
-            ctx.loss_fn, params, batch.data, mask, widths, NO_ATTEND_2D
-        )
-        tables = dict(zip(widths, [jax.tree.leaves(params)[i] for i in widths], strict=True))
-        rows = list(state.carry) if state.carry != () else prefetch(tables, calls, ctx.axis_name)
-
-        varying = vary((params, rows), ctx.axis_name)  # each worker's own gradient
-        grad_fn = jax.value_and_grad(loss_of_rows(ctx, batch.data), argnums=(0, 1))
-        loss, (g_params, g_rows) = grad_fn(*varying)
-        rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
-        ahead = [batch.next, *batch.later] if batch.next is not None else []
-        future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
-        nxt = future[0] if future else None
-        plans = {i: exchange_plan(ctx, calls, g_rows, future, batch.capacity, i) for i in widths}
-        spill = jnp.any(jnp.stack([s for _, s in plans.values()])).astype(jnp.int32)
-        spill = jax.lax.pmax(spill, ctx.axis_name) > 0
-        plans = {i: plan for i, (plan, _) in plans.items()}
+        f = front(ctx, widths, state, batch)
         with jax.named_scope(schedule.SCOPE_HIGH):
-            firsts = {i: first_chunk(ctx, plan) for i, plan in plans.items()}
+            firsts = {i: first_chunk(ctx, plan) for i, plan in f.plans.items()}
         with jax.named_scope(schedule.SCOPE_LOW):
             after = tuple(firsts.values())
-            later = {i: later_chunks(ctx, plan, after) for i, plan in plans.items()}
+            later = {i: later_chunks(ctx, plan, after) for i, plan in f.plans.items()}
         fulls = {i: (firsts[i] + later[i]) / num for i in widths}
-        firsts = {i: f / num for i, f in firsts.items()}
+        firsts = {i: g / num for i, g in firsts.items()}
         carry = ()
-        if nxt is not None:
+        if f.nxt is not None:
             with jax.named_scope(schedule.SCOPE_NEXT):
                 early = early_tables(ctx, state, firsts)
-                carry = tuple(prefetch(early, nxt, ctx.axis_name))
-        grads = with_tables(g_params, mask, fulls, rest)
-        new, loss = finish_step(ctx, state, grads, loss, agg_state, carry)
-        if nxt is None:
+                carry = tuple(prefetch(early, f.nxt, ctx.axis_name))
+        grads = with_tables(f.g_params, ctx.table_mask, fulls, f.rest)
+        new, loss = finish_step(ctx, state, grads, f.loss, f.agg_state, carry)
+        if f.nxt is None:
             return new, loss
-        return new._replace(carry=_checked_carry(ctx, new, nxt, spill, loss)), loss
+        return new._replace(carry=checked_carry(ctx, new, f.nxt, f.spill, loss)), loss
 
     return body
 
@@ -241,7 +259,7 @@ def with_tables(like, mask, tables: dict[int, Any], rest=None):
     return jax.tree.unflatten(treedef, out)
 
 
-def _checked_carry(ctx: StepContext, new: TrainState, nxt: list, spill, loss):
+def checked_carry(ctx: StepContext, new: TrainState, nxt: list, spill, loss):
     """The carried rows, or (when they may be stale) the same rows fetched again from
     the step's final tables: when a row batch t+1 reads did not fit in the first chunk
     (``spill``, the device-side guard), or when the step was skipped (``nonfinite``:

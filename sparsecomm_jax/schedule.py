@@ -124,25 +124,25 @@ def high_priority_capacity(worker_ids: Sequence[np.ndarray], next_ids: np.ndarra
 # ------------------------------------------------------------------------ collectives
 
 
-def column_grad_chunk(grads, ids, order, bounds: tuple[int, int], vocab: int, axis_name: str):
-    """One chunk of the column-wise gradient exchange, as this owner's dense gradient.
+def column_chunk_rows(grads, ids, order, bounds: tuple[int, int], axis_name: str):
+    """One chunk of the column-wise gradient exchange, as (id, row) pairs at the owner.
 
     Per worker (P=2, D=4, chunk of 1 position; w0 sends its row for id a, w1 for id b)::
 
         before:     w0 g_a[0:4]                 w1 g_b[0:4]
         all_to_all: w0 [g_a[0:2], g_b[0:2]]     w1 [g_a[2:4], g_b[2:4]]
-        after:      owner j scatter-adds both into rows a, b of its columns
+        after:      owner j holds (a, g_a[my cols]), (b, g_b[my cols])
 
     Args:
       grads: float[n, D], this worker's per-position gradient rows.
       ids: int[P, n], every worker's ids (known to all after the forward exchange).
       order: int[P, n], every worker's ``priority_order``.
       bounds: ``[start, end)`` of the chunk in priority order.
-      vocab: V.
       axis_name: the mesh axis.
 
     Returns:
-      float[V, D/P]: the sum over workers of this chunk's gradient, for my columns.
+      ``(ids int[P*c], rows float[P*c, D/P])``: every worker's chunk, my columns (the
+      same ids on every worker; an id may repeat).
     """
     num = ids.shape[0]
     start, end = bounds
@@ -151,16 +151,29 @@ def column_grad_chunk(grads, ids, order, bounds: tuple[int, int], vocab: int, ax
     cols = rows.reshape(end - start, num, -1).transpose(1, 0, 2)  # float[P, c, D/P]
     got = jax.lax.all_to_all(cols, axis_name, 0, 0)  # float[P, c, D/P]: my columns, all
     sent_ids = jnp.take_along_axis(ids, order[:, start:end], axis=1)  # int[P, c]
-    out = jnp.zeros((vocab, got.shape[-1]), grads.dtype)
-    return out.at[sent_ids.reshape(-1)].add(got.reshape(-1, got.shape[-1]))
+    return sent_ids.reshape(-1), got.reshape(-1, got.shape[-1])
+
+
+def column_grad_chunk(grads, ids, order, bounds: tuple[int, int], vocab: int, axis_name: str):
+    """``column_chunk_rows`` scattered into this owner's dense gradient float[V, D/P]:
+    the sum over workers of the chunk's gradient, for my columns."""
+    sent, got = column_chunk_rows(grads, ids, order, bounds, axis_name)
+    return jnp.zeros((vocab, got.shape[-1]), grads.dtype).at[sent].add(got)
+
+
+def column_shared_rows(grads, ids, axis_name: str):
+    """Gradient of a lookup whose ids every worker holds identically, as (id, row)
+    pairs: one reduce-scatter over columns (before: w_p holds g_p[N, D]; after: owner
+    j holds sum_p g_p[:, cols_j]). Returns ``(ids int[N], rows float[N, D/P])``."""
+    flat = ids.reshape(-1)
+    g = grads.reshape(flat.shape[0], -1)  # float[N, D]
+    return flat, jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
 
 
 def column_grad_shared(grads, ids, vocab: int, axis_name: str):
-    """Gradient of a lookup whose ids every worker holds identically: one
-    reduce-scatter over columns (before: w_p holds g_p[N, D]; after: owner j holds
-    sum_p g_p[:, cols_j]) scattered into float[V, D/P]."""
-    mine = jax.lax.psum_scatter(grads, axis_name, scatter_dimension=1, tiled=True)
-    return jnp.zeros((vocab, mine.shape[-1]), grads.dtype).at[ids].add(mine)
+    """``column_shared_rows`` scattered into float[V, D/P]."""
+    flat, mine = column_shared_rows(grads, ids, axis_name)
+    return jnp.zeros((vocab, mine.shape[-1]), grads.dtype).at[flat].add(mine)
 
 
 # ------------------------------------------------------------------ host-side reads

@@ -136,11 +136,12 @@ STRATEGIES: dict[str, Strategy] = {
         ),
         Strategy(
             "embrace_2d",
-            pipeline.embrace_2d_body,
+            bodies.embrace_2d_body,
             layout="column",
             capacity=pipeline.PRIORITY_CAPACITY,
             lookahead=pipeline.LOOKAHEAD,
             needs_tables=True,
+            row_updates=True,
         ),
     )
 }
@@ -354,10 +355,9 @@ def make_train_step(
         worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
         state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
-      table_optimizer: a ``rowwise.RowTransform`` (``sgd``, ``adagrad``, ``lazy_adam``):
-        tables get their gradient as rows and only those rows change (O(tokens x D) a
-        step; ``sparse_allgather``, ``embrace``, ``embrace_rowwise``); ``optimizer``
-        updates the rest. ``None``: ``optimizer`` updates every table densely.
+      table_optimizer: a ``rowwise.RowTransform`` (``sgd``, ``adagrad``, ``lazy_adam``;
+        strategies with ``row_updates``): only the rows a step reads change, O(tokens x D),
+        ``optimizer`` updates the rest; ``None``: ``optimizer`` updates tables densely.
       comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
         dense all-reduce in bfloat16, summed in float32 (needs ``table_optimizer``).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).

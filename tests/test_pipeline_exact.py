@@ -1,17 +1,18 @@
 """``embrace_2d`` through the public API (``make_train_step`` + ``place_for_step``) is
 exactly ``embrace``: on tied tables read several times per batch key (every language
 model with sampled softmax), after a skipped non-finite step, and when the host sizes
-the first chunk too small (the device-side guard)."""
+the first chunk too small (the device-side guard, with the dense and the row-sparse
+table update)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, reference_run
 
 from models import get_workload
-from sparsecomm_jax import runtime, train
+from sparsecomm_jax import rowwise, runtime, train
 
 TIED = {
     "lstm_lm": dict(tie_embeddings=True, hidden=8),
@@ -39,12 +40,12 @@ def _poisoned(w, bad_step):
     return w._replace(loss=loss, batch_at=batch_at, replicated_keys=(*w.replicated_keys, "scale"))
 
 
-def _run(w, strategy, steps, params, devices=4, optimizer=None):
+def _run(w, strategy, steps, params, devices=4, optimizer=None, **kw):
     """Losses of every step and the final host parameters, as a user drives them."""
     ts = train.make_train_step(
         w.loss, optimizer or optax.sgd(0.5), runtime.data_mesh(devices), params, strategy,
         replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-        id_keys=w.id_keys,
+        id_keys=w.id_keys, **kw,
     )  # fmt: skip
     state, losses = ts.state, []
     for step in range(steps):
@@ -84,6 +85,21 @@ def test_guard_when_the_first_chunk_is_too_small(monkeypatch):
 
     monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
     _assert_same_run(_workload("gpt2", seed=2), steps=3)
+
+
+def test_guard_with_row_updates(monkeypatch):
+    """The same spill with the row-sparse update (the early rows of batch 1 miss part of
+    their gradient, so they must be fetched again): equal to single-device Adagrad."""
+    from sparsecomm_jax import schedule
+
+    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    w = _workload("gpt2", seed=2)
+    params = w.init(jax.random.key(2))
+    ref_losses, ref = reference_run(w, optax.adagrad(0.3), params, 2)
+    losses, got = _run(w, "embrace_2d", 2, params, optimizer=optax.adagrad(0.3),
+                       table_optimizer=rowwise.adagrad(0.3))  # fmt: skip
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
 def test_fixed_capacity_too_small_is_refused():

@@ -1,7 +1,8 @@
-"""Row-sparse table updates in training: every lossless table strategy with the row-wise
-SGD and Adagrad equals single-device dense training (tied and untied tables, sampled and
-full softmax); lazy Adam equals a single-device reference; non-finite rows skip the step;
-the bfloat16 wire halves the bytes; bad input fails before compiling."""
+"""Row-sparse table updates in training: every lossless table strategy (``embrace_2d``
+too) with the row-wise SGD and Adagrad equals single-device dense training (tied and
+untied tables, sampled and full softmax); lazy Adam equals a single-device reference;
+non-finite rows skip the step; the bfloat16 wire halves the bytes; bad input fails
+before compiling."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ OPTIMIZERS = {  # (dense optax reference, row-wise table update)
     "sgd": (lambda: optax.sgd(0.5), lambda: rowwise.sgd(0.5)),
     "adagrad": (lambda: optax.adagrad(0.3), lambda: rowwise.adagrad(0.3)),
 }
-ALL = ("embrace", "embrace_rowwise", "sparse_allgather")
+ALL = ("embrace", "embrace_rowwise", "sparse_allgather", "embrace_2d")  # 2d: no emb.attend
 CASES = [  # model, its variant, optimizer, strategies (every strategy on several models)
     ("lstm_lm", dict(sampled_softmax=16), "sgd", ALL),  # untied, sampled softmax
     ("lstm_lm", dict(sampled_softmax=16, tie_embeddings=True), "adagrad", ALL),  # tied
@@ -67,13 +68,15 @@ def _lazy_adam_reference(w, params, steps, lr):
     return losses, jax.tree.map(np.asarray, params)
 
 
-def test_lazy_adam_matches_single_device_reference():
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
+def test_lazy_adam_matches_single_device_reference(strategy):
+    """(embrace_2d: the step counts, indexed by ids every worker holds, stay replicated.)"""
     w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
     params = w.init(jax.random.key(3))
     ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
     # eps keeps Adam from amplifying float noise in near-zero gradients
     opt, rows = optax.adam(1e-2, eps=1e-3), rowwise.lazy_adam(1e-2, eps=1e-3)
-    losses, got, _ = strategy_run(w, opt, params, STEPS, "embrace", table_optimizer=rows)
+    losses, got, _ = strategy_run(w, opt, params, STEPS, strategy, table_optimizer=rows)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
     untouched = np.setdiff1d(np.arange(SMALL["vocab"]), w.batch_at(0)["tokens"])
@@ -88,7 +91,9 @@ def test_lazy_adam_matches_single_device_reference():
     np.testing.assert_array_equal(got["embed"]["embedding"][untouched], before[untouched])
 
 
-def test_nonfinite_rows_skip_the_step():
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
+def test_nonfinite_rows_skip_the_step(strategy):
+    """Only the table's gradient rows hold NaN at step 1: the check looks at the rows."""
     w = get_workload("lstm_lm", seed=4, **SMALL, sampled_softmax=16)
 
     def batch_at(step):
@@ -103,7 +108,7 @@ def test_nonfinite_rows_skip_the_step():
 
     bad = w._replace(batch_at=batch_at, loss=loss)
     ts = train.make_train_step(
-        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), "embrace",
+        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), strategy,
         replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
         table_optimizer=rowwise.sgd(0.1),
     )  # fmt: skip
@@ -146,6 +151,9 @@ def test_bad_input_fails_before_compiling():
         train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
         train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+    with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
+        train.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16",
+                              table_optimizer=rowwise.sgd(0.1), **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -156,7 +164,8 @@ def test_bad_input_fails_before_compiling():
         (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
         (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
         (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
-        (dict(table_update="sparse", strategy="embrace_2d"), "needs a strategy among"),
+        (dict(table_update="sparse", strategy="dense"), "needs a strategy among"),
+        (dict(comm_dtype="bfloat16", strategy="embrace_2d"), "not available for embrace_2d"),
     ],
 )
 def test_cli_rejects_before_jax_starts(flags, message):

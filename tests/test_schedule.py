@@ -1,6 +1,8 @@
 """2D scheduling: planning on hand examples, exact equivalence with embrace and dense,
 and the order and dependencies of the compiled step's collectives."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -8,7 +10,7 @@ import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
 from models import get_workload
-from sparsecomm_jax import hlo, pipeline, runtime, schedule, train
+from sparsecomm_jax import hlo, pipeline, rowwise, runtime, schedule, train
 
 V, B, T = 256, 16, 8
 
@@ -89,19 +91,21 @@ def test_first_and_last_steps(steps):
     assert ts.lookahead == pipeline.LOOKAHEAD
 
 
-def _middle_step_program():
+def _middle_step_program(table_optimizer=None):
     """The compiled program of a middle step (rows carried in, next batch given)."""
     w = _lm(_disjoint)  # disjoint halves: a real low-priority chunk exists
     ts = train.make_train_step(
         w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)),
         "embrace_2d", replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=table_optimizer,
     )  # fmt: skip
     state, _ = ts.step(ts.state, place(ts, w, 0, 3))
     return hlo.compiled_text(ts.step, state, place(ts, w, 1, 3))
 
 
-def test_compiled_order_and_dependencies():
-    text = _middle_step_program()
+@pytest.mark.parametrize("rows", [None, rowwise.sgd(0.1)], ids=["dense", "row-sparse"])
+def test_compiled_order_and_dependencies(rows):
+    text = _middle_step_program(rows)
     instrs = hlo.entry_instructions(text)
     colls = hlo.scheduled_collectives(text)
     order = [c.name for c in instrs]
@@ -112,6 +116,8 @@ def test_compiled_order_and_dependencies():
     high, low, nxt = (named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW,
                                           schedule.SCOPE_NEXT))  # fmt: skip
     assert high and low and nxt
+    if rows is not None:  # row-sparse: the tables are updated in place, never copied
+        assert not re.search(rf"= f32\[{V},\d+\]\S* copy\(", text)
     # horizontal: every high-priority all-to-all is issued before any low-priority one
     assert max(order.index(c.name) for c in high) < min(order.index(c.name) for c in low)
     # the lookup of batch t+1 does not wait for the low-priority exchange
