@@ -11,11 +11,15 @@ from sparsecomm_jax import runtime, train
 def reference_run(workload, optimizer, params, steps):
     """Plain single-device training on the whole global batch: the ground truth."""
     opt_state, losses = optimizer.init(params), []
-    grad_fn = jax.jit(jax.value_and_grad(workload.loss))
-    for step in range(steps):
-        loss, grads = grad_fn(params, workload.batch_at(step))
+
+    @jax.jit  # one program (op-by-op dispatch would compile every optimizer op)
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(workload.loss)(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    for step in range(steps):
+        params, opt_state, loss = train_step(params, opt_state, workload.batch_at(step))
         losses.append(float(loss))
     return losses, jax.tree.map(np.asarray, params)
 

@@ -3,11 +3,14 @@ simulated devices (no network, no root) that check files, plots and exactness.""
 
 import csv
 import json
+from pathlib import Path
 
+import jax
 import pytest
 from conftest import REPO
 
 from experiments import bandwidth, convergence, density, scaling, sweep
+from experiments import train as train_cli
 
 
 def test_rates_and_arguments():
@@ -87,8 +90,19 @@ def _run_in_repo(monkeypatch, main, argv):
 TINY = ["--", "--steps", "4", "--warmup", "1", "--vocab", "500", "--dim", "16", "--hidden", "16"]
 
 
+def _run_config_in_process(train_args, out, nproc=1, bandwidth=""):
+    """``sweep.run_config`` without a process per run: the same command line, given to
+    ``experiments.train.main`` here (``test_convergence_runs_and_saves`` runs processes)."""
+    assert len(jax.devices()) >= nproc  # the suite's devices, started before main runs
+    cmd = sweep.command(train_args, out, nproc, bandwidth)
+    assert cmd[1:3] == ["-m", "experiments.train"]
+    assert train_cli.main(cmd[3:]) == 0
+    return json.loads(Path(out).read_text())
+
+
 @pytest.mark.slow
 def test_scaling_runs_and_saves(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep, "run_config", _run_config_in_process)
     argv = ["--local", "--nproc", "1,2", "--strategies", "dense_pmap,embrace",
             "--batch-per-worker", "4", "--out-dir", str(tmp_path), *TINY]  # fmt: skip
     assert _run_in_repo(monkeypatch, scaling.main, argv) == 0
