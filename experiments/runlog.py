@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tensorboardX import SummaryWriter
 
 from experiments.config import RunConfig
 from models.heldout import evaluate, heldout_splits
@@ -100,6 +99,10 @@ class StepLog:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "steps.jsonl"
         self._file = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
+        # imported here: tensorboardX imports torch when it is installed (seconds per
+        # process), and only runs with --log-dir write scalars
+        from tensorboardX import SummaryWriter
+
         self._tb = SummaryWriter(str(folder))
 
     def write(self, record: dict[str, Any]) -> None:
