@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -143,7 +144,7 @@ def workload(arch: str, cfg: VisionConfig) -> Workload:
 
     return Workload(
         name=arch,
-        init=init,
+        init=jax.jit(init),  # one program (eager flax init compiles every initializer)
         loss=loss,
         batch_at=batch_at,
         replicated_keys=(),

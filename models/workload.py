@@ -183,7 +183,7 @@ def lm_workload(name, cfg, init, loss, batch_at, items_per_step, **extra) -> Wor
     sets further fields (``heldout``, ``metrics``)."""
     return Workload(
         name=name,
-        init=init,
+        init=jax.jit(init),  # one program (eager flax init compiles every initializer)
         loss=loss,
         batch_at=batch_at,
         replicated_keys=("negatives",) if cfg.sampled_softmax else (),
