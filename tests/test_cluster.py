@@ -32,8 +32,10 @@ WHY = "needs root and iproute2 (ip, tc) for a network namespace with a rate limi
 
 
 def _namespaces() -> set[str]:
+    """The cluster's own namespaces (``sparsecomm<pid>``; other tools' are not ours)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
+    names = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return {n for n in names if n.startswith("sparsecomm")}
 
 
 def _cluster(tmp_path, strategy, extra=()):
