@@ -68,6 +68,7 @@ class Pending(NamedTuple):
     order: dict  # int[P, n]: every worker's priority order
     ok: Any  # bool: no worker had a NaN/Inf gradient
     other: list  # the optimizer state's non-parameter leaves before step t
+    shared: dict  # per table, a (rows float[N, D], ids int[N], order int[N]) per shared lookup
 
 
 class Overlapped(NamedTuple):
@@ -148,7 +149,8 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
                  if k == optsplit.OTHER]  # fmt: skip
         pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
                           {i: p.ids for i, p in plans.items()},
-                          {i: p.order for i, p in plans.items()}, ok, other)  # fmt: skip
+                          {i: p.order for i, p in plans.items()}, ok, other,
+                          {i: shared_parts(p) for i, p in plans.items()})  # fmt: skip
         return new, carry, pending, jnp.where(ok, loss, jnp.nan), spill
 
     return body
@@ -162,11 +164,7 @@ def low_body(ctx: StepContext, widths, kinds, capacity: int, last: bool) -> Call
     def body(params, opt_state, pending: Pending):
         fulls = {}
         for i in widths:
-            rows = pending.rows[i]  # float[n, D]
-            n, vocab = rows.shape[0], pending.firsts[i].shape[0]
-            sizes = [n] if last else pipeline.late_capacities(n, capacity, rows.shape[1], num)
-            plan = pipeline.Plan(rows, pending.ids[i], pending.order[i],
-                                 schedule.chunk_bounds(n, sizes), [], vocab)  # fmt: skip
+            plan = late_plan(ctx, pending, i, capacity, last)
             fulls[i] = (pending.firsts[i] + pipeline.later_chunks(ctx, plan, ())) / num
         grads = pipeline.with_tables(params, ctx.table_mask, fulls)
         opt_in = optsplit.with_other(kinds, opt_state, pending.other)
@@ -178,6 +176,31 @@ def low_body(ctx: StepContext, widths, kinds, capacity: int, last: bool) -> Call
         )
 
     return body
+
+
+def shared_parts(plan: pipeline.Plan) -> tuple:
+    """``(rows float[N, D], ids int[N], order int[N])`` of a plan's shared positions
+    (N = 0 without any)."""
+    if not plan.shared:
+        return jnp.zeros((0, plan.rows.shape[1]), plan.rows.dtype), *[jnp.zeros(0, jnp.int32)] * 2
+    return tuple(plan.shared[0][:3])
+
+
+def late_plan(ctx: StepContext, pending: Pending, i: int, capacity: int, last: bool):
+    """Table ``i``'s ``pipeline.Plan`` again, from what ``high`` handed over (the chunk
+    bounds are static: the same sizes as ``high``'s)."""
+    num = ctx.num_workers
+
+    def bounds(n, width):
+        sizes = [n] if last else pipeline.late_capacities(n, capacity, width, num)
+        return schedule.chunk_bounds(n, sizes)
+
+    rows = pending.rows[i]  # float[n, D]
+    g, ids, order = pending.shared[i]
+    shared = [pipeline.Shared(g, ids, order, bounds(ids.shape[0], g.shape[1]))] if ids.size else []
+    vocab = pipeline.table_vocab(ctx, i)
+    return pipeline.Plan(rows, pending.ids[i], pending.order[i],
+                         bounds(rows.shape[0], rows.shape[1]), shared, vocab)  # fmt: skip
 
 
 class _Programs(NamedTuple):
@@ -211,7 +234,7 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Program
     axis, widths = ctx.axis_name, pipeline.table_widths(ctx)
     col, rep, per = P(None, axis), P(), P(axis)
     no_carry = specs._replace(carry=())
-    pending = Pending(col, per, rep, rep, rep, rep)
+    pending = Pending(col, per, rep, rep, rep, rep, {i: (per, rep, rep) for i in widths})
 
     def smap(body, ins, outs):
         return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs, check_vma=False)
