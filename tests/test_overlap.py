@@ -143,3 +143,14 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     assert low and first
     for c in first:
         assert not hlo.ancestors(instrs, c.name) & low
+
+
+def test_one_program_form_refuses_row_updates_clearly():
+    w = _workload("gpt2", seed=1)
+    ov = overlap.make_overlapped(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.5),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="fused=True.*table_optimizer=None"):
+        ov.run(ov.state, w.batch_at, 2, fused=True)
