@@ -37,7 +37,15 @@ def _workload(args):
                         sampled_softmax=args.sampled_softmax, seed=0)  # fmt: skip
 
 
-def _run_step_strategy(w, name, params, mesh, steps):
+def _table_optimizer(args):
+    """``rowwise.sgd(0.5)`` for ``--table-update sparse`` (the tables' row-sparse
+    update, as the optax SGD of the dense layers), else ``None`` (dense update)."""
+    from sparsecomm_jax import rowwise
+
+    return rowwise.sgd(0.5) if args.table_update == "sparse" else None
+
+
+def _run_step_strategy(w, name, params, mesh, steps, table_optimizer=None):
     """``(losses, timeline)`` of a one-program-per-step strategy (after a 3-step run
     that compiles the first, middle and last steps' programs)."""
     import jax
@@ -47,7 +55,8 @@ def _run_step_strategy(w, name, params, mesh, steps):
 
     ts = train.make_train_step(w.loss, optax.sgd(0.5), mesh, params, name,
                                replicated_keys=w.replicated_keys,
-                               embedding_paths=w.embedding_paths)  # fmt: skip
+                               embedding_paths=w.embedding_paths,
+                               table_optimizer=table_optimizer)  # fmt: skip
     _steps(ts, w, 3, jax.tree.map(lambda x: x.copy(), ts.state))  # the step donates
     return _steps(ts, w, steps, ts.state)
 
@@ -71,14 +80,15 @@ def _ready(x):
     return jax.block_until_ready(x)
 
 
-def _run_overlap(w, params, mesh, steps, fused=False):
+def _run_overlap(w, params, mesh, steps, fused=False, table_optimizer=None):
     import optax
 
     from sparsecomm_jax import overlap
 
     ov = overlap.make_overlapped(w.loss, optax.sgd(0.5), mesh, params,
                                  replicated_keys=w.replicated_keys,
-                                 embedding_paths=w.embedding_paths)  # fmt: skip
+                                 embedding_paths=w.embedding_paths,
+                                 table_optimizer=table_optimizer)  # fmt: skip
     timeline: list = []
     ov.run(ov.state, w.batch_at, 3, fused=fused)  # compiles every program
     _, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
@@ -108,10 +118,12 @@ def worker(args) -> dict:
     mesh = runtime.data_mesh()
     record = {"rank": rank, "config": vars(args), "runs": {}}
     for name in args.strategies.split(","):
+        rows = _table_optimizer(args)
         if name.startswith("overlap"):
-            losses, timeline = _run_overlap(w, params, mesh, args.steps, name == "overlap_fused")
+            fused = name == "overlap_fused"
+            losses, timeline = _run_overlap(w, params, mesh, args.steps, fused, rows)
         else:
-            losses, timeline = _run_step_strategy(w, name, params, mesh, args.steps)
+            losses, timeline = _run_step_strategy(w, name, params, mesh, args.steps, rows)
         times = step_times(timeline, args.steps)[args.warmup :]
         record["runs"][name] = {"losses": losses, "timeline": timeline,
                                 "step_s": statistics.median(times) if times else None}  # fmt: skip
@@ -178,6 +190,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                           ("warmup", 2)):  # fmt: skip
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
     p.add_argument("--devices", type=int, default=4, help="simulated devices (--local)")
+    p.add_argument("--table-update", choices=("sparse", "dense"), default="sparse",
+                   help="tables updated row-sparsely (rowwise.sgd) or densely; "
+                   "overlap_fused needs dense")  # fmt: skip
     p.add_argument("--out", required=True, help="JSON path (rank files next to it)")
     p.add_argument("--cluster", action="store_true", help="run on the emulated cluster")
     p.add_argument("--nproc", type=int, default=4)

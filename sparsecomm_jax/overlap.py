@@ -22,7 +22,9 @@ overlaps a program's collectives with its independent compute. Parameters of the
 dense layers are updated in ``high`` (batch t+1's compute needs them), the tables and
 their optimizer state in ``low``: exactly ``embrace`` for element-wise optimizers,
 every step (a skipped non-finite step keeps both halves and fetches batch t+1's rows
-from the unchanged tables).
+from the unchanged tables). With ``table_optimizer`` (``rowwise.sgd``, ...) the tables
+are updated row-sparsely (``overlap_late``: no V x D/P array per step, as ``embrace``
+with the same argument); ``fused`` needs the dense table update.
 
 Example:
     >>> # ov = overlap.make_overlapped(loss, optax.sgd(0.1), mesh, params,
@@ -46,28 +48,27 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, optsplit, pipeline, placement, runtime, schedule
+from sparsecomm_jax import (
+    embedding,
+    optsplit,
+    overlap_late,
+    pipeline,
+    placement,
+    rowwise,
+    runtime,
+    schedule,
+)
 from sparsecomm_jax.aggregators import AGGREGATORS
+from sparsecomm_jax.overlap_late import Pending, low_body, low_rows_body, shared_parts
+from sparsecomm_jax.rowwise import RowGrad
 from sparsecomm_jax.step import (
     StepContext,
     TrainState,
     aggregate,
-    apply_optimizer,
     named_tables,
     split_tables,
     table_mask,
 )
-
-
-class Pending(NamedTuple):
-    """Step t's late exchange, handed from ``high`` to ``low`` (per table index)."""
-
-    firsts: dict  # float[V, D/P]: the first chunk, summed over workers
-    rows: dict  # float[n, D]: this worker's gradient rows, every position
-    ids: dict  # int[P, n]: every worker's ids
-    order: dict  # int[P, n]: every worker's priority order
-    ok: Any  # bool: no worker had a NaN/Inf gradient
-    other: list  # the optimizer state's non-parameter leaves before step t
 
 
 class Overlapped(NamedTuple):
@@ -116,8 +117,12 @@ def compute_body(ctx: StepContext) -> Callable:
 
 def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Callable:
     """Dense all-reduce and update, every table's first chunk, the early update of the
-    rows batch t+1 reads and their fetch; the rest goes to ``low`` as a ``Pending``."""
-    num, mask = ctx.num_workers, ctx.table_mask
+    rows batch t+1 reads and their fetch; the rest goes to ``low`` as a ``Pending``.
+    With ``ctx.table_optimizer``, the first chunk stays (id, row) pairs and the early
+    update patches the rows fetched for batch t+1 (no V x D/P array)."""
+    num, mask, row_sparse = ctx.num_workers, ctx.table_mask, ctx.table_optimizer is not None
+    first = overlap_late.first_rows if row_sparse else pipeline.first_chunk
+    dense_update = overlap_late.dense_update_rows if row_sparse else optsplit.dense_update
 
     def body(state: TrainState, loss, g_dense, g_rows, batch):
         params, leaves = state.params, jax.tree.leaves(state.params)
@@ -129,53 +134,32 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
                  for i in widths}  # fmt: skip
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
-        firsts = {i: pipeline.first_chunk(ctx, plan) for i, plan in plans.items()}
+        firsts = {i: first(ctx, plan) for i, plan in plans.items()}
         bad = optsplit.nonfinite(mean, agg_state, g_rows) if ctx.nonfinite != "off" else False
         # one all-reduce for the loss and both flags (each a latency on a slow link)
         flags = jnp.stack([loss[0], jnp.float32(bad), jnp.float32(spill)])  # float[3]
         flags = jax.lax.psum(flags, ctx.axis_name)
         loss, ok, spill = flags[0] / num, flags[1] == 0, flags[2] > 0
-        new = optsplit.dense_update(ctx, state, mean, ok)._replace(
+        new = dense_update(ctx, state, mean, ok)._replace(
             agg_state=optsplit.where(ok, agg_state, state.agg_state)
         )
         carry = ()
-        if future:
+        if future and row_sparse:
+            with jax.named_scope(schedule.SCOPE_NEXT):
+                carry = overlap_late.next_rows_patched(ctx, state, firsts, ok, future[0])
+        elif future:
             early = pipeline.early_tables(ctx, state, {i: f / num for i, f in firsts.items()})
             early = {i: jnp.where(ok, early[i], leaves[i]) for i in early}
             with jax.named_scope(schedule.SCOPE_NEXT):
                 carry = tuple(pipeline.prefetch(early, future[0], ctx.axis_name))
-        other = [x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
-                 if k == optsplit.OTHER]  # fmt: skip
+        other = [] if kinds is None else [
+            x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
+            if k == optsplit.OTHER]  # fmt: skip
         pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
                           {i: p.ids for i, p in plans.items()},
-                          {i: p.order for i, p in plans.items()}, ok, other)  # fmt: skip
+                          {i: p.order for i, p in plans.items()}, ok, other,
+                          {i: shared_parts(p) for i, p in plans.items()})  # fmt: skip
         return new, carry, pending, jnp.where(ok, loss, jnp.nan), spill
-
-    return body
-
-
-def low_body(ctx: StepContext, widths, kinds, capacity: int, last: bool) -> Callable:
-    """Step t's late chunks and the full update of the tables and their optimizer state
-    (from the state before step t: the dense half was updated by ``high``)."""
-    num = ctx.num_workers
-
-    def body(params, opt_state, pending: Pending):
-        fulls = {}
-        for i in widths:
-            rows = pending.rows[i]  # float[n, D]
-            n, vocab = rows.shape[0], pending.firsts[i].shape[0]
-            sizes = [n] if last else pipeline.late_capacities(n, capacity, rows.shape[1], num)
-            plan = pipeline.Plan(rows, pending.ids[i], pending.order[i],
-                                 schedule.chunk_bounds(n, sizes), [], vocab)  # fmt: skip
-            fulls[i] = (pending.firsts[i] + pipeline.later_chunks(ctx, plan, ())) / num
-        grads = pipeline.with_tables(params, ctx.table_mask, fulls)
-        opt_in = optsplit.with_other(kinds, opt_state, pending.other)
-        new_p, new_opt = apply_optimizer(ctx.optimizer, grads, opt_in, params)
-        new_leaves, old_leaves = jax.tree.leaves(new_p), jax.tree.leaves(params)
-        tables = {i: jnp.where(pending.ok, new_leaves[i], old_leaves[i]) for i in widths}
-        return tables, optsplit.where(
-            pending.ok, optsplit.pick(kinds, (optsplit.TABLE,), new_opt, opt_state), opt_state
-        )
 
     return body
 
@@ -211,7 +195,9 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Program
     axis, widths = ctx.axis_name, pipeline.table_widths(ctx)
     col, rep, per = P(None, axis), P(), P(axis)
     no_carry = specs._replace(carry=())
-    pending = Pending(col, per, rep, rep, rep, rep)
+    row_sparse = ctx.table_optimizer is not None
+    firsts = {i: RowGrad(rep, col) for i in widths} if row_sparse else col
+    pending = Pending(firsts, per, rep, rep, rep, rep, {i: (per, rep, rep) for i in widths})
 
     def smap(body, ins, outs):
         return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs, check_vma=False)
@@ -235,7 +221,10 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Program
         return fn(state, loss, g_dense, g_rows, batch)
 
     def low(params, opt_state, pend, capacity, last):
-        body = low_body(ctx, widths, kinds, capacity, last)
+        if row_sparse:
+            body = low_rows_body(ctx, widths, capacity, last)
+        else:
+            body = low_body(ctx, widths, kinds, capacity, last)
         return smap(body, (specs.params, specs.opt_state, pending), (col, specs.opt_state))(
             params, opt_state, pend
         )
@@ -271,6 +260,8 @@ def _runner(ctx: StepContext, progs: _Programs, place: Callable) -> Callable:
         return place(batch_at(step), *(batch_at(s) for s in ahead))
 
     def run(state: TrainState, batch_at, steps: int, timeline=None, fused: bool = False):
+        if fused and ctx.table_optimizer is not None:
+            raise ValueError("run(fused=True) needs the dense table update: table_optimizer=None")
         if fused:
             return run_fused(state, batch_at, steps, timeline)
         state, losses = state._replace(carry=()), []
@@ -341,10 +332,12 @@ def make_overlapped(
     embedding_paths: Any = (),
     id_keys: Sequence[str] | None = None,
     nonfinite: str = "skip",
+    table_optimizer: rowwise.RowTransform | None = None,
 ) -> Overlapped:
     """``embrace_2d`` with step t's late exchange beside step t+1's compute (see the
     module doc). Arguments as ``train.make_train_step``; the dense layers are reduced
-    by ``pmean``.
+    by ``pmean``. With ``table_optimizer`` (e.g. ``rowwise.sgd(lr)``) the tables are
+    updated row-sparsely, as ``embrace``'s with the same argument.
 
     Returns:
       An ``Overlapped``: ``state, losses = ov.run(ov.state, batch_at, steps)``.
@@ -356,10 +349,13 @@ def make_overlapped(
     ctx = StepContext(
         loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys), mask, vocabs,
         None if id_keys is None else tuple(id_keys), None,
-        AGGREGATORS["dense"](1.0, axis_name), nonfinite,
+        AGGREGATORS["dense"](1.0, axis_name), nonfinite, table_optimizer,
     )  # fmt: skip
+    if table_optimizer is not None:
+        rowwise.check_transform(table_optimizer)
     state, specs = placement.place_state(ctx, "column")
-    progs = _programs(ctx, specs, optsplit.opt_kinds(ctx, state.opt_state))
+    kinds = None if table_optimizer is not None else optsplit.opt_kinds(ctx, state.opt_state)
+    progs = _programs(ctx, specs, kinds)
     place = placement.batch_placer(ctx, pipeline.PRIORITY_CAPACITY, pipeline.LOOKAHEAD)
     return Overlapped(
         run=_runner(ctx, progs, place),

@@ -2,14 +2,14 @@
 
 One pipelined step (batch t, with batches t+1..t+``LOOKAHEAD`` known): batch t's forward
 reads rows fetched during step t-1; each table's gradient rows are exchanged in priority
-chunks (``schedule``): the positions batch t+1 reads first (every table's first chunk
-before any later one), then those t+2 reads, t+3, ..., in late chunks sized by the
-alpha-beta cost model; the rows batch t+1 reads are updated from the first chunk alone
-and fetched for it at once; the rest of the exchange and the full update follow. A row
-that did not fit in the first chunk, or a skipped step, makes the step fetch the next
-rows again after the full update (exact, slower). The dense layers go through the aggregator with no
-data dependency on the table exchange. Exactly equivalent to ``embrace`` for element-wise
-optimizers.
+chunks (``schedule``), position by position, the shared negatives' too: the positions
+batch t+1 reads first (every table's first chunk before any later one), then those t+2
+reads, t+3, ..., in late chunks sized by the alpha-beta cost model; the rows batch t+1
+reads are updated from the first chunk alone and fetched for it at once; the rest of
+the exchange and the full update follow. A row that did not fit in the first chunk, or
+a skipped step, makes the step fetch the next rows again after the full update (exact,
+slower). The dense layers go through the aggregator with no data dependency on the
+table exchange. Exactly equivalent to ``embrace`` for element-wise optimizers.
 
 References:
     Li et al., "EmbRace", ICPP 2022, section 4.
@@ -76,8 +76,18 @@ class Plan(NamedTuple):
     ids: Any  # int[P, n]: every worker's ids at those positions
     order: Any  # int[P, n]: every worker's priority order
     chunks: list  # [start, end) of each chunk in that order
-    shared: list  # (gradient, ids) of lookups whose ids every worker holds
+    shared: list  # [] or [Shared]: the lookups whose ids every worker holds
     vocab: int
+
+
+class Shared(NamedTuple):
+    """A lookup whose ids every worker holds (e.g. shared negatives), in priority
+    chunks like the other positions: the rows batch t+1 reads first."""
+
+    rows: Any  # float[N, D]: this worker's gradient per position
+    ids: Any  # int[N]: the same on every worker
+    order: Any  # int[N]: priority order (the same on every worker)
+    chunks: list  # [start, end) of each chunk in that order
 
 
 def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
@@ -91,18 +101,39 @@ def exchange_plan(ctx: StepContext, calls, g_rows, future, capacity, i) -> Plan:
             ids.append(call_ids.reshape(-1))
             rows.append(g.reshape(call_ids.size, -1))
         elif t == i:
-            shared.append((g, call_ids))
+            shared.append((g.reshape(call_ids.size, -1), call_ids.reshape(-1)))
     # int[P, n], the same on every worker (typed so: a row state such as lazy_adam's
     # step counts, indexed by these ids, stays replicated)
     all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis, to="invarying")
-    rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], _vocab(ctx, i)
+    rows, n, vocab = jnp.concatenate(rows), all_ids.shape[1], table_vocab(ctx, i)
+    if shared:  # every shared lookup of the table, as one list of positions
+        shared = [
+            (jnp.concatenate([g for g, _ in shared]), jnp.concatenate([s for _, s in shared]))
+        ]
     if not future:  # last step: nothing to prioritise
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
+        shared = [Shared(g, s, jnp.arange(s.size), [(0, s.size)]) for g, s in shared]
         return Plan(rows, all_ids, order, [(0, n)], shared, vocab), jnp.array(False)
-    levels = schedule.next_use_levels(all_ids, _future_ids(future, i, axis))
+    fut = _future_ids(future, i, axis)
+    levels = schedule.next_use_levels(all_ids, fut)
     spill = schedule.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
     chunks = schedule.chunk_bounds(n, late_capacities(n, capacity, rows.shape[1], ctx.num_workers))
+    plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
+    spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
+    shared = [p for p, _ in plans]
     return Plan(rows, all_ids, schedule.priority_order(levels), chunks, shared, vocab), spill
+
+
+def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
+    """``(Shared, spill)``: the shared positions batch t+1 reads go first (at most
+    ``capacity`` of them, else ``spill``), the others late, in next-use order."""
+    levels = schedule.next_use_levels(ids, future)  # the same on every worker
+    n = ids.shape[0]
+    sizes = late_capacities(n, capacity, g.shape[1], ctx.num_workers)
+    chunks = schedule.chunk_bounds(n, sizes)
+    return Shared(g, ids, schedule.priority_order(levels), chunks), schedule.overflows(
+        levels, capacity
+    )
 
 
 def _future_ids(future: list, i: int, axis: str) -> list:
@@ -139,8 +170,10 @@ def first_chunk(ctx: StepContext, plan: Plan):
     out = schedule.column_grad_chunk(
         plan.rows, plan.ids, plan.order, plan.chunks[0], plan.vocab, axis
     )
-    for g, ids in plan.shared:  # ids every worker holds: always high priority
-        out = out + schedule.column_grad_shared(g, ids, plan.vocab, axis)
+    for s in plan.shared:  # ids every worker holds: those batch t+1 reads
+        out = out + schedule.column_grad_shared(
+            s.rows, s.ids, s.order, s.chunks[0], plan.vocab, axis
+        )
     return out
 
 
@@ -152,6 +185,12 @@ def later_chunks(ctx: StepContext, plan: Plan, after):
         out = out + schedule.column_grad_chunk(
             rows, plan.ids, plan.order, bound, plan.vocab, ctx.axis_name
         )
+    for s in plan.shared:
+        g = waits_for(s.rows, after)
+        for bound in s.chunks[1:]:
+            out = out + schedule.column_grad_shared(
+                g, s.ids, s.order, bound, plan.vocab, ctx.axis_name
+            )
     return out
 
 
@@ -168,7 +207,8 @@ def loss_of_rows(ctx: StepContext, data) -> Callable:
     return loss
 
 
-def _vocab(ctx: StepContext, i: int) -> int:
+def table_vocab(ctx: StepContext, i: int) -> int:
+    """V of table leaf ``i``."""
     return int(np.shape(jax.tree.leaves(ctx.params)[i])[0])
 
 
@@ -289,8 +329,8 @@ def early_tables(ctx: StepContext, state: TrainState, firsts: dict[int, Any]) ->
 
 def priority_need(ctx: StepContext, batch: Batch, next_batch: Batch) -> int:
     """Lookup positions of one worker's batch that batch t+1 reads, counting every read
-    of a table (a tied table is read by the inputs and by the targets). Shared ids are
-    excluded: they always travel in the first chunk, by reduce-scatter."""
+    of a table (a tied table is read by the inputs and by the targets), or shared
+    positions (ids every worker holds, e.g. negatives) that it reads, if more."""
     reads = _reads_fn(ctx)
     return schedule.first_chunk_need(reads(batch), reads(next_batch))
 

@@ -47,17 +47,23 @@ def first_pairs(ctx: StepContext, plan: Plan) -> list:
     columns from every worker (ids int[m], rows float[m, D/P])."""
     axis = ctx.axis_name
     pairs = [schedule.column_chunk_rows(plan.rows, plan.ids, plan.order, plan.chunks[0], axis)]
-    return pairs + [schedule.column_shared_rows(g, ids, axis) for g, ids in plan.shared]
+    return pairs + [
+        schedule.column_shared_rows(s.rows, s.ids, s.order, s.chunks[0], axis) for s in plan.shared
+    ]
 
 
 def later_pairs(ctx: StepContext, plan: Plan, after) -> list:
     """The remaining chunks' pairs, issued only once ``after`` (every table's first
     chunk) has arrived."""
-    rows = pipeline.waits_for(plan.rows, after)
-    return [
-        schedule.column_chunk_rows(rows, plan.ids, plan.order, bound, ctx.axis_name)
+    rows, axis = pipeline.waits_for(plan.rows, after), ctx.axis_name
+    out = [
+        schedule.column_chunk_rows(rows, plan.ids, plan.order, bound, axis)
         for bound in plan.chunks[1:]
     ]
+    for s in plan.shared:
+        g = pipeline.waits_for(s.rows, after)
+        out += [schedule.column_shared_rows(g, s.ids, s.order, b, axis) for b in s.chunks[1:]]
+    return out
 
 
 def summed(pairs: list, vocab: int) -> RowGrad:

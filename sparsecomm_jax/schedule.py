@@ -161,18 +161,29 @@ def column_grad_chunk(grads, ids, order, bounds: tuple[int, int], vocab: int, ax
     return jnp.zeros((vocab, got.shape[-1]), grads.dtype).at[sent].add(got)
 
 
-def column_shared_rows(grads, ids, axis_name: str):
-    """Gradient of a lookup whose ids every worker holds identically, as (id, row)
-    pairs: one reduce-scatter over columns (before: w_p holds g_p[N, D]; after: owner
-    j holds sum_p g_p[:, cols_j]). Returns ``(ids int[N], rows float[N, D/P])``."""
-    flat = ids.reshape(-1)
-    g = grads.reshape(flat.shape[0], -1)  # float[N, D]
-    return flat, jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
+def column_shared_rows(grads, ids, order, bounds: tuple[int, int], axis_name: str):
+    """One chunk of the gradient of a lookup whose ids every worker holds identically
+    (e.g. shared negatives), as (id, row) pairs: one reduce-scatter over columns
+    (before: w_p holds g_p[c, D]; after: owner j holds sum_p g_p[:, cols_j]).
+
+    Args:
+      grads: float[N, D], this worker's gradient per shared position.
+      ids: int[N], the same on every worker.
+      order: int[N], their ``priority_order`` (the same on every worker).
+      bounds: ``[start, end)`` of the chunk in that order.
+      axis_name: the mesh axis.
+
+    Returns:
+      ``(ids int[c], rows float[c, D/P])``.
+    """
+    pos = order[bounds[0] : bounds[1]]
+    g = jnp.take(grads, pos, axis=0)  # float[c, D]
+    return jnp.take(ids, pos), jax.lax.psum_scatter(g, axis_name, scatter_dimension=1, tiled=True)
 
 
-def column_grad_shared(grads, ids, vocab: int, axis_name: str):
+def column_grad_shared(grads, ids, order, bounds, vocab: int, axis_name: str):
     """``column_shared_rows`` scattered into float[V, D/P]."""
-    flat, mine = column_shared_rows(grads, ids, axis_name)
+    flat, mine = column_shared_rows(grads, ids, order, bounds, axis_name)
     return jnp.zeros((vocab, mine.shape[-1]), grads.dtype).at[flat].add(mine)
 
 
@@ -223,8 +234,12 @@ def next_ids(reads: dict) -> dict:
 
 
 def first_chunk_need(reads: dict, next_reads: dict) -> int:
-    """Largest number of lookup positions any worker must send in a table's first
-    chunk: those whose id batch t+1 reads, counting every read (host-side)."""
+    """Largest number of positions any worker must send in a table's first chunk:
+    lookup positions whose id batch t+1 reads (counting every read), and shared
+    positions (the same on every worker) whose id it reads (host-side)."""
     nxt = next_ids(next_reads)
-    return max((high_priority_capacity(list(look), nxt.get(i, np.zeros(0)))
-                for i, (look, _) in reads.items()), default=0)  # fmt: skip
+    need = 0
+    for i, (look, shared) in reads.items():
+        ids = nxt.get(i, np.zeros(0))
+        need = max(need, high_priority_capacity([*look, shared], ids))
+    return need

@@ -9,14 +9,14 @@ import pytest
 from helpers import assert_trees_close
 from test_pipeline_exact import _poisoned, _run, _workload
 
-from sparsecomm_jax import overlap, runtime
+from sparsecomm_jax import overlap, rowwise, runtime
 
 
-def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False):
+def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False, **kw):
     ov = overlap.make_overlapped(
         w.loss, optimizer, runtime.data_mesh(devices), params,
         replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-        id_keys=w.id_keys,
+        id_keys=w.id_keys, **kw,
     )  # fmt: skip
     state, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
     return np.array(losses), ov.host_params(state)
@@ -24,17 +24,19 @@ def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=Fal
 
 @pytest.mark.parametrize(
     "name, opt, poison, fused",
-    [("gpt2", "sgd", None, False), ("lstm_lm", "adam", 1, False), ("gpt2", "adam", 2, True)],
+    [("gpt2", "rows", 1, False), ("lstm_lm", "adam", 1, False), ("gpt2", "adam", 2, True)],
 )
 def test_overlapped_equals_embrace(name, opt, poison, fused):
+    """``rows``: SGD with the row-sparse table update (``rowwise.sgd``) in both."""
     w = _workload(name, seed=4)
     if poison is not None:
         w = _poisoned(w, poison)
-    optimizer = optax.sgd(0.5) if opt == "sgd" else optax.adam(1e-2, eps=1e-3)
+    optimizer = optax.sgd(0.5) if opt in ("sgd", "rows") else optax.adam(1e-2, eps=1e-3)
+    kw = {"table_optimizer": rowwise.sgd(0.5)} if opt == "rows" else {}
     params = w.init(jax.random.key(0))
-    ref_losses, ref = _run(w, "embrace", 4, params, optimizer=optimizer)
+    ref_losses, ref = _run(w, "embrace", 4, params, optimizer=optimizer, **kw)
     timeline = []
-    losses, got = _overlapped(w, 4, params, optimizer, timeline=timeline, fused=fused)
+    losses, got = _overlapped(w, 4, params, optimizer, timeline=timeline, fused=fused, **kw)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
     count = [p for p, *_ in timeline].count
@@ -141,3 +143,14 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     assert low and first
     for c in first:
         assert not hlo.ancestors(instrs, c.name) & low
+
+
+def test_one_program_form_refuses_row_updates_clearly():
+    w = _workload("gpt2", seed=1)
+    ov = overlap.make_overlapped(
+        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.5),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="fused=True.*table_optimizer=None"):
+        ov.run(ov.state, w.batch_at, 2, fused=True)

@@ -116,6 +116,8 @@ def test_compiled_order_and_dependencies(rows):
     high, low, nxt = (named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW,
                                           schedule.SCOPE_NEXT))  # fmt: skip
     assert high and low and nxt
+    # the shared negatives batch t+1 does not read travel late (a reduce-scatter in low)
+    assert named(schedule.SCOPE_LOW, "reduce-scatter")
     if rows is not None:  # row-sparse: the tables are updated in place, never copied
         assert not re.search(rf"= f32\[{V},\d+\]\S* copy\(", text)
     # horizontal: every high-priority all-to-all is issued before any low-priority one
