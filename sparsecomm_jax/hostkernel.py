@@ -116,7 +116,13 @@ def topk(x, k: int, residual: bool = False):
     outs.append(jax.ShapeDtypeStruct((*shape, k), jnp.int32))
     if residual:
         outs.append(jax.ShapeDtypeStruct(x.shape, jnp.float32))
-    call = buffer_callback(_topk_callback(k, residual), tuple(outs), vmap_method="broadcast_all")
+    aliases = {0: 2} if residual else None  # the residual is written over x's buffer
+    call = buffer_callback(
+        _topk_callback(k, residual),
+        tuple(outs),
+        vmap_method="broadcast_all",
+        input_output_aliases=aliases,
+    )
     got = [_varying_like(y, x) for y in call(x)]
     return got[0], got[1], got[2] if residual else None
 

@@ -5,13 +5,16 @@
 // magnitude the lower index wins. Results come in index order.
 //
 // Per row: (1) a strided sample gives a band [lo, hi] that holds the k-th largest
-// magnitude with high probability; (2) one pass over the row compacts the indices of
-// the candidates (magnitude >= lo) and counts the entries above hi; (3) nth_element on
-// the band's magnitudes finds the k-th magnitude v; (4) one pass over the candidates
-// writes every entry above v and, in index order, as many equal to v as make k (and,
-// when asked, the residual: x with the taken entries zeroed). When the band misses
-// (fewer than k at or above lo, or k or more above hi) the whole row is the band:
-// still exact, one pass slower.
+// magnitude with high probability; zeros are never candidates (lo >= the smallest positive
+// magnitude), so a sparse row costs its nonzeros, not its length; (2) one pass over the
+// row compacts the indices of the candidates (magnitude >= lo) and counts the entries
+// above hi; (3) nth_element on the band's magnitudes finds the k-th magnitude v; (4) one
+// pass over the candidates writes every entry above v and, in index order, as many equal
+// to v as make k (and, when asked, the residual: x with the taken entries zeroed, in
+// place when it is x's buffer). When the band misses (fewer than k at or above lo, or k
+// or more above hi) every nonzero entry is a candidate: still exact, one pass slower.
+// When a row has fewer than k nonzero entries the k-th magnitude is 0: every nonzero
+// entry is taken, and the first zeros in index order make k.
 //
 // References: Lin et al., "Deep Gradient Compression", ICLR 2018 (sampled threshold).
 
@@ -67,30 +70,34 @@ int64_t scan(const float* x, int64_t n, uint32_t lo, uint32_t hi, int32_t* cand,
   return c;
 }
 
-void topk_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* idx,
-              float* resid) {
-  uint32_t lo, hi;
-  sample_band(x, n, k, &lo, &hi);
-  std::unique_ptr<int32_t[]> cand(new int32_t[n]);  // pages touched only as written
-  int64_t above;
-  int64_t c = scan(x, n, lo, hi, cand.get(), &above);
-  std::vector<uint32_t> keys;  // magnitudes in the band [lo, hi]
+// Magnitudes of the candidates within the band (at most hi).
+std::vector<uint32_t> band_keys(const float* x, const int32_t* cand, int64_t c, uint32_t hi,
+                                int64_t above) {
+  std::vector<uint32_t> keys;
   keys.reserve(size_t(c - std::min(c, above)));
   for (int64_t j = 0; j < c; ++j) {
     const uint32_t a = key(x, cand[j]);
     if (a <= hi) keys.push_back(a);
   }
-  int64_t need = k - above;  // entries the band must give
-  if (need < 1 || need > int64_t(keys.size())) {  // the sample missed: the whole row
-    c = scan(x, n, 0, 0xffffffffu, cand.get(), &above);
-    keys.resize(size_t(n));
-    for (int64_t i = 0; i < n; ++i) keys[i] = key(x, i);
-    need = k;
+  return keys;
+}
+
+// Fewer than k nonzero entries: all of them and the first k - nonzeros zeros, in index
+// order (the tie rule of lax.top_k at magnitude 0).
+void take_with_zeros(const float* x, int64_t n, int64_t k, int64_t nonzeros, float* vals,
+                     int32_t* idx) {
+  int64_t zeros = k - nonzeros, out = 0;
+  for (int64_t i = 0; i < n && out < k; ++i) {
+    if (key(x, i) > 0 || zeros-- > 0) {
+      vals[out] = x[i];
+      idx[out++] = int32_t(i);
+    }
   }
-  std::nth_element(keys.begin(), keys.begin() + (keys.size() - need), keys.end());
-  const uint32_t v = keys[keys.size() - need];  // the k-th largest magnitude
-  int64_t ties = need;  // entries equal to v to take: need minus the band's ones above v
-  for (size_t j = keys.size() - need; j < keys.size(); ++j) ties -= keys[j] > v;
+}
+
+// Every candidate above v and, in index order, the first `ties` equal to v.
+void take(const float* x, const int32_t* cand, int64_t c, uint32_t v, int64_t ties,
+          float* vals, int32_t* idx) {
   int64_t out = 0;
   for (int64_t j = 0; j < c; ++j) {
     const int32_t i = cand[j];
@@ -100,8 +107,36 @@ void topk_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* idx,
       idx[out++] = i;
     }
   }
+}
+
+void topk_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* idx,
+              float* resid) {
+  uint32_t lo, hi;
+  sample_band(x, n, k, &lo, &hi);
+  lo = std::max(lo, 1u);  // zeros are not candidates
+  if (hi < lo) hi = 0xffffffffu;
+  std::unique_ptr<int32_t[]> cand(new int32_t[n]);  // pages touched only as written
+  int64_t above;
+  int64_t c = scan(x, n, lo, hi, cand.get(), &above);
+  std::vector<uint32_t> keys = band_keys(x, cand.get(), c, hi, above);
+  int64_t need = k - above;  // entries the band must give
+  const bool missed = need < 1 || (need > int64_t(keys.size()) && lo > 1);
+  if (missed) {  // every nonzero entry is a candidate
+    c = scan(x, n, 1, 0xffffffffu, cand.get(), &above);
+    keys = band_keys(x, cand.get(), c, 0xffffffffu, 0);
+    need = k;
+  }
+  if (need > int64_t(keys.size())) {  // here every nonzero entry is a candidate
+    take_with_zeros(x, n, k, c, vals, idx);
+  } else {
+    std::nth_element(keys.begin(), keys.begin() + (keys.size() - need), keys.end());
+    const uint32_t v = keys[keys.size() - need];  // the k-th largest magnitude
+    int64_t ties = need;  // entries equal to v: need minus the band's ones above v
+    for (size_t j = keys.size() - need; j < keys.size(); ++j) ties -= keys[j] > v;
+    take(x, cand.get(), c, v, ties, vals, idx);
+  }
   if (resid) {
-    std::memcpy(resid, x, size_t(n) * sizeof(float));
+    if (resid != x) std::memcpy(resid, x, size_t(n) * sizeof(float));
     for (int64_t j = 0; j < k; ++j) resid[idx[j]] = 0.0f;
   }
 }

@@ -129,14 +129,15 @@ def _lax_reference(x, k):
 
 @st.composite
 def vectors(draw):
-    """Random, tied, all-zero, heavy-tailed and sign-mixed float32 vectors, and a k."""
+    """Random, tied, all-zero, sparse, heavy-tailed and sign-mixed float32 vectors, and a k."""
     d = draw(st.integers(1, 40_000))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    kind = draw(st.sampled_from(["normal", "ties", "zeros", "heavy", "signed_zeros"]))
+    kind = draw(st.sampled_from(["normal", "ties", "zeros", "sparse", "heavy", "signed_zeros"]))
     x = {
         "normal": lambda: rng.normal(size=d),
         "ties": lambda: rng.integers(-3, 4, d),
         "zeros": lambda: np.zeros(d),
+        "sparse": lambda: rng.normal(size=d) * (rng.random(d) < 10.0 ** rng.uniform(-3, -1)),
         "heavy": lambda: rng.standard_cauchy(d) ** 3,
         "signed_zeros": lambda: np.where(rng.random(d) < 0.5, -0.0, 0.0) * rng.integers(0, 2, d),
     }[kind]()
@@ -171,6 +172,22 @@ def test_host_kernel_exact_when_the_sample_misses(where):
         x[:16_384] *= 1e6
     k = 20_000
     values, idx, residual = hostkernel.topk(jnp.asarray(x), k, residual=True)
+    assert np.asarray(idx).tolist() == _numpy_topk(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    kept = x.copy()
+    kept[np.asarray(idx)] = 0
+    np.testing.assert_array_equal(np.asarray(residual), kept)
+
+
+@pytest.mark.parametrize("nonzeros", [300, 1_000, 5_000])
+def test_host_kernel_exact_on_sparse_rows(nonzeros):
+    # Mostly zeros, as an embedding gradient: the sample sees few nonzeros (k = 1,000);
+    # with fewer than k nonzeros the first zeros in index order complete the k.
+    rng = np.random.default_rng(nonzeros)
+    x = np.zeros(100_000, np.float32)
+    x[rng.choice(x.size, nonzeros, replace=False)] = rng.normal(size=nonzeros)
+    k = 1_000
+    values, idx, residual = jax.jit(lambda v: hostkernel.topk(v, k, residual=True))(x)
     assert np.asarray(idx).tolist() == _numpy_topk(x, k)
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
     kept = x.copy()
