@@ -244,9 +244,9 @@ def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Ca
     def exchange(flat):
         d = flat.shape[0]
         k = sparsify.num_selected(density, d)  # collectives.gtopk checks P
-        values, indices = sparsify.select(flat, k, selector)
-        total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
-        return total, flat - sparsify.densify(values, indices, d) + dropped
+        values, indices, kept = sparsify.select_with_residual(flat, k, selector)
+        values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
+        return sparsify.densify(values, indices, d), kept.at[left_i].add(left_v)
 
     return exchange
 

@@ -75,6 +75,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -125,6 +126,39 @@ def topk(x, k: int, residual: bool = False):
     )
     got = [_varying_like(y, x) for y in call(x)]
     return got[0], got[1], got[2] if residual else None
+
+
+def _merge_callback(k: int):
+    def run(ctx, out, values_a, indices_a, values_b, indices_b):
+        n = values_a.shape[-1]
+        rows = math.prod(values_a.shape[:-1])
+        ins = [_ptr(b) for b in (values_a, indices_a, values_b, indices_b)]
+        _library().sparsecomm_merge(*ins, rows, n, k, *[_ptr(b) for b in out])
+
+    return run
+
+
+def merge(values_a, indices_a, values_b, indices_b, k: int):
+    """Top-k of the sum of two sparse vectors (n entries each, any order, repeated
+    indices summed) on the host, and the rest of the sum.
+
+    Args:
+      values_a: float32[..., n]; indices_a: int32[..., n]; the same for b.
+      k: entries kept, 1 <= k.
+
+    Returns:
+      ``(values [..., k], indices [..., k], dropped_values [..., 2n], dropped_indices
+      [..., 2n])``, each list in index order: the k entries of a + b of largest
+      magnitude (ties to the lower index, as in ``lax.top_k``) and the other entries;
+      unused slots are padding (value 0 at index 0).
+    """
+    shape, n = values_a.shape[:-1], values_a.shape[-1]
+    outs = [
+        jax.ShapeDtypeStruct((*shape, m), t) for m in (k, 2 * n) for t in (jnp.float32, jnp.int32)
+    ]
+    call = buffer_callback(_merge_callback(k), tuple(outs), vmap_method="broadcast_all")
+    args = (values_a, indices_a, values_b, indices_b)
+    return tuple(_varying_like(y, values_a) for y in call(*args))
 
 
 def _varying_like(y, x):

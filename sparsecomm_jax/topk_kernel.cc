@@ -16,6 +16,10 @@
 // When a row has fewer than k nonzero entries the k-th magnitude is 0: every nonzero
 // entry is taken, and the first zeros in index order make k.
 //
+// sparsecomm_merge is gTop-k's merge: two (value, index) lists summed (a merge when both
+// come in index order, as the selection writes them), then the same exact top-k on the
+// sums; the rest of the sum is returned as the dropped list.
+//
 // References: Lin et al., "Deep Gradient Compression", ICLR 2018 (sampled threshold).
 
 #include <algorithm>
@@ -23,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -141,6 +146,62 @@ void topk_row(const float* x, int64_t n, int64_t k, float* vals, int32_t* idx,
   }
 }
 
+// (index, value) pairs of a and b, sorted by index (a's first among equal indices).
+std::vector<std::pair<int32_t, float>> sorted_pairs(const float* va, const int32_t* ia,
+                                                    const float* vb, const int32_t* ib,
+                                                    int64_t n) {
+  std::vector<std::pair<int32_t, float>> p(size_t(2 * n));
+  for (int64_t j = 0; j < n; ++j) p[j] = {ia[j], va[j]};
+  for (int64_t j = 0; j < n; ++j) p[n + j] = {ib[j], vb[j]};
+  auto by_index = [](const auto& u, const auto& w) { return u.first < w.first; };
+  auto a_end = p.begin() + n;
+  if (!std::is_sorted(p.begin(), a_end, by_index)) std::stable_sort(p.begin(), a_end, by_index);
+  if (!std::is_sorted(a_end, p.end(), by_index)) std::stable_sort(a_end, p.end(), by_index);
+  std::inplace_merge(p.begin(), a_end, p.end(), by_index);  // stable: a before b
+  return p;
+}
+
+// a + b (n entries each, any order, repeated indices summed): its k entries of largest
+// magnitude (ties: lower index) into kv/ki, the other entries into dv/di (2n slots), both
+// in index order; unused slots are padding (value 0 at index 0).
+void merge_row(const float* va, const int32_t* ia, const float* vb, const int32_t* ib,
+               int64_t n, int64_t k, float* kv, int32_t* ki, float* dv, int32_t* di) {
+  auto p = sorted_pairs(va, ia, vb, ib, n);
+  size_t m = 0;  // distinct indices, summed in place
+  for (size_t j = 0; j < p.size(); ++j) {
+    if (m && p[m - 1].first == p[j].first) {
+      p[m - 1].second += p[j].second;
+    } else {
+      p[m++] = p[j];
+    }
+  }
+  std::vector<uint32_t> keys(m);
+  for (size_t j = 0; j < m; ++j) keys[j] = key(&p[j].second, 0);
+  const int64_t need = std::min<int64_t>(k, int64_t(m));
+  uint32_t v = 0;
+  int64_t ties = need;
+  if (need > 0) {
+    std::nth_element(keys.begin(), keys.begin() + (m - need), keys.end());
+    v = keys[m - need];
+    for (size_t j = m - need; j < m; ++j) ties -= keys[j] > v;
+  }
+  std::fill(kv, kv + k, 0.0f);
+  std::fill(ki, ki + k, 0);
+  std::fill(dv, dv + 2 * n, 0.0f);
+  std::fill(di, di + 2 * n, 0);
+  int64_t kept = 0, left = 0;
+  for (size_t j = 0; j < m; ++j) {
+    const uint32_t a = key(&p[j].second, 0);
+    if (a > v || (a == v && ties-- > 0)) {
+      kv[kept] = p[j].second;
+      ki[kept++] = p[j].first;
+    } else {
+      dv[left] = p[j].second;
+      di[left++] = p[j].first;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -150,6 +211,17 @@ void sparsecomm_topk(const float* x, int64_t rows, int64_t n, int64_t k, float* 
                      int32_t* idx, float* resid) {
   for (int64_t r = 0; r < rows; ++r) {
     topk_row(x + r * n, n, k, vals + r * k, idx + r * k, resid ? resid + r * n : nullptr);
+  }
+}
+
+// rows x n pairs of a and of b -> rows x k kept, rows x 2n dropped (see merge_row).
+void sparsecomm_merge(const float* va, const int32_t* ia, const float* vb, const int32_t* ib,
+                      int64_t rows, int64_t n, int64_t k, float* kv, int32_t* ki, float* dv,
+                      int32_t* di) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = r * n;
+    merge_row(va + o, ia + o, vb + o, ib + o, n, k, kv + r * k, ki + r * k, dv + 2 * o,
+              di + 2 * o);
   }
 }
 }
