@@ -75,6 +75,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
     lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
 
@@ -126,6 +127,42 @@ def topk(x, k: int, residual: bool = False):
     )
     got = [_varying_like(y, x) for y in call(x)]
     return got[0], got[1], got[2] if residual else None
+
+
+def _parts_callback(k: int, sizes: tuple[int, ...]):
+    def run(ctx, out, *parts):
+        n = len(parts)
+        xs = (ctypes.c_void_p * n)(*[_ptr(p) for p in parts])
+        lens = (ctypes.c_int64 * n)(*sizes)
+        resid = (ctypes.c_void_p * n)(*[_ptr(r) for r in out[2:]])
+        lib = _library()
+        ptrs = [ctypes.addressof(a) for a in (xs, lens)]
+        lib.sparsecomm_topk_parts(*ptrs, n, k, _ptr(out[0]), _ptr(out[1]), ctypes.addressof(resid))
+
+    return run
+
+
+def topk_parts(parts, k: int):
+    """Top-k by magnitude of the concatenation of ``parts`` without concatenating them;
+    each part's residual is written over its buffer.
+
+    Args:
+      parts: float32 vectors (the flattened leaves of a fusion bucket).
+      k: entries kept, 1 <= k <= their total length.
+
+    Returns:
+      ``(values float32[k], indices int32[k], residuals)``: indices into the
+      concatenation, in increasing order (ties to the lower index, as in
+      ``lax.top_k``); ``residuals`` one per part, the part with the taken entries zeroed.
+    """
+    parts = [jnp.asarray(p, jnp.float32).reshape(-1) for p in parts]
+    outs = [jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.int32)]
+    outs += [jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts]
+    sizes = tuple(p.shape[0] for p in parts)
+    aliases = {i: 2 + i for i in range(len(parts))}
+    call = buffer_callback(_parts_callback(k, sizes), tuple(outs), input_output_aliases=aliases)
+    got = [_varying_like(y, parts[0]) for y in call(*parts)]
+    return got[0], got[1], got[2:]
 
 
 def _merge_callback(k: int):

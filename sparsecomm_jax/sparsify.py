@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -213,6 +214,28 @@ def select_with_residual(x, k: int, selector: str = DEFAULT_SELECTOR):
         return values, indices, v - densify(values, indices, v.shape[0])
 
     return jax.lax.platform_dependent(x, cpu=lambda v: hostkernel.topk(v, k, True), default=other)
+
+
+def select_with_residual_parts(parts, k: int, selector: str = DEFAULT_SELECTOR):
+    """``select_with_residual`` of the concatenation of ``parts`` (1-D), the residual
+    returned per part. With ``"auto"`` on CPU the kernel reads the parts where they are
+    and writes each residual over its part (no concatenated copy).
+
+    Returns:
+      ``(values, indices, residuals)``: indices into the concatenation, one residual
+      per part.
+    """
+    sizes = [p.shape[0] for p in parts]
+
+    def other(*ps):
+        values, indices, kept = select_with_residual(jnp.concatenate(ps), k, selector)
+        return values, indices, jnp.split(kept, list(itertools.accumulate(sizes[:-1])))
+
+    if selector != "auto" or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.topk_parts(ps, k), default=other
+    )
 
 
 def select(x, k: int, selector: str = DEFAULT_SELECTOR):

@@ -80,7 +80,7 @@ def _topk_dense(x, k):
     return out
 
 
-@pytest.mark.parametrize("selector", ["exact", "radix"])
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_topk_allgather_is_mean_of_exact_topk(selector):
     g, _ = inputs("random", d=400, seed=3)
     zero = np.zeros_like(g)

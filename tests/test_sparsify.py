@@ -250,3 +250,25 @@ def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
     offsets = (np.arange(4) * 100)[:, None]
     dense = np.asarray(sparsify.densify(values, np.asarray(local) + offsets, 400))
     np.testing.assert_array_equal(np.asarray(kept), x - dense)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
+def test_select_with_residual_parts_is_the_concatenated_selection(kind):
+    # Parts as the leaves of a bucket (one empty), long enough for a strided sample that
+    # crosses them: the same entries and residual as lax.top_k on the concatenation.
+    rng = np.random.default_rng(len(kind))
+    sizes = [30_000, 0, 17, 20_000]
+    x = {
+        "normal": lambda: rng.normal(size=sum(sizes)),
+        "ties": lambda: rng.integers(-2, 3, sum(sizes)),
+        "sparse": lambda: rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.01),
+    }[kind]().astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    k = 1_000
+    fn = jax.jit(lambda *p: sparsify.select_with_residual_parts(list(p), k))
+    values, idx, kept = fn(*parts)
+    assert np.asarray(idx).tolist() == _lax_reference(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    want = x.copy()
+    want[np.asarray(idx)] = 0
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), want)
