@@ -256,10 +256,7 @@ def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Ca
         k = sparsify.num_selected(density, d)  # collectives.gtopk_lists checks P
         values, indices, kept = sparsify.select_with_residual_parts(parts, k, selector)
         values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
-        kept = fusion.split(
-            jnp.concatenate(kept).at[left_i].add(left_v), [p.shape[0] for p in parts]
-        )
-        return sparsify.densify(values, indices, d), kept
+        return sparsify.densify(values, indices, d), sparsify.add_to_parts(kept, left_v, left_i)
 
     return exchange
 

@@ -76,6 +76,7 @@ def _library() -> ctypes.CDLL | None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_add_parts.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
 
@@ -129,15 +130,21 @@ def topk(x, k: int, residual: bool = False):
     return got[0], got[1], got[2] if residual else None
 
 
+def _pointers(buffers) -> ctypes.Array:
+    return (ctypes.c_void_p * len(buffers))(*[_ptr(b) for b in buffers])
+
+
+def _lengths(sizes: tuple[int, ...]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(sizes))(*sizes)
+
+
 def _parts_callback(k: int, sizes: tuple[int, ...]):
     def run(ctx, out, *parts):
-        n = len(parts)
-        xs = (ctypes.c_void_p * n)(*[_ptr(p) for p in parts])
-        lens = (ctypes.c_int64 * n)(*sizes)
-        resid = (ctypes.c_void_p * n)(*[_ptr(r) for r in out[2:]])
-        lib = _library()
-        ptrs = [ctypes.addressof(a) for a in (xs, lens)]
-        lib.sparsecomm_topk_parts(*ptrs, n, k, _ptr(out[0]), _ptr(out[1]), ctypes.addressof(resid))
+        xs, resid, lens = _pointers(parts), _pointers(out[2:]), _lengths(sizes)  # kept alive
+        _library().sparsecomm_topk_parts(
+            ctypes.addressof(xs), ctypes.addressof(lens), len(sizes), k, _ptr(out[0]), _ptr(out[1]),
+            ctypes.addressof(resid),
+        )  # fmt: skip
 
     return run
 
@@ -163,6 +170,31 @@ def topk_parts(parts, k: int):
     call = buffer_callback(_parts_callback(k, sizes), tuple(outs), input_output_aliases=aliases)
     got = [_varying_like(y, parts[0]) for y in call(*parts)]
     return got[0], got[1], got[2:]
+
+
+def _add_callback(sizes: tuple[int, ...]):
+    def run(ctx, out, values, indices, *parts):
+        dest, lens = _pointers(out), _lengths(sizes)  # kept alive during the call
+        _library().sparsecomm_add_parts(
+            ctypes.addressof(dest), ctypes.addressof(lens), len(sizes), _ptr(values), _ptr(indices),
+            values.shape[0],
+        )  # fmt: skip
+
+    return run
+
+
+def add_parts(parts, values, indices):
+    """``parts`` (float32 vectors read as one) with ``values`` added at ``indices`` (into
+    the concatenation; repeated ones add up), written over the parts' buffers.
+
+    Returns:
+      The updated parts, one array per part.
+    """
+    sizes = tuple(p.shape[0] for p in parts)
+    outs = tuple(jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts)
+    aliases = {2 + i: i for i in range(len(parts))}
+    call = buffer_callback(_add_callback(sizes), outs, input_output_aliases=aliases)
+    return [_varying_like(y, parts[0]) for y in call(values, indices.astype(jnp.int32), *parts)]
 
 
 def _merge_callback(k: int):

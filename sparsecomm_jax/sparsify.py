@@ -225,16 +225,35 @@ def select_with_residual_parts(parts, k: int, selector: str = DEFAULT_SELECTOR):
       ``(values, indices, residuals)``: indices into the concatenation, one residual
       per part.
     """
-    sizes = [p.shape[0] for p in parts]
 
     def other(*ps):
         values, indices, kept = select_with_residual(jnp.concatenate(ps), k, selector)
-        return values, indices, jnp.split(kept, list(itertools.accumulate(sizes[:-1])))
+        return values, indices, _split_like(kept, ps)
 
     if selector != "auto" or not all(_use_host(p) for p in parts):
         return other(*parts)
     return jax.lax.platform_dependent(
         *parts, cpu=lambda *ps: hostkernel.topk_parts(ps, k), default=other
+    )
+
+
+def _split_like(flat, parts) -> list:
+    return jnp.split(flat, list(itertools.accumulate(p.shape[0] for p in parts[:-1])))
+
+
+def add_to_parts(parts, values, indices) -> list:
+    """``parts`` (1-D, read as one vector) with ``values`` added at ``indices`` into
+    their concatenation (repeated indices add up); on CPU (float32) by the host kernel,
+    over the parts' buffers.
+    """
+
+    def other(*ps):
+        return _split_like(jnp.concatenate(ps).at[indices].add(values), ps)
+
+    if values.dtype != jnp.float32 or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.add_parts(ps, values, indices), default=other
     )
 
 

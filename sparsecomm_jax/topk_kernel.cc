@@ -283,6 +283,19 @@ void sparsecomm_topk_parts(const float* const* x, const int64_t* len, int64_t ns
   topk_row(Row{x, len, nseg, n}, k, vals, idx, resid);
 }
 
+// x (one row split over nseg buffers, updated in place) += the m (value, index) pairs,
+// indices into the concatenation (repeated ones add up).
+void sparsecomm_add_parts(float* const* x, const int64_t* len, int64_t nseg, const float* v,
+                          const int32_t* idx, int64_t m) {
+  std::vector<int64_t> start(size_t(nseg) + 1, 0);
+  for (int64_t s = 0; s < nseg; ++s) start[s + 1] = start[s] + len[s];
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t s = std::upper_bound(start.begin(), start.end(), int64_t(idx[j])) -
+                      start.begin() - 1;
+    x[s][idx[j] - start[s]] += v[j];
+  }
+}
+
 // rows x n pairs of a and of b -> rows x k kept, rows x 2n dropped (see merge_row).
 void sparsecomm_merge(const float* va, const int32_t* ia, const float* vb, const int32_t* ib,
                       int64_t rows, int64_t n, int64_t k, float* kv, int32_t* ki, float* dv,

@@ -272,3 +272,16 @@ def test_select_with_residual_parts_is_the_concatenated_selection(kind):
     want = x.copy()
     want[np.asarray(idx)] = 0
     np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), want)
+
+
+def test_add_to_parts_is_a_scatter_add_on_the_concatenation():
+    rng = np.random.default_rng(8)
+    sizes = [50, 0, 3, 40]
+    x = rng.normal(size=sum(sizes)).astype(np.float32)
+    idx = np.concatenate([rng.integers(0, x.size, 60), [50, 52, 53, 0, 92, 92]]).astype(np.int32)
+    val = rng.normal(size=idx.size).astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    got = jax.jit(lambda v, i, *p: sparsify.add_to_parts(list(p), v, i))(val, idx, *parts)
+    want = x.copy()
+    np.add.at(want, idx, val)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in got]), want, rtol=1e-6)
