@@ -236,15 +236,15 @@ def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Call
     """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
     the P shards by their real entries (``sparsify.shard_slots``)."""
 
-    def exchange(flat):
-        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+    def exchange(parts):
+        num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
         k = sparsify.num_selected(density, d)
-        values, local, kept = sparsify.shard_topk_with_residual(flat, k, num, selector)
+        values, local, kept = sparsify.shard_topk_with_residual_parts(parts, k, num, selector)
         size = num * -(-d // num)  # the shards of ceil(d/P), padding included
         total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
         return sparsify.from_shards(total.reshape(num, -1), d), kept
 
-    return _on_flat(exchange)
+    return exchange
 
 
 def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:

@@ -75,7 +75,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
-    lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.sparsecomm_add_parts.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
@@ -138,36 +138,41 @@ def _lengths(sizes: tuple[int, ...]) -> ctypes.Array:
     return (ctypes.c_int64 * len(sizes))(*sizes)
 
 
-def _parts_callback(k: int, sizes: tuple[int, ...]):
+def _parts_callback(k: int, sizes: tuple[int, ...], rows: int):
     def run(ctx, out, *parts):
         xs, resid, lens = _pointers(parts), _pointers(out[2:]), _lengths(sizes)  # kept alive
         _library().sparsecomm_topk_parts(
-            ctypes.addressof(xs), ctypes.addressof(lens), len(sizes), k, _ptr(out[0]), _ptr(out[1]),
-            ctypes.addressof(resid),
+            ctypes.addressof(xs), ctypes.addressof(lens), len(sizes), rows, k, _ptr(out[0]),
+            _ptr(out[1]), ctypes.addressof(resid),
         )  # fmt: skip
 
     return run
 
 
-def topk_parts(parts, k: int):
-    """Top-k by magnitude of the concatenation of ``parts`` without concatenating them;
-    each part's residual is written over its buffer.
+def topk_parts(parts, k: int, rows: int | None = None):
+    """Top-k by magnitude of the concatenation of ``parts`` without concatenating them
+    (or of each of ``rows`` equal rows it is cut into); each part's residual is written
+    over its buffer.
 
     Args:
       parts: float32 vectors (the flattened leaves of a fusion bucket).
-      k: entries kept, 1 <= k <= their total length.
+      k: entries kept (per row), 1 <= k <= the row's length.
+      rows: ``None`` for one row, else the number of rows (dividing the total length).
 
     Returns:
-      ``(values float32[k], indices int32[k], residuals)``: indices into the
-      concatenation, in increasing order (ties to the lower index, as in
-      ``lax.top_k``); ``residuals`` one per part, the part with the taken entries zeroed.
+      ``(values float32[k], indices int32[k], residuals)`` (``[rows, k]`` with rows):
+      indices into the concatenation (into the row), in increasing order, ties to the
+      lower index as in ``lax.top_k``; ``residuals`` one per part, the part with the
+      taken entries zeroed.
     """
     parts = [jnp.asarray(p, jnp.float32).reshape(-1) for p in parts]
-    outs = [jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((k,), jnp.int32)]
+    shape = (k,) if rows is None else (rows, k)
+    outs = [jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)]
     outs += [jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts]
     sizes = tuple(p.shape[0] for p in parts)
     aliases = {i: 2 + i for i in range(len(parts))}
-    call = buffer_callback(_parts_callback(k, sizes), tuple(outs), input_output_aliases=aliases)
+    run = _parts_callback(k, sizes, rows or 1)
+    call = buffer_callback(run, tuple(outs), input_output_aliases=aliases)
     got = [_varying_like(y, parts[0]) for y in call(*parts)]
     return got[0], got[1], got[2:]
 

@@ -349,6 +349,47 @@ def _drop_weakest(values, local, rows):
     return jnp.where(weakest, 0.0, values), jnp.where(weakest, values, 0.0)
 
 
+def per_shard_topk_with_residual_parts(
+    parts, k_shard: int, num_shards: int, selector: str = "auto"
+):
+    """``per_shard_topk_with_residual`` of the concatenation of ``parts`` (1-D, total
+    divisible by ``num_shards``), the residual returned per part; with ``"auto"`` on CPU
+    without concatenating, each residual written over its part.
+    """
+
+    def other(*ps):
+        flat = jnp.concatenate(ps)
+        values, local, kept = per_shard_topk_with_residual(flat, k_shard, num_shards, selector)
+        return values, local, _split_like(kept, ps)
+
+    if selector != "auto" or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.topk_parts(ps, k_shard, num_shards), default=other
+    )
+
+
+def shard_topk_with_residual_parts(parts, k: int, num_shards: int, selector: str = "auto"):
+    """``shard_topk_with_residual`` of the concatenation of ``parts`` (1-D), the residual
+    returned per part. When the shards are equal (d divisible by P) the selection reads
+    the parts where they are (``per_shard_topk_with_residual_parts``).
+    """
+    d = sum(p.shape[0] for p in parts)
+    if d % num_shards:
+        flat = jnp.concatenate(parts)
+        values, local, rest = shard_topk_with_residual(flat, k, num_shards, selector)
+        return values, local, _split_like(rest, parts)
+    slots = shard_slots(k, d, num_shards)
+    values, local, kept = per_shard_topk_with_residual_parts(
+        parts, max(slots), num_shards, selector
+    )  # [P, s], [P, s], residual parts
+    if min(slots) < max(slots):  # the last shards give their weakest entry back
+        values, back = _drop_weakest(values, local, jnp.array(slots) < max(slots))
+        offsets = (jnp.arange(num_shards) * (d // num_shards))[:, None]
+        kept = add_to_parts(kept, back.reshape(-1), (local + offsets).reshape(-1))
+    return values, local, kept
+
+
 def densify(values, indices, size: int):
     """Scatter-add a selection into a dense float[size] vector."""
     return jnp.zeros((size,), values.dtype).at[indices.reshape(-1)].add(values.reshape(-1))

@@ -274,13 +274,32 @@ void sparsecomm_topk(const float* x, int64_t rows, int64_t n, int64_t k, float* 
   }
 }
 
-// One row split over nseg buffers x[s] of len[s] floats -> k (values, int32 indices);
-// resid (nseg buffers shaped like x) may be null.
+// The concatenation of nseg buffers x[s] of len[s] floats, cut into `rows` rows of equal
+// length -> rows x k (values, int32 indices within the row); resid (nseg buffers shaped
+// like x) may be null.
 void sparsecomm_topk_parts(const float* const* x, const int64_t* len, int64_t nseg,
-                           int64_t k, float* vals, int32_t* idx, float* const* resid) {
-  int64_t n = 0;
-  for (int64_t s = 0; s < nseg; ++s) n += len[s];
-  topk_row(Row{x, len, nseg, n}, k, vals, idx, resid);
+                           int64_t rows, int64_t k, float* vals, int32_t* idx,
+                           float* const* resid) {
+  int64_t total = 0;
+  for (int64_t s = 0; s < nseg; ++s) total += len[s];
+  const int64_t n = total / rows;
+  std::vector<const float*> xs;
+  std::vector<float*> rs;
+  std::vector<int64_t> lens;
+  int64_t s = 0, used = 0;  // buffer s, of which `used` floats went to earlier rows
+  for (int64_t r = 0; r < rows; ++r) {
+    xs.clear(), rs.clear(), lens.clear();
+    for (int64_t left = n; left > 0;) {
+      while (used == len[s]) ++s, used = 0;
+      const int64_t take = std::min(left, len[s] - used);
+      xs.push_back(x[s] + used);
+      rs.push_back(resid ? resid[s] + used : nullptr);
+      lens.push_back(take);
+      used += take, left -= take;
+    }
+    const Row row{xs.data(), lens.data(), int64_t(lens.size()), n};
+    topk_row(row, k, vals + r * k, idx + r * k, resid ? rs.data() : nullptr);
+  }
 }
 
 // x (one row split over nseg buffers, updated in place) += the m (value, index) pairs,

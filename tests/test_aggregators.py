@@ -90,7 +90,7 @@ def test_topk_allgather_is_mean_of_exact_topk(selector):
     np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("selector", ["exact", "radix"])
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_topk_a2a_is_mean_of_per_shard_topk(selector):
     g, _ = inputs("random", d=800, seed=4)
     zero = np.zeros_like(g)

@@ -285,3 +285,35 @@ def test_add_to_parts_is_a_scatter_add_on_the_concatenation():
     want = x.copy()
     np.add.at(want, idx, val)
     np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in got]), want, rtol=1e-6)
+
+
+def test_per_shard_topk_with_residual_parts_is_the_concatenated_selection():
+    # 4 shards of 12,505 that start and end inside parts: shard-local entries as lax.top_k.
+    rng = np.random.default_rng(9)
+    sizes = [30_000, 0, 17, 20_003]
+    x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
+    x[:5_000] = rng.integers(-2, 3, 5_000)  # ties in the first shard
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    fn = jax.jit(lambda *p: sparsify.per_shard_topk_with_residual_parts(list(p), 300, 4))
+    values, local, kept = fn(*parts)
+    want = x.copy()
+    for s, shard in enumerate(x.reshape(4, -1)):
+        assert np.asarray(local[s]).tolist() == _lax_reference(shard, 300)
+        np.testing.assert_array_equal(np.asarray(values[s]), shard[np.asarray(local[s])])
+        want[s * shard.size + np.asarray(local[s])] = 0
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), want)
+
+
+@pytest.mark.parametrize("sizes", [[30_000, 0, 17, 20_003], [30_000, 17, 20_002]])
+def test_shard_topk_with_residual_parts_is_the_concatenated_selection(sizes):
+    # k = 1,201 over 4 shards (slots 301, 300, 300, 300), equal shards or not.
+    rng = np.random.default_rng(10)
+    x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    fn = jax.jit(lambda *p: sparsify.shard_topk_with_residual_parts(list(p), 1_201, 4))
+    values, local, kept = fn(*parts)
+    ref = jax.jit(lambda v: sparsify.shard_topk_with_residual(v, 1_201, 4, "exact"))(x)
+    pairs = lambda v, i: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
+    for s in range(4):
+        assert pairs(values[s], local[s]) == pairs(ref[0][s], ref[1][s])
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), ref[2])
