@@ -289,6 +289,10 @@ def test_check_vma_costs_bytes_only_for_gtopk():
         assert checked == pytest.approx(unchecked + extra, rel=1e-6), name
 
 
+_HOST_MERGE = jax.jit(lambda *a: collectives.merge_topk(*a, 40))
+_LAX_MERGE = jax.jit(lambda *a: collectives._lax_merge_topk(*a, 40))
+
+
 @pytest.mark.parametrize("kind", ["random", "ties", "overlap"])
 def test_host_merge_topk_is_the_lax_merge(kind):
     # Two k-lists in any order, sharing indices, with padding (0 at index 0) and sums
@@ -304,8 +308,7 @@ def test_host_merge_topk_is_the_lax_merge(kind):
         lists += [jnp.asarray(val), jnp.asarray(idx)]
     lists[2] = lists[2].at[5].set(-lists[0][5]).at[5 + 1].set(lists[0][6])  # cancel / add
     lists[3] = lists[3].at[5].set(lists[1][5]).at[6].set(lists[1][6])
-    host = jax.jit(lambda *a: collectives.merge_topk(*a, k))(*lists)
-    ref = jax.jit(lambda *a: collectives._lax_merge_topk(*a, k))(*lists)
+    host, ref = _HOST_MERGE(*lists), _LAX_MERGE(*lists)  # compiled once for every kind
     dense = lambda v, i: np.asarray(sparsify.densify(v, i, d))  # noqa: E731
     for got, want in ((host[:2], ref[:2]), (host[2:], ref[2:])):
         np.testing.assert_array_equal(dense(*got), dense(*want))

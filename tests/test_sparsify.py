@@ -179,6 +179,9 @@ def test_host_kernel_exact_when_the_sample_misses(where):
     np.testing.assert_array_equal(np.asarray(residual), kept)
 
 
+_TOPK_1000 = jax.jit(lambda v: hostkernel.topk(v, 1_000, residual=True))
+
+
 @pytest.mark.parametrize("nonzeros", [300, 1_000, 5_000])
 def test_host_kernel_exact_on_sparse_rows(nonzeros):
     # Mostly zeros, as an embedding gradient: the sample sees few nonzeros (k = 1,000);
@@ -187,7 +190,7 @@ def test_host_kernel_exact_on_sparse_rows(nonzeros):
     x = np.zeros(100_000, np.float32)
     x[rng.choice(x.size, nonzeros, replace=False)] = rng.normal(size=nonzeros)
     k = 1_000
-    values, idx, residual = jax.jit(lambda v: hostkernel.topk(v, k, residual=True))(x)
+    values, idx, residual = _TOPK_1000(x)
     assert np.asarray(idx).tolist() == _numpy_topk(x, k)
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
     kept = x.copy()
@@ -252,6 +255,9 @@ def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
     np.testing.assert_array_equal(np.asarray(kept), x - dense)
 
 
+_PARTS_1000 = jax.jit(lambda *p: sparsify.select_with_residual_parts(list(p), 1_000))
+
+
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
 def test_select_with_residual_parts_is_the_concatenated_selection(kind):
     # Parts as the leaves of a bucket (one empty), long enough for a strided sample that
@@ -265,8 +271,7 @@ def test_select_with_residual_parts_is_the_concatenated_selection(kind):
     }[kind]().astype(np.float32)
     parts = np.split(x, np.cumsum(sizes)[:-1])
     k = 1_000
-    fn = jax.jit(lambda *p: sparsify.select_with_residual_parts(list(p), k))
-    values, idx, kept = fn(*parts)
+    values, idx, kept = _PARTS_1000(*parts)
     assert np.asarray(idx).tolist() == _lax_reference(x, k)
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
     want = x.copy()
