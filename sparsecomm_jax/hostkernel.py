@@ -4,8 +4,11 @@ XLA:CPU has no fast selection (``lax.top_k`` sorts; ``jnp.nonzero(size=)`` alone
 tens of passes), so on CPU the selectors call ``topk_kernel.cc``, compiled once with the
 system C++ compiler into a cache directory (``$SPARSECOMM_KERNEL_DIR``, default
 ``~/.cache/sparsecomm_jax``) and run through ``buffer_callback``, which hands the kernel
-the XLA buffers without a copy. ``available()`` is False when no compiler is found; the
-selectors then use their ``lax`` formulation.
+the XLA buffers without a copy. ``topk`` selects per row, ``topk_parts`` on a bucket's
+leaves read as one vector (each residual written over its leaf), ``merge`` is gTop-k's
+merge of two k-lists and ``add_parts`` adds (value, index) pairs into leaves in place.
+``available()`` is False when no compiler is found; the selectors then use their
+``lax`` formulation.
 
 Example:
     >>> import jax.numpy as jnp
