@@ -182,8 +182,9 @@ def _check(density: float, selector: str) -> None:
 def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
     """The shared skeleton: residual add, fusion, one ``exchange`` per bucket.
 
-    ``exchange(flat) -> (total, kept)``: the sum over workers of what is sent, and what
-    this worker keeps in its residual (both float[len(flat)]).
+    ``exchange(parts) -> (total, kept)``: ``parts`` are the bucket's flattened leaves,
+    read as one vector of d entries; ``total`` is the sum over workers of what is sent
+    (float[d]) and ``kept`` what this worker keeps in its residual, one array per part.
     """
 
     def init(params):
@@ -197,10 +198,9 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
         num = jax.lax.axis_size(axis_name)
         mean, residual = {}, {}
         for bucket in fusion.plan_buckets([a.size for a in acc], bucket_bytes):
-            flat = fusion.pack(acc, bucket)  # float[d]
-            total, kept = exchange(flat)
+            total, kept = exchange(fusion.parts(acc, bucket))  # d entries in all
             mean.update(fusion.unpack(total / num, leaves, bucket))
-            residual.update(fusion.unpack(kept, acc, bucket))
+            residual.update({i: kept[j].reshape(acc[i].shape) for j, i in enumerate(bucket)})
         order = range(len(leaves))
         return (
             treedef.unflatten([mean[i] for i in order]),
@@ -210,26 +210,36 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
     return Aggregator(init=init, update=update)
 
 
-def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
-    """``flat -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
+def _on_flat(exchange: Callable) -> Callable:
+    """An exchange of parts from ``exchange(flat)`` on their concatenation."""
 
-    def exchange(flat):
-        d = flat.shape[0]
+    def on_parts(parts):
+        total, kept = exchange(jnp.concatenate(parts))
+        return total, fusion.split(kept, [p.shape[0] for p in parts])
+
+    return on_parts
+
+
+def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
+    """``parts -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
+
+    def exchange(parts):
+        d = sum(p.shape[0] for p in parts)
         k = sparsify.num_selected(density, d)
-        values, indices, kept = sparsify.select_with_residual(flat, k, selector)
+        values, indices, kept = sparsify.select_with_residual_parts(parts, k, selector)
         return collectives.topk_allgather(values, indices, d, axis_name), kept
 
     return exchange
 
 
 def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
-    """``flat -> (total, kept)`` of TopKA2A, any length: k entries in all, split over the
-    P shards by their real entries (``sparsify.shard_slots``)."""
+    """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
+    the P shards by their real entries (``sparsify.shard_slots``)."""
 
-    def exchange(flat):
-        num, d = jax.lax.axis_size(axis_name), flat.shape[0]
+    def exchange(parts):
+        num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
         k = sparsify.num_selected(density, d)
-        values, local, kept = sparsify.shard_topk_with_residual(flat, k, num, selector)
+        values, local, kept = sparsify.shard_topk_with_residual_parts(parts, k, num, selector)
         size = num * -(-d // num)  # the shards of ceil(d/P), padding included
         total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
         return sparsify.from_shards(total.reshape(num, -1), d), kept
@@ -238,22 +248,22 @@ def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Call
 
 
 def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
-    """``flat -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
+    """``parts -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
     worker's first k, the merges re-select exactly."""
 
-    def exchange(flat):
-        d = flat.shape[0]
-        k = sparsify.num_selected(density, d)  # collectives.gtopk checks P
-        values, indices = sparsify.select(flat, k, selector)
-        total, dropped = collectives.gtopk(values, indices, d, k, axis_name)
-        return total, flat - sparsify.densify(values, indices, d) + dropped
+    def exchange(parts):
+        d = sum(p.shape[0] for p in parts)
+        k = sparsify.num_selected(density, d)  # collectives.gtopk_lists checks P
+        values, indices, kept = sparsify.select_with_residual_parts(parts, k, selector)
+        values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
+        return sparsify.densify(values, indices, d), sparsify.add_to_parts(kept, left_v, left_i)
 
     return exchange
 
 
 def dense_exchange(axis_name: str) -> Callable:
-    """``flat -> (total, kept)`` sending everything: ``psum``, nothing kept."""
-    return lambda flat: (jax.lax.psum(flat, axis_name), jnp.zeros_like(flat))
+    """``parts -> (total, kept)`` sending everything: ``psum``, nothing kept."""
+    return _on_flat(lambda flat: (jax.lax.psum(flat, axis_name), jnp.zeros_like(flat)))
 
 
 def topk_allgather(
@@ -352,9 +362,9 @@ def adaptive(
         "topk_a2a": lambda: a2a_exchange(density, axis_name, selector),
     }
 
-    def exchange(flat):
-        num = jax.lax.axis_size(axis_name)
-        return builders[costmodel.choose(flat.shape[0], density, num, link)]()(flat)
+    def exchange(parts):
+        num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
+        return builders[costmodel.choose(d, density, num, link)]()(parts)
 
     return _error_feedback(exchange, axis_name, bucket_bytes)
 

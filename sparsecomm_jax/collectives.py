@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax import sparsify
+from sparsecomm_jax import hostkernel, sparsify
 
 
 def varying_axes(x) -> frozenset:
@@ -99,11 +99,26 @@ def topk_a2a(values, indices, size: int, axis_name: str):
 def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
     """Top-k of the sum of two sparse vectors, and what the re-selection leaves out.
 
+    On CPU (float32) the host kernel merges in one pass over the 2k entries
+    (``hostkernel.merge``, lists in index order); elsewhere a sort and ``lax.top_k``.
+
     Returns:
       ``(values, indices, dropped_values, dropped_indices)``: the k largest-magnitude
-      entries of a + b (duplicates summed), and the rest of a + b as 2k entries with
-      the kept ones zeroed (so ``densify(dropped)`` + ``densify(kept)`` = a + b).
+      entries of a + b (duplicates summed; ties to the lower index), and the rest of
+      a + b as 2k entries (so ``densify(dropped)`` + ``densify(kept)`` = a + b).
     """
+    args = (values_a, indices_a.astype(jnp.int32), values_b, indices_b.astype(jnp.int32))
+    if values_a.dtype != jnp.float32 or not hostkernel.available():
+        return _lax_merge_topk(*args, k)
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=lambda *a: hostkernel.merge(*a, k),
+        default=lambda *a: _lax_merge_topk(*a, k),
+    )
+
+
+def _lax_merge_topk(values_a, indices_a, values_b, indices_b, k: int):
+    """``merge_topk`` by a sort of the 2k indices and ``lax.top_k`` of the sums."""
     idx = jnp.concatenate([indices_a, indices_b])  # int[2k]
     val = jnp.concatenate([values_a, values_b])  # float[2k]
     order = jnp.argsort(idx)
@@ -117,9 +132,44 @@ def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
     return merged[pick], idx[pick], jnp.where(kept, 0.0, merged), idx
 
 
+def gtopk_lists(values, indices, k: int, axis_name: str):
+    """gTop-k on (value, index) lists: log2(P) rounds of pairwise exchange (``ppermute``
+    with rank XOR 2^r), each merging two k-lists and re-selecting k.
+
+    Args:
+      values: float[k]; indices: int[k].
+      k: entries kept after every merge.
+      axis_name: the mesh axis (size a power of two).
+
+    Returns:
+      ``(values, indices, dropped_values, dropped_indices)``: the final global k-list,
+      the same on every worker (typed replicated under ``check_vma``), and the entries
+      this worker must keep in its residual, 2k per round (each merge's leftovers are
+      assigned to one rank of the group that made it: nothing vanishes and nothing is
+      counted twice).
+    """
+    num = jax.lax.axis_size(axis_name)
+    if num & (num - 1):
+        raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
+    rank = jax.lax.axis_index(axis_name)
+    left_values, left_indices = [jnp.zeros((0,), values.dtype)], [jnp.zeros((0,), jnp.int32)]
+    for r in range(num.bit_length() - 1):
+        perm = [(i, i ^ (1 << r)) for i in range(num)]
+        other_v = jax.lax.ppermute(values, axis_name, perm)
+        other_i = jax.lax.ppermute(indices, axis_name, perm)
+        values, indices, left_v, left_i = merge_topk(values, indices, other_v, other_i, k)
+        # After round r the 2^(r+1) workers of a group hold the same list and made the
+        # same merge: only the group's first rank keeps what it dropped.
+        keeper = (rank & ((2 << r) - 1)) == 0
+        left_values.append(jnp.where(keeper, left_v, 0.0))
+        left_indices.append(left_i)
+    if vma_checked(axis_name):  # every worker holds this list; type it so
+        values, indices = _replicated_list(values, indices, axis_name)
+    return values, indices, jnp.concatenate(left_values), jnp.concatenate(left_indices)
+
+
 def gtopk(values, indices, size: int, k: int, axis_name: str):
-    """gTop-k: log2(P) rounds of pairwise exchange (``ppermute`` with rank XOR 2^r),
-    each merging two k-lists and re-selecting k. All workers end with the same list.
+    """gTop-k (``gtopk_lists``) as dense vectors.
 
     Per worker (P=2, k=1)::
 
@@ -135,28 +185,12 @@ def gtopk(values, indices, size: int, k: int, axis_name: str):
 
     Returns:
       ``(total, dropped)``: float[size] sum of the final global list (same on every
-      worker), and float[size] mass this worker must keep in its residual (each merge's
-      leftovers are assigned to one rank of the group that made it: nothing vanishes
-      and nothing is counted twice). Under ``check_vma`` the final list is typed
-      replicated by one tiled all-gather of 1/P of it per worker (bytes above + 2k/P).
+      worker), and float[size] mass this worker must keep in its residual. Under
+      ``check_vma`` the final list is typed replicated by one tiled all-gather of 1/P
+      of it per worker (bytes above + 2k/P).
     """
-    num = jax.lax.axis_size(axis_name)
-    if num & (num - 1):
-        raise ValueError(f"gtopk needs a power-of-two number of workers, got {num}")
-    rank = jax.lax.axis_index(axis_name)
-    dropped = jnp.zeros((size,), values.dtype)
-    for r in range(num.bit_length() - 1):
-        perm = [(i, i ^ (1 << r)) for i in range(num)]
-        other_v = jax.lax.ppermute(values, axis_name, perm)
-        other_i = jax.lax.ppermute(indices, axis_name, perm)
-        values, indices, left_v, left_i = merge_topk(values, indices, other_v, other_i, k)
-        # After round r the 2^(r+1) workers of a group hold the same list and made the
-        # same merge: only the group's first rank keeps what it dropped.
-        keeper = (rank & ((2 << r) - 1)) == 0
-        dropped = dropped.at[left_i].add(jnp.where(keeper, left_v, 0.0))
-    if vma_checked(axis_name):  # every worker holds this list; type it so
-        values, indices = _replicated_list(values, indices, axis_name)
-    return sparsify.densify(values, indices, size), dropped
+    values, indices, left_v, left_i = gtopk_lists(values, indices, k, axis_name)
+    return sparsify.densify(values, indices, size), sparsify.densify(left_v, left_i, size)
 
 
 def _replicated_list(values, indices, axis_name: str):

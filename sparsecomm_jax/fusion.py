@@ -61,6 +61,18 @@ def pack(leaves, bucket: Sequence[int], multiple: int = 1):
     return jnp.pad(flat, (0, pad)) if pad else flat
 
 
+def parts(leaves, bucket: Sequence[int]) -> list:
+    """``pack`` without the concatenation: the flattened ``leaves[i]`` for i in
+    ``bucket``, read as one vector by the exchanges that can."""
+    return [leaves[i].reshape(-1) for i in bucket]
+
+
+def split(flat, sizes: Sequence[int]) -> list:
+    """``flat`` cut into consecutive pieces of ``sizes`` (the inverse of concatenating)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [flat[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+
+
 def unpack(flat, leaves_like, bucket: Sequence[int]) -> dict[int, jnp.ndarray]:
     """Inverse of ``pack``: ``{leaf index: array shaped like leaves_like[i]}``."""
     out, start = {}, 0

@@ -4,8 +4,11 @@ XLA:CPU has no fast selection (``lax.top_k`` sorts; ``jnp.nonzero(size=)`` alone
 tens of passes), so on CPU the selectors call ``topk_kernel.cc``, compiled once with the
 system C++ compiler into a cache directory (``$SPARSECOMM_KERNEL_DIR``, default
 ``~/.cache/sparsecomm_jax``) and run through ``buffer_callback``, which hands the kernel
-the XLA buffers without a copy. ``available()`` is False when no compiler is found; the
-selectors then use their ``lax`` formulation.
+the XLA buffers without a copy. ``topk`` selects per row, ``topk_parts`` on a bucket's
+leaves read as one vector (each residual written over its leaf), ``merge`` is gTop-k's
+merge of two k-lists and ``add_parts`` adds (value, index) pairs into leaves in place.
+``available()`` is False when no compiler is found; the selectors then use their
+``lax`` formulation.
 
 Example:
     >>> import jax.numpy as jnp
@@ -75,6 +78,9 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
+    lib.sparsecomm_add_parts.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
+    lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -116,9 +122,120 @@ def topk(x, k: int, residual: bool = False):
     outs.append(jax.ShapeDtypeStruct((*shape, k), jnp.int32))
     if residual:
         outs.append(jax.ShapeDtypeStruct(x.shape, jnp.float32))
-    call = buffer_callback(_topk_callback(k, residual), tuple(outs), vmap_method="broadcast_all")
+    aliases = {0: 2} if residual else None  # the residual is written over x's buffer
+    call = buffer_callback(
+        _topk_callback(k, residual),
+        tuple(outs),
+        vmap_method="broadcast_all",
+        input_output_aliases=aliases,
+    )
     got = [_varying_like(y, x) for y in call(x)]
     return got[0], got[1], got[2] if residual else None
+
+
+def _pointers(buffers) -> ctypes.Array:
+    return (ctypes.c_void_p * len(buffers))(*[_ptr(b) for b in buffers])
+
+
+def _lengths(sizes: tuple[int, ...]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(sizes))(*sizes)
+
+
+def _parts_callback(k: int, sizes: tuple[int, ...], rows: int):
+    def run(ctx, out, *parts):
+        xs, resid, lens = _pointers(parts), _pointers(out[2:]), _lengths(sizes)  # kept alive
+        _library().sparsecomm_topk_parts(
+            ctypes.addressof(xs), ctypes.addressof(lens), len(sizes), rows, k, _ptr(out[0]),
+            _ptr(out[1]), ctypes.addressof(resid),
+        )  # fmt: skip
+
+    return run
+
+
+def topk_parts(parts, k: int, rows: int | None = None):
+    """Top-k by magnitude of the concatenation of ``parts`` without concatenating them
+    (or of each of ``rows`` equal rows it is cut into); each part's residual is written
+    over its buffer.
+
+    Args:
+      parts: float32 vectors (the flattened leaves of a fusion bucket).
+      k: entries kept (per row), 1 <= k <= the row's length.
+      rows: ``None`` for one row, else the number of rows (dividing the total length).
+
+    Returns:
+      ``(values float32[k], indices int32[k], residuals)`` (``[rows, k]`` with rows):
+      indices into the concatenation (into the row), in increasing order, ties to the
+      lower index as in ``lax.top_k``; ``residuals`` one per part, the part with the
+      taken entries zeroed.
+    """
+    parts = [jnp.asarray(p, jnp.float32).reshape(-1) for p in parts]
+    shape = (k,) if rows is None else (rows, k)
+    outs = [jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)]
+    outs += [jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts]
+    sizes = tuple(p.shape[0] for p in parts)
+    aliases = {i: 2 + i for i in range(len(parts))}
+    run = _parts_callback(k, sizes, rows or 1)
+    call = buffer_callback(run, tuple(outs), input_output_aliases=aliases)
+    got = [_varying_like(y, parts[0]) for y in call(*parts)]
+    return got[0], got[1], got[2:]
+
+
+def _add_callback(sizes: tuple[int, ...]):
+    def run(ctx, out, values, indices, *parts):
+        dest, lens = _pointers(out), _lengths(sizes)  # kept alive during the call
+        _library().sparsecomm_add_parts(
+            ctypes.addressof(dest), ctypes.addressof(lens), len(sizes), _ptr(values), _ptr(indices),
+            values.shape[0],
+        )  # fmt: skip
+
+    return run
+
+
+def add_parts(parts, values, indices):
+    """``parts`` (float32 vectors read as one) with ``values`` added at ``indices`` (into
+    the concatenation; repeated ones add up), written over the parts' buffers.
+
+    Returns:
+      The updated parts, one array per part.
+    """
+    sizes = tuple(p.shape[0] for p in parts)
+    outs = tuple(jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts)
+    aliases = {2 + i: i for i in range(len(parts))}
+    call = buffer_callback(_add_callback(sizes), outs, input_output_aliases=aliases)
+    return [_varying_like(y, parts[0]) for y in call(values, indices.astype(jnp.int32), *parts)]
+
+
+def _merge_callback(k: int):
+    def run(ctx, out, values_a, indices_a, values_b, indices_b):
+        n = values_a.shape[-1]
+        rows = math.prod(values_a.shape[:-1])
+        ins = [_ptr(b) for b in (values_a, indices_a, values_b, indices_b)]
+        _library().sparsecomm_merge(*ins, rows, n, k, *[_ptr(b) for b in out])
+
+    return run
+
+
+def merge(values_a, indices_a, values_b, indices_b, k: int):
+    """Top-k of the sum of two sparse vectors (n entries each, any order, repeated
+    indices summed) on the host, and the rest of the sum.
+
+    Args:
+      values_a: float32[..., n]; indices_a: int32[..., n]; the same for b.
+      k: entries kept, 1 <= k.
+
+    Returns:
+      ``(values [..., k], indices [..., k], dropped_values [..., 2n], dropped_indices
+      [..., 2n])``, each list in index order: the k entries of a + b of largest
+      magnitude (ties to the lower index, as in ``lax.top_k``) and the other entries;
+      unused slots are padding (value 0 at index 0).
+    """
+    shape, n = values_a.shape[:-1], values_a.shape[-1]
+    outs = [
+        jax.ShapeDtypeStruct((*shape, m), t) for m in (k, 2 * n) for t in (jnp.float32, jnp.int32)
+    ]
+    call = buffer_callback(_merge_callback(k), tuple(outs), vmap_method="broadcast_all")
+    args = (values_a, indices_a, values_b, indices_b)
+    return tuple(_varying_like(y, values_a) for y in call(*args))
 
 
 def _varying_like(y, x):

@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import jax
@@ -215,6 +216,47 @@ def select_with_residual(x, k: int, selector: str = DEFAULT_SELECTOR):
     return jax.lax.platform_dependent(x, cpu=lambda v: hostkernel.topk(v, k, True), default=other)
 
 
+def select_with_residual_parts(parts, k: int, selector: str = DEFAULT_SELECTOR):
+    """``select_with_residual`` of the concatenation of ``parts`` (1-D), the residual
+    returned per part. With ``"auto"`` on CPU the kernel reads the parts where they are
+    and writes each residual over its part (no concatenated copy).
+
+    Returns:
+      ``(values, indices, residuals)``: indices into the concatenation, one residual
+      per part.
+    """
+
+    def other(*ps):
+        values, indices, kept = select_with_residual(jnp.concatenate(ps), k, selector)
+        return values, indices, _split_like(kept, ps)
+
+    if selector != "auto" or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.topk_parts(ps, k), default=other
+    )
+
+
+def _split_like(flat, parts) -> list:
+    return jnp.split(flat, list(itertools.accumulate(p.shape[0] for p in parts[:-1])))
+
+
+def add_to_parts(parts, values, indices) -> list:
+    """``parts`` (1-D, read as one vector) with ``values`` added at ``indices`` into
+    their concatenation (repeated indices add up); on CPU (float32) by the host kernel,
+    over the parts' buffers.
+    """
+
+    def other(*ps):
+        return _split_like(jnp.concatenate(ps).at[indices].add(values), ps)
+
+    if values.dtype != jnp.float32 or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.add_parts(ps, values, indices), default=other
+    )
+
+
 def select(x, k: int, selector: str = DEFAULT_SELECTOR):
     """Dispatch to ``auto_topk``, ``exact_topk``, ``threshold_topk`` or ``radix_topk``."""
     if selector == "auto":
@@ -305,6 +347,47 @@ def _drop_weakest(values, local, rows):
     last = jnp.max(jnp.where(low, local, -1), axis=1, keepdims=True)
     weakest = low & (local == last) & rows[:, None]
     return jnp.where(weakest, 0.0, values), jnp.where(weakest, values, 0.0)
+
+
+def per_shard_topk_with_residual_parts(
+    parts, k_shard: int, num_shards: int, selector: str = "auto"
+):
+    """``per_shard_topk_with_residual`` of the concatenation of ``parts`` (1-D, total
+    divisible by ``num_shards``), the residual returned per part; with ``"auto"`` on CPU
+    without concatenating, each residual written over its part.
+    """
+
+    def other(*ps):
+        flat = jnp.concatenate(ps)
+        values, local, kept = per_shard_topk_with_residual(flat, k_shard, num_shards, selector)
+        return values, local, _split_like(kept, ps)
+
+    if selector != "auto" or not all(_use_host(p) for p in parts):
+        return other(*parts)
+    return jax.lax.platform_dependent(
+        *parts, cpu=lambda *ps: hostkernel.topk_parts(ps, k_shard, num_shards), default=other
+    )
+
+
+def shard_topk_with_residual_parts(parts, k: int, num_shards: int, selector: str = "auto"):
+    """``shard_topk_with_residual`` of the concatenation of ``parts`` (1-D), the residual
+    returned per part. When the shards are equal (d divisible by P) the selection reads
+    the parts where they are (``per_shard_topk_with_residual_parts``).
+    """
+    d = sum(p.shape[0] for p in parts)
+    if d % num_shards:
+        flat = jnp.concatenate(parts)
+        values, local, rest = shard_topk_with_residual(flat, k, num_shards, selector)
+        return values, local, _split_like(rest, parts)
+    slots = shard_slots(k, d, num_shards)
+    values, local, kept = per_shard_topk_with_residual_parts(
+        parts, max(slots), num_shards, selector
+    )  # [P, s], [P, s], residual parts
+    if min(slots) < max(slots):  # the last shards give their weakest entry back
+        values, back = _drop_weakest(values, local, jnp.array(slots) < max(slots))
+        offsets = (jnp.arange(num_shards) * (d // num_shards))[:, None]
+        kept = add_to_parts(kept, back.reshape(-1), (local + offsets).reshape(-1))
+    return values, local, kept
 
 
 def densify(values, indices, size: int):

@@ -8,7 +8,7 @@ import pytest
 from helpers import a2a_sent
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, costmodel, hlo, runtime
+from sparsecomm_jax import aggregators, collectives, costmodel, hlo, runtime, sparsify
 
 N = 8
 LOSSY = ("topk_allgather", "topk_a2a", "gtopk")
@@ -80,7 +80,7 @@ def _topk_dense(x, k):
     return out
 
 
-@pytest.mark.parametrize("selector", ["exact", "radix"])
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_topk_allgather_is_mean_of_exact_topk(selector):
     g, _ = inputs("random", d=400, seed=3)
     zero = np.zeros_like(g)
@@ -90,7 +90,7 @@ def test_topk_allgather_is_mean_of_exact_topk(selector):
     np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("selector", ["exact", "radix"])
+@pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_topk_a2a_is_mean_of_per_shard_topk(selector):
     g, _ = inputs("random", d=800, seed=4)
     zero = np.zeros_like(g)
@@ -287,3 +287,29 @@ def test_check_vma_costs_bytes_only_for_gtopk():
         # gtopk: every worker sends 1/P of the final k-list (values and indices) once more
         extra = 2 * (N - 1) / N * k * 4 if name == "gtopk" else 0
         assert checked == pytest.approx(unchecked + extra, rel=1e-6), name
+
+
+_HOST_MERGE = jax.jit(lambda *a: collectives.merge_topk(*a, 40))
+_LAX_MERGE = jax.jit(lambda *a: collectives._lax_merge_topk(*a, 40))
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "overlap"])
+def test_host_merge_topk_is_the_lax_merge(kind):
+    # Two k-lists in any order, sharing indices, with padding (0 at index 0) and sums
+    # that cancel: the host kernel keeps and drops the same mass as sort + lax.top_k.
+    rng = np.random.default_rng(len(kind))
+    k, d = 40, 120 if kind == "overlap" else 1000
+    lists = []
+    for _ in range(2):
+        idx = rng.choice(d, k, replace=False).astype(np.int32)
+        val = rng.integers(-2, 3, k) if kind == "ties" else rng.normal(size=k)
+        val = val.astype(np.float32)
+        val[:3], idx[:3] = 0.0, 0  # padding entries, repeated index 0
+        lists += [jnp.asarray(val), jnp.asarray(idx)]
+    lists[2] = lists[2].at[5].set(-lists[0][5]).at[5 + 1].set(lists[0][6])  # cancel / add
+    lists[3] = lists[3].at[5].set(lists[1][5]).at[6].set(lists[1][6])
+    host, ref = _HOST_MERGE(*lists), _LAX_MERGE(*lists)  # compiled once for every kind
+    dense = lambda v, i: np.asarray(sparsify.densify(v, i, d))  # noqa: E731
+    for got, want in ((host[:2], ref[:2]), (host[2:], ref[2:])):
+        np.testing.assert_array_equal(dense(*got), dense(*want))
+    assert np.all(np.diff(np.asarray(host[1])[np.asarray(host[0]) != 0]) > 0)  # index order

@@ -129,14 +129,15 @@ def _lax_reference(x, k):
 
 @st.composite
 def vectors(draw):
-    """Random, tied, all-zero, heavy-tailed and sign-mixed float32 vectors, and a k."""
+    """Random, tied, all-zero, sparse, heavy-tailed and sign-mixed float32 vectors, and a k."""
     d = draw(st.integers(1, 40_000))
     rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    kind = draw(st.sampled_from(["normal", "ties", "zeros", "heavy", "signed_zeros"]))
+    kind = draw(st.sampled_from(["normal", "ties", "zeros", "sparse", "heavy", "signed_zeros"]))
     x = {
         "normal": lambda: rng.normal(size=d),
         "ties": lambda: rng.integers(-3, 4, d),
         "zeros": lambda: np.zeros(d),
+        "sparse": lambda: rng.normal(size=d) * (rng.random(d) < 10.0 ** rng.uniform(-3, -1)),
         "heavy": lambda: rng.standard_cauchy(d) ** 3,
         "signed_zeros": lambda: np.where(rng.random(d) < 0.5, -0.0, 0.0) * rng.integers(0, 2, d),
     }[kind]()
@@ -171,6 +172,25 @@ def test_host_kernel_exact_when_the_sample_misses(where):
         x[:16_384] *= 1e6
     k = 20_000
     values, idx, residual = hostkernel.topk(jnp.asarray(x), k, residual=True)
+    assert np.asarray(idx).tolist() == _numpy_topk(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    kept = x.copy()
+    kept[np.asarray(idx)] = 0
+    np.testing.assert_array_equal(np.asarray(residual), kept)
+
+
+_TOPK_1000 = jax.jit(lambda v: hostkernel.topk(v, 1_000, residual=True))
+
+
+@pytest.mark.parametrize("nonzeros", [300, 1_000, 5_000])
+def test_host_kernel_exact_on_sparse_rows(nonzeros):
+    # Mostly zeros, as an embedding gradient: the sample sees few nonzeros (k = 1,000);
+    # with fewer than k nonzeros the first zeros in index order complete the k.
+    rng = np.random.default_rng(nonzeros)
+    x = np.zeros(100_000, np.float32)
+    x[rng.choice(x.size, nonzeros, replace=False)] = rng.normal(size=nonzeros)
+    k = 1_000
+    values, idx, residual = _TOPK_1000(x)
     assert np.asarray(idx).tolist() == _numpy_topk(x, k)
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
     kept = x.copy()
@@ -233,3 +253,72 @@ def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
     offsets = (np.arange(4) * 100)[:, None]
     dense = np.asarray(sparsify.densify(values, np.asarray(local) + offsets, 400))
     np.testing.assert_array_equal(np.asarray(kept), x - dense)
+
+
+_PARTS_1000 = jax.jit(lambda *p: sparsify.select_with_residual_parts(list(p), 1_000))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
+def test_select_with_residual_parts_is_the_concatenated_selection(kind):
+    # Parts as the leaves of a bucket (one empty), long enough for a strided sample that
+    # crosses them: the same entries and residual as lax.top_k on the concatenation.
+    rng = np.random.default_rng(len(kind))
+    sizes = [30_000, 0, 17, 20_000]
+    x = {
+        "normal": lambda: rng.normal(size=sum(sizes)),
+        "ties": lambda: rng.integers(-2, 3, sum(sizes)),
+        "sparse": lambda: rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.01),
+    }[kind]().astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    k = 1_000
+    values, idx, kept = _PARTS_1000(*parts)
+    assert np.asarray(idx).tolist() == _lax_reference(x, k)
+    np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
+    want = x.copy()
+    want[np.asarray(idx)] = 0
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), want)
+
+
+def test_add_to_parts_is_a_scatter_add_on_the_concatenation():
+    rng = np.random.default_rng(8)
+    sizes = [50, 0, 3, 40]
+    x = rng.normal(size=sum(sizes)).astype(np.float32)
+    idx = np.concatenate([rng.integers(0, x.size, 60), [50, 52, 53, 0, 92, 92]]).astype(np.int32)
+    val = rng.normal(size=idx.size).astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    got = jax.jit(lambda v, i, *p: sparsify.add_to_parts(list(p), v, i))(val, idx, *parts)
+    want = x.copy()
+    np.add.at(want, idx, val)
+    np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in got]), want, rtol=1e-6)
+
+
+def test_per_shard_topk_with_residual_parts_is_the_concatenated_selection():
+    # 4 shards of 12,505 that start and end inside parts: shard-local entries as lax.top_k.
+    rng = np.random.default_rng(9)
+    sizes = [30_000, 0, 17, 20_003]
+    x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
+    x[:5_000] = rng.integers(-2, 3, 5_000)  # ties in the first shard
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    fn = jax.jit(lambda *p: sparsify.per_shard_topk_with_residual_parts(list(p), 300, 4))
+    values, local, kept = fn(*parts)
+    want = x.copy()
+    for s, shard in enumerate(x.reshape(4, -1)):
+        assert np.asarray(local[s]).tolist() == _lax_reference(shard, 300)
+        np.testing.assert_array_equal(np.asarray(values[s]), shard[np.asarray(local[s])])
+        want[s * shard.size + np.asarray(local[s])] = 0
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), want)
+
+
+@pytest.mark.parametrize("sizes", [[30_000, 0, 17, 20_003], [30_000, 17, 20_002]])
+def test_shard_topk_with_residual_parts_is_the_concatenated_selection(sizes):
+    # k = 1,201 over 4 shards (slots 301, 300, 300, 300), equal shards or not.
+    rng = np.random.default_rng(10)
+    x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
+    parts = np.split(x, np.cumsum(sizes)[:-1])
+    fn = jax.jit(lambda *p: sparsify.shard_topk_with_residual_parts(list(p), 1_201, 4))
+    values, local, kept = fn(*parts)
+    ref = jax.jit(lambda v: sparsify.shard_topk_with_residual(v, 1_201, 4, "exact"))(x)
+    pairs = lambda v, i: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
+    for s in range(4):
+        assert pairs(values[s], local[s]) == pairs(ref[0][s], ref[1][s])
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in kept]), ref[2])
