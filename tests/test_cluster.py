@@ -62,7 +62,7 @@ def test_sparse_strategy_is_faster_on_a_slow_link(tmp_path):
     assert embrace["losses"] == pytest.approx(dense["losses"], rel=1e-5)
     assert embrace["comm_bytes_per_step"] < dense["comm_bytes_per_step"] / 10
     assert embrace["step_time_s"] < dense["step_time_s"] / 3
-    assert _namespaces() == before  # cleaned up
+    assert not _namespaces() - before  # ours removed (another run's may come and go)
 
 
 @pytest.mark.skipif(not CAN_RUN, reason=WHY)
@@ -70,4 +70,4 @@ def test_cleanup_when_training_fails(tmp_path):
     before = _namespaces()
     proc, _ = _cluster(tmp_path, "dense", ["--model", "nope"])
     assert proc.returncode != 0
-    assert _namespaces() == before
+    assert not _namespaces() - before
