@@ -125,7 +125,7 @@ STRATEGIES: dict[str, Strategy] = {
             combines=False,
             row_updates=True,
         ),
-        Strategy("embrace", _embrace, layout="column", needs_tables=True, row_updates=True),
+        Strategy("embrace", _embrace, "column", bodies.DEDUP, needs_tables=True, row_updates=True),
         Strategy(
             "embrace_rowwise",
             _embrace_rowwise,
