@@ -147,7 +147,7 @@ def column_fetch(shards, reads, caps: dict[int, int], axis: str, wire=F32):
     )  # int[P, n_all]: every worker's ids of every lookup
     plans = {}
     for i, every in _segments(reads, gathered, num).items():
-        vocab, cap = shards[i].shape[0], caps[i]
+        vocab, cap = shards[i].shape[0], min(caps[i], every.shape[1])
         uniq = jax.vmap(lambda x, v=vocab, c=cap: jnp.unique(x, size=c, fill_value=v))(every)
         mine = _mine(reads, i)  # int[m]
         at = jnp.clip(jnp.searchsorted(uniq[me], mine), 0, cap - 1)  # uniq[me]: int[C]
