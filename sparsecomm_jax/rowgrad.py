@@ -103,11 +103,12 @@ def _gather(x, axis: str, wire, dim: int = 0, to: str = "varying"):
     return _receive(gathered, wire)
 
 
-def wire_psum(x, axis: str, wire=F32):
-    """``psum`` of ``x``; in a narrow ``wire`` it is an all-to-all (each worker gets
-    every worker's copy of one 1/P slice), a float32 sum, and an all-gather of the
-    sums: the bytes of a ring all-reduce in ``wire``, summed in float32."""
-    if wire == F32:
+def wire_psum(x, axis: str, wire=F32, scatter: bool = False):
+    """``psum`` of ``x``; in a narrow ``wire`` (or with ``scatter``) it is an all-to-all
+    (each worker gets every worker's copy of one 1/P slice), a float32 sum, and an
+    all-gather of the sums: the bytes of a ring all-reduce in ``wire``, summed in
+    float32, in two collectives of one operand each."""
+    if wire == F32 and not scatter:
         return jax.lax.psum(x, axis)
     num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
     flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
@@ -279,8 +280,11 @@ def _mean_rows(pairs: list, shard: jax.Array, num: int) -> RowGrad:
 
 
 def wire_mean(axis: str, wire=jnp.bfloat16) -> Aggregator:
-    """``pmean`` of every gradient leaf, fused into one ``wire_psum``: half the bytes of
-    the float32 all-reduce in ``bfloat16``, summed in float32 at each receiver."""
+    """``pmean`` of every gradient leaf, fused into one ``wire_psum`` (all-to-all, sum,
+    all-gather of one flat buffer): half the bytes of the float32 all-reduce in
+    ``bfloat16``, summed in float32 at each receiver. In float32 it sends the bytes of
+    ``pmean``, but as two one-operand collectives: over gloo (CPU) an all-reduce of many
+    leaves runs one ring per leaf, each paying the link's round trips."""
 
     def update(grads, state):
         leaves, treedef = jax.tree.flatten(grads)
@@ -288,7 +292,7 @@ def wire_mean(axis: str, wire=jnp.bfloat16) -> Aggregator:
             return grads, state
         bucket = list(range(len(leaves)))
         flat = fusion.pack([x.astype(F32) for x in leaves], bucket)  # float[d]
-        mean = wire_psum(flat, axis, wire) / jax.lax.axis_size(axis)
+        mean = wire_psum(flat, axis, wire, scatter=True) / jax.lax.axis_size(axis)
         out = fusion.unpack(mean, leaves, bucket)
         return treedef.unflatten([out[i] for i in bucket]), state
 
