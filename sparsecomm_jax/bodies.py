@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from sparsecomm_jax import embedding, pipeline, pipeline_rows, rowgrad
+from sparsecomm_jax import colfetch, embedding, pipeline, pipeline_rows, rowgrad
 from sparsecomm_jax.aggregators import vary
 from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
 from sparsecomm_jax.placement import PlacedBatch
@@ -113,9 +113,17 @@ def _wire(ctx: StepContext):
     return rowgrad.wire_dtype(ctx.comm_dtype)
 
 
-def column_layout(ctx: StepContext, capacity: int) -> TableLayout:
-    """``embrace`` with row updates: column-sharded tables."""
-    return rowgrad.column_layout(ctx.axis_name, _wire(ctx))
+DEDUP = colfetch.CAPACITY  # ``embrace``: slots per table for its distinct rows
+
+
+def column_layout(ctx: StepContext, capacity) -> TableLayout:
+    """``embrace`` with row updates: column-sharded tables; with ``capacity`` (slots per
+    table, ``colfetch.CAPACITY``) a step's lookups share one exchange of distinct rows."""
+    if not isinstance(capacity, tuple):
+        return rowgrad.column_layout(ctx.axis_name, _wire(ctx))
+    tables = [i for i, f in enumerate(jax.tree.leaves(ctx.table_mask)) if f]
+    caps = dict(zip(tables, capacity, strict=True))
+    return colfetch.column_layout(ctx.axis_name, caps, _wire(ctx))
 
 
 def row_layout(ctx: StepContext, capacity: int) -> TableLayout:

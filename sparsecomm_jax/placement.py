@@ -160,23 +160,35 @@ def grow_by_quarter(need: int) -> int:
 
 def capacity_fn(ctx: StepContext, policy: CapacityPolicy) -> Callable[..., int]:
     """Capacity per batch: ``ctx.capacity`` when fixed (``ValueError`` when too small),
-    else grown by ``policy.grow`` whenever a batch needs more (never shrinks)."""
-    current = [0]
+    else grown by ``policy.grow`` whenever a batch needs more (never shrinks). A policy
+    whose ``need`` is a tuple (one entry per table) gets a tuple, each entry so sized."""
+    current: list = [0]
 
-    def capacity(*batches: Batch) -> int:
+    def capacity(*batches: Batch) -> int | tuple[int, ...]:
         need = policy.need(ctx, *batches)
-        if ctx.capacity is not None:
-            if need > ctx.capacity:
-                raise ValueError(
-                    f"capacity={ctx.capacity} is too small: this batch needs {need} "
-                    f"{policy.what}; pass a larger capacity or None (auto)"
-                )
-            return ctx.capacity
-        if need > current[0] or not current[0]:
-            current[0] = max(current[0], policy.grow(need))
+        if isinstance(need, tuple):  # one capacity per table
+            fixed = ctx.capacity
+            old = current[0] or (0,) * len(need)
+            sized = [_sized(n, c, fixed, policy) for n, c in zip(need, old, strict=True)]
+            current[0] = tuple(sized)
+            return current[0]
+        current[0] = _sized(need, current[0], ctx.capacity, policy)
         return current[0]
 
     return capacity
+
+
+def _sized(need: int, current: int, fixed: int | None, policy: CapacityPolicy) -> int:
+    if fixed is not None:
+        if need > fixed:
+            raise ValueError(
+                f"capacity={fixed} is too small: this batch needs {need} "
+                f"{policy.what}; pass a larger capacity or None (auto)"
+            )
+        return fixed
+    if need > current or not current:
+        return max(current, policy.grow(need))
+    return current
 
 
 def batch_placer(

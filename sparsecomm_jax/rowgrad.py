@@ -66,6 +66,9 @@ class TableLayout(NamedTuple):
       lookup_shared: the same for ids every worker holds identically.
       attend: ``attend(shard, h) -> logits`` (tied full softmax; autodiff'd, dense).
       sum_dense: sums the (dense) ``attend`` gradient of a shard over workers.
+      fetch_all: ``fetch_all(leaves, reads) -> (rows, back)``: every read of a step at
+        once (``colfetch``); ``back(grads)`` -> ``[(leaf index, (ids, rows)), ...]``.
+        ``None``: each read through ``lookup`` / ``lookup_shared`` on its own.
     """
 
     axis: str
@@ -73,6 +76,7 @@ class TableLayout(NamedTuple):
     lookup_shared: Callable[[jax.Array, jax.Array], Fetched]
     attend: Callable[[jax.Array, jax.Array], jax.Array]
     sum_dense: Callable[[jax.Array], jax.Array]
+    fetch_all: Callable | None = None
 
 
 def _send(x, wire):
@@ -87,7 +91,7 @@ def _receive(x, wire):
     return x if wire == F32 else jax.lax.bitcast_convert_type(x, wire).astype(F32)
 
 
-def _a2a(x, axis: str, wire):
+def a2a(x, axis: str, wire=F32):
     """``all_to_all`` over the leading axis in ``wire``, back in float32."""
     return _receive(jax.lax.all_to_all(_send(x, wire), axis, 0, 0), wire)
 
@@ -99,19 +103,20 @@ def _gather(x, axis: str, wire, dim: int = 0, to: str = "varying"):
     return _receive(gathered, wire)
 
 
-def wire_psum(x, axis: str, wire=F32):
-    """``psum`` of ``x``; in a narrow ``wire`` it is an all-to-all (each worker gets
-    every worker's copy of one 1/P slice), a float32 sum, and an all-gather of the
-    sums: the bytes of a ring all-reduce in ``wire``, summed in float32."""
-    if wire == F32:
+def wire_psum(x, axis: str, wire=F32, scatter: bool = False):
+    """``psum`` of ``x``; in a narrow ``wire`` (or with ``scatter``) it is an all-to-all
+    (each worker gets every worker's copy of one 1/P slice), a float32 sum, and an
+    all-gather of the sums: the bytes of a ring all-reduce in ``wire``, summed in
+    float32, in two collectives of one operand each."""
+    if wire == F32 and not scatter:
         return jax.lax.psum(x, axis)
     num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
     flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
-    mine = _a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
+    mine = a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
     return _gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
 
 
-def _column_blocks(g, num: int):
+def column_blocks(g, num: int):
     """float[n, D] -> float[P, n, D/P]: block j holds columns jD/P..(j+1)D/P."""
     return jnp.swapaxes(g.reshape(g.shape[0], num, -1), 0, 1)
 
@@ -122,11 +127,11 @@ def column_layout(axis: str, wire=F32) -> TableLayout:
     def lookup(shard, ids):
         num, flat = jax.lax.axis_size(axis), ids.reshape(-1)  # ids: int[n]
         all_ids = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, n], on all workers
-        mine = _a2a(jnp.take(shard, all_ids, axis=0), axis, wire)  # float[P, n, D/P]
+        mine = a2a(jnp.take(shard, all_ids, axis=0), axis, wire)  # float[P, n, D/P]
         rows = jnp.swapaxes(mine, 0, 1).reshape(*ids.shape, -1)  # float[*ids, D]
 
         def back(g):  # g: float[*ids, D] -> my columns of every worker's tokens
-            got = _a2a(_column_blocks(g.reshape(flat.shape[0], -1), num), axis, wire)
+            got = a2a(column_blocks(g.reshape(flat.shape[0], -1), num), axis, wire)
             return all_ids.reshape(-1), got.reshape(-1, shard.shape[1])  # [P*n], [P*n, D/P]
 
         return Fetched(rows, back)
@@ -137,7 +142,7 @@ def column_layout(axis: str, wire=F32) -> TableLayout:
         rows = _gather(cols, axis, wire, dim=1)  # float[N, D]
 
         def back(g):  # every worker's gradient of my columns, summed here in float32
-            got = _a2a(_column_blocks(g.reshape(flat.shape[0], -1), num), axis, wire)
+            got = a2a(column_blocks(g.reshape(flat.shape[0], -1), num), axis, wire)
             return flat, got.sum(axis=0)  # int[N], float[N, D/P]
 
         return Fetched(rows.reshape(*ids.shape, -1), back)
@@ -157,12 +162,12 @@ def row_layout(axis: str, capacity: int, wire=F32) -> TableLayout:
         asked = jax.lax.all_to_all(send, axis, 0, 0)  # int[P, C]: ids others want of me
         local = jnp.where(asked >= 0, asked - jax.lax.axis_index(axis) * rows_per, rows_per)
         found = jnp.take(shard, local, axis=0, mode="fill", fill_value=0)  # float[P, C, D]
-        got = _a2a(found, axis, wire).reshape(num * cap, width)  # float[P*C, D]
+        got = a2a(found, axis, wire).reshape(num * cap, width)  # float[P*C, D]
         rows = jnp.take(got, pos, axis=0).reshape(*ids.shape, width)
 
         def back(g):  # duplicates summed before the reverse exchange
             g_got = jnp.zeros((num * cap, width), F32).at[pos].add(g.reshape(-1, width))
-            g_found = _a2a(g_got.reshape(num, cap, width), axis, wire)  # float[P, C, D]
+            g_found = a2a(g_got.reshape(num, cap, width), axis, wire)  # float[P, C, D]
             return local.reshape(-1), g_found.reshape(-1, width)
 
         return Fetched(rows, back)
@@ -229,28 +234,41 @@ def table_row_grads(loss_fn, params, batch, mask, layout: TableLayout, widths: d
     leaves = jax.tree.leaves(params)
     calls = embedding.logged_lookups(loss_fn, params, batch, mask, widths, attend=layout.attend)
     reads = [c for c in calls if c[0] != "attend"]
-    fetched = [
-        (layout.lookup if kind == "lookup" else layout.lookup_shared)(leaves[i], ids)
-        for kind, i, ids in reads
-    ]
+    rows_in, back = (layout.fetch_all or _each_read(layout))(leaves, reads)
 
     def loss_of_rows(p, rows):
         pending = iter(rows)
         ops = embedding.recording_ops(p, mask, [], lambda *_: next(pending), attend=layout.attend)
         return loss_fn(p, batch, ops)
 
-    rows_in = [f.rows for f in fetched]
     varying = vary((params, rows_in), layout.axis)  # each worker's own gradient
     loss, (grads, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
     pairs: dict[int, list] = {i: [] for i in widths}
-    for (_, i, _), f, g in zip(reads, fetched, g_rows, strict=True):
-        pairs[i].append(f.back(g))
+    for i, pair in back(g_rows):
+        pairs[i].append(pair)
     g_leaves = jax.tree.leaves(grads)
     for i in {i for kind, i, _ in calls if kind == "attend"}:
         num_rows = leaves[i].shape[0]
         pairs[i].append((jnp.arange(num_rows), layout.sum_dense(g_leaves[i]).astype(F32)))
     num = jax.lax.axis_size(layout.axis)
     return loss, grads, {i: _mean_rows(pairs[i], leaves[i], num) for i in pairs}
+
+
+def _each_read(layout: TableLayout):
+    """``fetch_all`` from a layout's per-read ``lookup`` and ``lookup_shared``."""
+
+    def fetch_all(leaves, reads):
+        fetched = [
+            (layout.lookup if kind == "lookup" else layout.lookup_shared)(leaves[i], ids)
+            for kind, i, ids in reads
+        ]
+
+        def back(grads):
+            return [(i, f.back(g)) for (_, i, _), f, g in zip(reads, fetched, grads, strict=True)]
+
+        return [f.rows for f in fetched], back
+
+    return fetch_all
 
 
 def _mean_rows(pairs: list, shard: jax.Array, num: int) -> RowGrad:
@@ -262,8 +280,11 @@ def _mean_rows(pairs: list, shard: jax.Array, num: int) -> RowGrad:
 
 
 def wire_mean(axis: str, wire=jnp.bfloat16) -> Aggregator:
-    """``pmean`` of every gradient leaf, fused into one ``wire_psum``: half the bytes of
-    the float32 all-reduce in ``bfloat16``, summed in float32 at each receiver."""
+    """``pmean`` of every gradient leaf, fused into one ``wire_psum`` (all-to-all, sum,
+    all-gather of one flat buffer): half the bytes of the float32 all-reduce in
+    ``bfloat16``, summed in float32 at each receiver. In float32 it sends the bytes of
+    ``pmean``, but as two one-operand collectives: over gloo (CPU) an all-reduce of many
+    leaves runs one ring per leaf, each paying the link's round trips."""
 
     def update(grads, state):
         leaves, treedef = jax.tree.flatten(grads)
@@ -271,7 +292,7 @@ def wire_mean(axis: str, wire=jnp.bfloat16) -> Aggregator:
             return grads, state
         bucket = list(range(len(leaves)))
         flat = fusion.pack([x.astype(F32) for x in leaves], bucket)  # float[d]
-        mean = wire_psum(flat, axis, wire) / jax.lax.axis_size(axis)
+        mean = wire_psum(flat, axis, wire, scatter=True) / jax.lax.axis_size(axis)
         out = fusion.unpack(mean, leaves, bucket)
         return treedef.unflatten([out[i] for i in bucket]), state
 

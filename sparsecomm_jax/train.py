@@ -125,7 +125,7 @@ STRATEGIES: dict[str, Strategy] = {
             combines=False,
             row_updates=True,
         ),
-        Strategy("embrace", _embrace, layout="column", needs_tables=True, row_updates=True),
+        Strategy("embrace", _embrace, "column", bodies.DEDUP, needs_tables=True, row_updates=True),
         Strategy(
             "embrace_rowwise",
             _embrace_rowwise,
@@ -375,7 +375,7 @@ def make_train_step(
     _check_options(agg_name, num, capacity, nonfinite)
     _check_row_updates(STRATEGIES[base], agg_name, table_optimizer, comm_dtype)
     aggregator = AGGREGATORS[agg_name](density, axis_name, **aggregator_options)
-    if comm_dtype != "float32":
+    if agg_name == "dense" and table_optimizer is not None:  # one flat buffer (comm_dtype)
         aggregator = rowgrad.wire_mean(axis_name, rowgrad.wire_dtype(comm_dtype))
     mask = table_mask(params, embedding_paths)
     vocabs = tuple(sorted({int(np.shape(t)[0]) for _, _, t in named_tables(params, mask)}))

@@ -1,8 +1,10 @@
 """Row-sparse table updates in training: every lossless table strategy (``embrace_2d``
 too) with the row-wise SGD and Adagrad equals single-device dense training (tied and
 untied tables, sampled and full softmax); lazy Adam equals a single-device reference;
-non-finite rows skip the step; the bfloat16 wire halves the bytes; bad input fails
-before compiling."""
+non-finite rows skip the step; the bfloat16 wire halves the bytes; embrace sends each
+distinct row once; bad input fails before compiling."""
+
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ from helpers import assert_trees_close, place, reference_run, strategy_run
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate, validate
 from models import get_workload
-from sparsecomm_jax import hlo, rowwise, runtime, train
+from sparsecomm_jax import colfetch, hlo, placement, rowwise, runtime, train
 
 STEPS = 3
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
@@ -139,6 +141,37 @@ def test_bfloat16_wire_halves_the_bytes():
     bf16, colls = _row_bytes("embrace", "bfloat16")
     assert bf16 == pytest.approx(f32 / 2, rel=0.02)
     assert not [c for c in colls if c.shapes[0][0] == "f32" and c.kind != "all-reduce"]
+
+
+def test_embrace_sends_each_distinct_row_once():
+    """One id all-gather and one all-to-all each way for all lookups; each worker's slots
+    per table = the most distinct ids any worker reads of it (numpy), 1/8 headroom."""
+    _, colls = _row_bytes("embrace", "float32")
+    w = get_workload("lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32,
+                     sampled_softmax=16)  # fmt: skip
+    batch, num = w.batch_at(0), 8
+    parts = np.split(batch["tokens"], num)
+    neg = batch["negatives"]
+    need = [max(np.unique(p[:, :-1]).size for p in parts),
+            max(np.unique(np.r_[p[:, 1:].ravel(), neg]).size for p in parts)]  # fmt: skip
+    caps = [colfetch.grow_by_eighth(n) for n in need]
+    rows = (num - 1) * sum(caps) * 16 // num * 4  # bytes of one exchange of rows
+    kinds = [(c.kind, c.bytes_sent == rows) for c in colls]
+    assert kinds.count(("all-to-all", True)) == 2  # rows forward, gradients back
+    ids = [c for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32"]
+    assert len(ids) == 1 and len(colls) == 7  # + the dense layers' 2, loss, non-finite flag
+    assert sum(caps) < 2 * parts[0][:, 1:].size + neg.size  # fewer rows than ids read
+
+
+def test_per_table_capacities_grow_one_by_one_and_never_shrink():
+    needs = iter([(10, 100), (12, 90), (9, 130)])
+    policy = placement.CapacityPolicy(lambda ctx, b: next(needs), "rows", colfetch.grow_by_eighth)
+    capacity = placement.capacity_fn(types.SimpleNamespace(capacity=None), policy)
+    assert [capacity({}) for _ in range(3)] == [(16, 112), (16, 112), (16, 152)]
+    fixed = placement.capacity_fn(types.SimpleNamespace(capacity=64), policy._replace(
+        need=lambda ctx, b: (10, 100)))  # fmt: skip
+    with pytest.raises(ValueError, match="capacity=64 is too small: this batch needs 100"):
+        fixed({})
 
 
 def test_bad_input_fails_before_compiling():
