@@ -215,7 +215,9 @@ def _merge_callback(k: int):
     return run
 
 
-def merge(values_a, indices_a, values_b, indices_b, k: int):
+def merge(
+    values_a: jax.Array, indices_a: jax.Array, values_b: jax.Array, indices_b: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Top-k of the sum of two sparse vectors (n entries each, any order, repeated
     indices summed) on the host, and the rest of the sum.
 

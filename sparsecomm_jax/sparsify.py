@@ -84,7 +84,7 @@ def shard_slots(k: int, size: int, num_shards: int) -> list[int]:
     return [k // num_shards + (j < k % num_shards) for j in range(num_shards)]
 
 
-def to_shards(x, num_shards: int):
+def to_shards(x: jax.Array, num_shards: int) -> jax.Array:
     """float[d] -> float[P, ceil(d/P)]: P contiguous shards, the first d - P*floor(d/P)
     of ceil(d/P) entries and the others of floor(d/P) entries plus one zero at the end
     (d a multiple of P: a plain reshape). ``from_shards`` inverts it."""
@@ -97,7 +97,7 @@ def to_shards(x, num_shards: int):
     return jnp.concatenate([head, jnp.pad(tail, ((0, 0), (0, 1)))])
 
 
-def from_shards(shards, size: int):
+def from_shards(shards: jax.Array, size: int) -> jax.Array:
     """float[P, ceil(d/P)] -> float[d], the inverse of ``to_shards`` (drops the padding)."""
     num_shards = shards.shape[0]
     long = _long_shards(size, num_shards)

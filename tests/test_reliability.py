@@ -34,9 +34,11 @@ def test_resume_is_exact(tmp_path, strategy):
         cfg = RunConfig(strategy=strategy, steps=steps, density=0.1, **SMALL, **kw)
         return train_and_evaluate(cfg, progress=False)
 
-    ckpt = dict(checkpoint_dir=str(tmp_path), checkpoint_every=2)
-    full = run(4, **ckpt)  # saves steps 2 and 4
-    resumed = run(4, resume=True, resume_step=2, **ckpt)
+    full = run(4)  # never checkpointed: saving must not change the trajectory
+    ckpt = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    first = run(2, **ckpt)
+    resumed = run(4, resume=True, **ckpt)
+    assert first["losses"] == full["losses"][:2]
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
 
 
