@@ -333,20 +333,23 @@ def shard_topk_with_residual(x, k: int, num_shards: int, selector: str = DEFAULT
         shards.reshape(-1), max(slots), num_shards, selector
     )  # [P, s], [P, s], float[P*c]
     if min(slots) < max(slots):  # the last shards give their weakest entry back
-        values, back = _drop_weakest(values, local, jnp.array(slots) < max(slots))
-        offsets = (jnp.arange(num_shards) * shards.shape[1])[:, None]
-        rest = rest.at[(local + offsets).reshape(-1)].add(back.reshape(-1))
+        values, back, at = _drop_weakest(values, local, slots, shards.shape[1])
+        rest = rest.at[at].add(back)
     return values, local, from_shards(rest.reshape(shards.shape), d)
 
 
-def _drop_weakest(values, local, rows):
-    """``(kept, dropped)``: in each row where ``rows`` holds, the selected entry of least
-    magnitude (the higher index among equals: the last of a top-k) moves to ``dropped``."""
+def _drop_weakest(values, local, slots: list[int], width: int):
+    """Each shard with fewer ``slots`` than the most gives back its selected entry of
+    least magnitude (the higher index among equals: the last of a top-k). Returns
+    ``(kept values [P, s], given-back values [P*s], their flat positions [P*s])``, the
+    positions in shards of ``width`` entries laid end to end."""
     key = jax.lax.bitcast_convert_type(jnp.abs(values), jnp.int32)  # ordered like |v|
     low = key == key.min(axis=1, keepdims=True)
     last = jnp.max(jnp.where(low, local, -1), axis=1, keepdims=True)
-    weakest = low & (local == last) & rows[:, None]
-    return jnp.where(weakest, 0.0, values), jnp.where(weakest, values, 0.0)
+    fewer = (jnp.array(slots) < max(slots))[:, None]
+    weakest = low & (local == last) & fewer
+    at = (local + jnp.arange(len(slots))[:, None] * width).reshape(-1)
+    return jnp.where(weakest, 0.0, values), jnp.where(weakest, values, 0.0).reshape(-1), at
 
 
 def per_shard_topk_with_residual_parts(
@@ -384,9 +387,8 @@ def shard_topk_with_residual_parts(parts, k: int, num_shards: int, selector: str
         parts, max(slots), num_shards, selector
     )  # [P, s], [P, s], residual parts
     if min(slots) < max(slots):  # the last shards give their weakest entry back
-        values, back = _drop_weakest(values, local, jnp.array(slots) < max(slots))
-        offsets = (jnp.arange(num_shards) * (d // num_shards))[:, None]
-        kept = add_to_parts(kept, back.reshape(-1), (local + offsets).reshape(-1))
+        values, back, at = _drop_weakest(values, local, slots, d // num_shards)
+        kept = add_to_parts(kept, back, at)
     return values, local, kept
 
 
