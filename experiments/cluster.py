@@ -48,8 +48,9 @@ def check_environment() -> None:
 def check_args(nproc: int, devices_per_proc: int, bandwidth: str, latency: str) -> None:
     """``ValueError`` for a bad process count, rate (e.g. ``1gbit``) or latency (``50us``)."""
     if nproc < 1 or devices_per_proc < 1:
-        raise ValueError(f"--nproc and --devices-per-proc must be >= 1, got {nproc}, "
-                         f"{devices_per_proc}")  # fmt: skip
+        raise ValueError(
+            f"--nproc and --devices-per-proc must be >= 1, got {nproc}, {devices_per_proc}"
+        )
     if not _RATE.match(bandwidth):
         raise ValueError(f"--bandwidth must look like 100mbit or 1gbit, got {bandwidth!r}")
     if latency and not _TIME.match(latency):
@@ -101,8 +102,9 @@ class Namespace:
         return self
 
     def __exit__(self, *exc) -> None:
-        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True,
-                              text=True).stdout.split()  # fmt: skip
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.name], capture_output=True, text=True
+        ).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -114,16 +116,33 @@ class Namespace:
         return ["ip", "netns", "exec", self.name, *cmd]
 
 
-def run_cluster(nproc: int, devices_per_proc: int, bandwidth: str, latency: str,
-                train_args: Sequence[str], per_worker: bool = False) -> int:  # fmt: skip
+def run_cluster(
+    nproc: int,
+    devices_per_proc: int,
+    bandwidth: str,
+    latency: str,
+    train_args: Sequence[str],
+    per_worker: bool = False,
+) -> int:
     """Runs ``experiments.train train_args`` as ``nproc`` ranks in a throttled namespace;
     returns the job's exit code."""
     check_args(nproc, devices_per_proc, bandwidth, latency)
     bandwidth = loopback_rate(bandwidth, nproc, per_worker)
     check_environment()
-    launcher = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", str(nproc),
-                "--devices-per-proc", str(devices_per_proc), "--",
-                sys.executable, "-m", "experiments.train", *train_args]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "sparsecomm_jax.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-proc",
+        str(devices_per_proc),
+        "--",
+        sys.executable,
+        "-m",
+        "experiments.train",
+        *train_args,
+    ]
     with Namespace(bandwidth, latency) as ns:
         proc = subprocess.Popen(ns.command(launcher), start_new_session=True)
         try:
@@ -148,8 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:split])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        return run_cluster(args.nproc, args.devices_per_proc, args.bandwidth, args.latency,
-                           argv[split + 1 :], args.per_worker)  # fmt: skip
+        return run_cluster(
+            args.nproc,
+            args.devices_per_proc,
+            args.bandwidth,
+            args.latency,
+            argv[split + 1 :],
+            args.per_worker,
+        )
     except (ValueError, RuntimeError) as e:
         print(f"cluster: {e}", file=sys.stderr)
         return 2

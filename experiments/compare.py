@@ -56,8 +56,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = ["strategy", "final loss", "step ms", "comm MB/step", "speed-up", "bytes x",
-              "peak MB"]  # fmt: skip
+    header = ["strategy", "final loss", "step ms", "comm MB/step", "speed-up", "bytes x", "peak MB"]
     lines = [" | ".join(f"{h:>16}" for h in header)]
     for r in rows:
         cells = [

@@ -81,31 +81,50 @@ def _field(default: Any, help: str, check: Check | None = None, choices=None) ->
 @dataclasses.dataclass
 class RunConfig:
     model: str = _field("lstm_lm", "workload to train", choices=lambda: sorted(MODELS))
-    strategy: str = _field("dense", "communication strategy: %(choices)s",
-                           choices=strategy_names)  # fmt: skip
-    devices: int = _field(8, "workers; 0 = every device of the job (the command line's "
-                          "default; a single process on a CPU-only host simulates this many "
-                          "devices, 8 for 0)", at_least(0))  # fmt: skip
+    strategy: str = _field("dense", "communication strategy: %(choices)s", choices=strategy_names)
+    devices: int = _field(
+        8,
+        "workers; 0 = every device of the job (the command line's "
+        "default; a single process on a CPU-only host simulates this many "
+        "devices, 8 for 0)",
+        at_least(0),
+    )
     steps: int = _field(20, "training steps (the run's total, resumed or not)", at_least(1))
-    warmup: int = _field(2, "first steps left out of the step-time median (compilation)",
-                         at_least(0))  # fmt: skip
+    warmup: int = _field(
+        2, "first steps left out of the step-time median (compilation)", at_least(0)
+    )
     seed: int = _field(0, "seed of initialisation and data, in [0, 2**32 - 1]", seed_range)
-    optimizer: str = _field("adam", "optax optimizer (lazy_adam: Adam whose table rows "
-                            "change only on steps that read them)", choices=OPTIMIZERS)  # fmt: skip
-    table_update: str = _field("auto", "embedding tables: auto (row-sparse where the "
-                               "strategy and optimizer allow), sparse (only the rows a batch "
-                               "reads) or dense (a V x D gradient)",
-                               choices=TABLE_UPDATES)  # fmt: skip
-    comm_dtype: str = _field("float32", "dtype on the wire of the embedding rows and the "
-                             "dense all-reduce (bfloat16 halves the bytes; sums in float32)",
-                             choices=sorted(COMM_DTYPES))  # fmt: skip
+    optimizer: str = _field(
+        "adam",
+        "optax optimizer (lazy_adam: Adam whose table rows change only on steps that read them)",
+        choices=OPTIMIZERS,
+    )
+    table_update: str = _field(
+        "auto",
+        "embedding tables: auto (row-sparse where the "
+        "strategy and optimizer allow), sparse (only the rows a batch "
+        "reads) or dense (a V x D gradient)",
+        choices=TABLE_UPDATES,
+    )
+    comm_dtype: str = _field(
+        "float32",
+        "dtype on the wire of the embedding rows and the "
+        "dense all-reduce (bfloat16 halves the bytes; sums in float32)",
+        choices=sorted(COMM_DTYPES),
+    )
     lr: float = _field(1e-3, "learning rate (finite, > 0)", finite_at_least(0, strict=True))
-    batch: int = _field(32, "global batch: examples per step, all workers together; "
-                        "divisible by --devices", at_least(1))  # fmt: skip
+    batch: int = _field(
+        32,
+        "global batch: examples per step, all workers together; divisible by --devices",
+        at_least(1),
+    )
     seq_len: int = _field(16, "tokens per example (language models)", at_least(1))
     vocab: int = _field(2000, "vocabulary size V (language models)", at_least(2))
-    dim: int = _field(32, "embedding / model width D (language models); divisible by "
-                      "--heads for attention models", at_least(1))  # fmt: skip
+    dim: int = _field(
+        32,
+        "embedding / model width D (language models); divisible by --heads for attention models",
+        at_least(1),
+    )
     hidden: int = _field(64, "LSTM units per layer (lstm_lm)", at_least(1))
     layers: int = _field(1, "recurrent or transformer layers", at_least(1))
     heads: int = _field(2, "attention heads (transformer, bert, gpt2)", at_least(1))
@@ -113,20 +132,22 @@ class RunConfig:
     image_size: int = _field(32, "image height = width (resnet, vgg)", at_least(1))
     width: int = _field(8, "channels of the first stage (resnet, vgg)", at_least(1))
     blocks: int = _field(1, "blocks per stage (resnet, vgg)", at_least(1))
-    noise: float = _field(1.0, "noise std of the synthetic images (resnet, vgg)",
-                          finite_at_least(0))  # fmt: skip
-    sampled_softmax: int = _field(0, "shared negative samples per step; 0 = full softmax",
-                                  at_least(0))  # fmt: skip
+    noise: float = _field(
+        1.0, "noise std of the synthetic images (resnet, vgg)", finite_at_least(0)
+    )
+    sampled_softmax: int = _field(
+        0, "shared negative samples per step; 0 = full softmax", at_least(0)
+    )
     tie_embeddings: bool = _field(False, "tie the output table to the input table")
-    zipf_exponent: float = _field(1.1, "Zipf exponent of the synthetic tokens (> 0)",
-                                  finite_at_least(0, strict=True))  # fmt: skip
+    zipf_exponent: float = _field(
+        1.1, "Zipf exponent of the synthetic tokens (> 0)", finite_at_least(0, strict=True)
+    )
     text_file: str = _field(
         "",
         "one word-level text file as training data instead of "
         "synthetic tokens (language models only; no held-out split)",
     )
-    capacity: int = _field(0, "embrace_rowwise slots per bucket; 0 = sized per batch",
-                           at_least(0))  # fmt: skip
+    capacity: int = _field(0, "embrace_rowwise slots per bucket; 0 = sized per batch", at_least(0))
     density: float = _field(0.01, "fraction sent by top-k strategies, in (0, 1]", density_range)
     selector: str = _field(
         "auto",
@@ -135,27 +156,44 @@ class RunConfig:
         "sort) or threshold (sampled, approximate)",
         choices=SELECTORS,
     )
-    bucket_mb: str = _field("64", "tensor-fusion threshold in MiB for top-k strategies, or "
-                            "auto (binary search on measured step times at start-up)",
-                            bucket_size)  # fmt: skip
-    link_gbit: float = _field(10.0, "adaptive: link Gbit/s of the cost model; 0 = calibrate "
-                              "on this cluster first", finite_at_least(0))  # fmt: skip
-    link_alpha_us: float = _field(50.0, "adaptive: latency per message of the cost model "
-                                  "(microseconds)", finite_at_least(0))  # fmt: skip
-    nonfinite: str = _field("skip", "NaN/Inf gradient: skip the step (listed in "
-                            "skipped_steps), error (stop naming it) or off (apply it)",
-                            choices=NONFINITE)  # fmt: skip
-    max_skipped: int = _field(10, "stop (non-zero exit) when more than this many steps in "
-                              "a row are skipped", at_least(0))  # fmt: skip
+    bucket_mb: str = _field(
+        "64",
+        "tensor-fusion threshold in MiB for top-k strategies, or "
+        "auto (binary search on measured step times at start-up)",
+        bucket_size,
+    )
+    link_gbit: float = _field(
+        10.0,
+        "adaptive: link Gbit/s of the cost model; 0 = calibrate on this cluster first",
+        finite_at_least(0),
+    )
+    link_alpha_us: float = _field(
+        50.0, "adaptive: latency per message of the cost model (microseconds)", finite_at_least(0)
+    )
+    nonfinite: str = _field(
+        "skip",
+        "NaN/Inf gradient: skip the step (listed in "
+        "skipped_steps), error (stop naming it) or off (apply it)",
+        choices=NONFINITE,
+    )
+    max_skipped: int = _field(
+        10, "stop (non-zero exit) when more than this many steps in a row are skipped", at_least(0)
+    )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
     checkpoint_every: int = _field(0, "save every N steps (0 = only at the end)", at_least(0))
-    resume: bool = _field(False, "continue the run in --checkpoint-dir from its newest "
-                          "checkpoint that restores")  # fmt: skip
-    resume_step: int = _field(0, "with --resume: the checkpoint step to continue from "
-                              "(0 = the newest that restores)", at_least(0))  # fmt: skip
+    resume: bool = _field(
+        False, "continue the run in --checkpoint-dir from its newest checkpoint that restores"
+    )
+    resume_step: int = _field(
+        0,
+        "with --resume: the checkpoint step to continue from (0 = the newest that restores)",
+        at_least(0),
+    )
     overwrite: bool = _field(False, "replace another run's checkpoints in --checkpoint-dir")
-    calibrate: bool = _field(False, "after training, fit the link's alpha and beta "
-                             "(costmodel) and add them to the result")  # fmt: skip
+    calibrate: bool = _field(
+        False,
+        "after training, fit the link's alpha and beta (costmodel) and add them to the result",
+    )
     out: str = _field("", 'JSON result path ("" = do not write)')
     data_dir: str = _field(
         "",
@@ -169,16 +207,20 @@ class RunConfig:
         "the end (0 = only at the end); needs --data-dir",
         at_least(0),
     )
-    eval_batches: int = _field(0, "held-out batches per evaluation (0 = the whole split)",
-                               at_least(0))  # fmt: skip
+    eval_batches: int = _field(
+        0, "held-out batches per evaluation (0 = the whole split)", at_least(0)
+    )
     log_dir: str = _field(
         "",
         "per-step logs (steps.jsonl, TensorBoard scalars) and traces "
         "go here; default: <--out without .json>.logs/ when --out is given",
     )
-    profile_steps: str = _field("", "A:B = a jax.profiler trace of steps A to B-1 into "
-                                "<log dir>/trace (TensorBoard's profile plugin or "
-                                "ui.perfetto.dev)")  # fmt: skip
+    profile_steps: str = _field(
+        "",
+        "A:B = a jax.profiler trace of steps A to B-1 into "
+        "<log dir>/trace (TensorBoard's profile plugin or "
+        "ui.perfetto.dev)",
+    )
 
     def model_overrides(self) -> dict[str, Any]:
         """The fields some model's config takes (each model ignores the ones it lacks)."""
@@ -202,10 +244,26 @@ class RunConfig:
 # Fields that may change between a run and its resumption (the device count too:
 # the global batch, and so the losses, do not depend on it).
 NOT_TRAJECTORY = frozenset(
-    {"devices", "steps", "warmup", "capacity", "nonfinite", "max_skipped", "checkpoint_dir",
-     "checkpoint_every", "resume", "resume_step", "overwrite", "calibrate", "out",
-     "eval_every", "eval_batches", "log_dir", "profile_steps"}
-)  # fmt: skip
+    {
+        "devices",
+        "steps",
+        "warmup",
+        "capacity",
+        "nonfinite",
+        "max_skipped",
+        "checkpoint_dir",
+        "checkpoint_every",
+        "resume",
+        "resume_step",
+        "overwrite",
+        "calibrate",
+        "out",
+        "eval_every",
+        "eval_batches",
+        "log_dir",
+        "profile_steps",
+    }
+)
 AGGREGATOR_FIELDS = ("density", "selector", "bucket_mb", "link_gbit", "link_alpha_us")
 
 
@@ -256,8 +314,9 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         kind = {"int": int, "float": float, "str": str}[str(f.type)]
         choices = _choices(f)
         metavar = "NAME" if choices is not None and len(choices) > 8 else None
-        parser.add_argument(flag, type=kind, default=f.default, choices=choices,
-                            metavar=metavar, help=help_text)  # fmt: skip
+        parser.add_argument(
+            flag, type=kind, default=f.default, choices=choices, metavar=metavar, help=help_text
+        )
 
 
 def from_namespace(ns: argparse.Namespace) -> RunConfig:

@@ -40,8 +40,11 @@ def plot(rows, dense, formula: float, path) -> None:
     plt = sweep.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in STRATEGIES:
-        pts = sorted((r["density"], r["step_s"], r["calibrated_comm_s"] + r["free_step_s"])
-                     for r in rows if r.get("strategy") == s and "error" not in r)  # fmt: skip
+        pts = sorted(
+            (r["density"], r["step_s"], r["calibrated_comm_s"] + r["free_step_s"])
+            for r in rows
+            if r.get("strategy") == s and "error" not in r
+        )
         if not pts:
             continue
         d, m, p = zip(*pts, strict=True)
@@ -79,14 +82,20 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{strategy}_{density}"
         run_args = ["--strategy", strategy, "--density", str(density), *train_args, *extra]
         slow = sweep.run_config(run_args, out / f"{name}.json", args.nproc, args.bandwidth)
-        free = sweep.run_config(run_args, out / f"{name}_free.json", args.nproc,
-                                args.free_bandwidth)  # fmt: skip
-        return {"strategy": strategy, "density": density, "step_s": slow["step_time_s"],
-                "free_step_s": free["step_time_s"],
-                "comm_s": slow["step_time_s"] - free["step_time_s"],
-                "predicted_comm_s": sweep.predicted_comm_s(slow, nominal),
-                "bytes": slow["comm_bytes_per_step"], "final_loss": slow["losses"][-1],
-                "result": slow}  # fmt: skip
+        free = sweep.run_config(
+            run_args, out / f"{name}_free.json", args.nproc, args.free_bandwidth
+        )
+        return {
+            "strategy": strategy,
+            "density": density,
+            "step_s": slow["step_time_s"],
+            "free_step_s": free["step_time_s"],
+            "comm_s": slow["step_time_s"] - free["step_time_s"],
+            "predicted_comm_s": sweep.predicted_comm_s(slow, nominal),
+            "bytes": slow["comm_bytes_per_step"],
+            "final_loss": slow["losses"][-1],
+            "result": slow,
+        }
 
     try:  # the dense run calibrates the link every prediction uses
         dense = measure("dense", 1.0, ["--calibrate"])
@@ -104,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         "measured_step": measured_crossover(rows, "step_s"),
         "measured_comm": measured_crossover(rows, "comm_s"),
         "formula": costmodel.crossover_density(args.nproc),
-    }  # fmt: skip
-    extra = {"dense": dense, "crossover": cross,
-             "link": {"alpha": link.alpha, "beta": link.beta},
-             "nominal_link": {"alpha": nominal.alpha, "beta": nominal.beta}}  # fmt: skip
+    }
+    extra = {
+        "dense": dense,
+        "crossover": cross,
+        "link": {"alpha": link.alpha, "beta": link.beta},
+        "nominal_link": {"alpha": nominal.alpha, "beta": nominal.beta},
+    }
     sweep.save_rows(rows, out, "density", extra)
     plot(rows, dense, cross["formula"], out / "density.png")
     print(report(dense, rows, link, cross))
@@ -115,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(dense, rows, link, cross) -> str:
-    lines = [f"calibrated link: alpha {link.alpha * 1e6:.0f} us, "
-             f"{8 / link.beta / 1e9 if link.beta else float('inf'):.3f} Gbit/s"]  # fmt: skip
+    lines = [
+        f"calibrated link: alpha {link.alpha * 1e6:.0f} us, "
+        f"{8 / link.beta / 1e9 if link.beta else float('inf'):.3f} Gbit/s"
+    ]
     for r in [dense, *rows]:
         if "error" in r:
             continue

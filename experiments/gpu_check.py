@@ -76,8 +76,14 @@ def model_step(
         loss = loss_value(loss)
         times.append(time.perf_counter() - t)
     params = sum(int(np.size(x)) for x in jax.tree.leaves(ts.host_params(state)))
-    out = {"model": model, "params": params, "compile_s": compile_s, "first_step_s": times[0],
-           "step_s": statistics.median(times[1:]), "loss": loss}  # fmt: skip
+    out = {
+        "model": model,
+        "params": params,
+        "compile_s": compile_s,
+        "first_step_s": times[0],
+        "step_s": statistics.median(times[1:]),
+        "loss": loss,
+    }
     if trace_dir:
         out["trace"] = trace_steps(program, state, batches[steps:], trace_dir)
     return out

@@ -55,23 +55,25 @@ def measure(size: int, densities, selectors, repeats: int = 5) -> dict:
             step = aggregation_step(density, selector)
             # a pass timed next to each figure: a shared host's load drifts
             passes.append(median_seconds(one_pass, x, repeats=repeats))
-            rows.append({
-                "density": density,
-                "selector": selector,
-                "pass_s": passes[-1],
-                "select_passes": median_seconds(select, x, repeats=repeats) / passes[-1],
-                "aggregate_passes": median_seconds(step, x, r, repeats=repeats) / passes[-1],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "density": density,
+                    "selector": selector,
+                    "pass_s": passes[-1],
+                    "select_passes": median_seconds(select, x, repeats=repeats) / passes[-1],
+                    "aggregate_passes": median_seconds(step, x, r, repeats=repeats) / passes[-1],
+                }
+            )
     return {"size": size, "pass_s": statistics.median(passes), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.local_cost",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m experiments.local_cost", description=__doc__)
     parser.add_argument("--size", type=int, default=8 * 2**20, help="vector length d")
     parser.add_argument("--densities", default="0.01,0.2", help="comma-separated")
-    parser.add_argument("--selectors", default="auto", help="comma-separated, of "
-                        f"{','.join(sparsify.SELECTORS)}")  # fmt: skip
+    parser.add_argument(
+        "--selectors", default="auto", help=f"comma-separated, of {','.join(sparsify.SELECTORS)}"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default="runs/local_cost")
     args = parser.parse_args(argv)
@@ -85,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "local_cost.json").write_text(json.dumps(result, indent=1))
     print(f"d={args.size:,}: one pass {result['pass_s'] * 1e3:.2f} ms (median)")
     for row in result["rows"]:
-        print(f"density {row['density']:<5} {row['selector']:>9}: selection "
-              f"{row['select_passes']:7.1f} passes, topk_allgather aggregation "
-              f"{row['aggregate_passes']:7.1f} passes "
-              f"(pass {row['pass_s'] * 1e3:.2f} ms)")  # fmt: skip
+        print(
+            f"density {row['density']:<5} {row['selector']:>9}: selection "
+            f"{row['select_passes']:7.1f} passes, topk_allgather aggregation "
+            f"{row['aggregate_passes']:7.1f} passes "
+            f"(pass {row['pass_s'] * 1e3:.2f} ms)"
+        )
     return 0
 
 

@@ -28,8 +28,12 @@ EMBRACE_MODELS = {
     "BERT-base": (30_522, 768, 86_000_000, 1, 32 * 128, 1),
     "GPT-2 small": (50_257, 768, 85_000_000, 1, 8 * 1024, 1),
 }
-TOPKA2A_MODELS = {"ResNet-50": 25_600_000, "VGG-16": 138_000_000, "BERT-base": 110_000_000,
-                  "GPT-2 small": 124_000_000}  # fmt: skip
+TOPKA2A_MODELS = {
+    "ResNet-50": 25_600_000,
+    "VGG-16": 138_000_000,
+    "BERT-base": 110_000_000,
+    "GPT-2 small": 124_000_000,
+}
 BANDWIDTHS = (10, 25, 100)
 
 
@@ -46,8 +50,10 @@ def embrace_times(model, workers: int, link: costmodel.Link) -> dict[str, float]
 
 
 def topk_times(size: int, density: float, workers: int, link: costmodel.Link):
-    return {s: costmodel.strategy_time(s, size, density, workers, link)
-            for s in ("dense", "topk_allgather", "topk_a2a", "gtopk")}  # fmt: skip
+    return {
+        s: costmodel.strategy_time(s, size, density, workers, link)
+        for s in ("dense", "topk_allgather", "topk_a2a", "gtopk")
+    }
 
 
 def project() -> dict:
@@ -60,11 +66,21 @@ def project() -> dict:
         for name, size in TOPKA2A_MODELS.items():
             for density in (0.001, 0.01, 0.05):
                 t = topk_times(size, density, 32, link)
-                rows_t.append({"model": name, "gbit": gbit, "density": density, **t,
-                               "a2a_vs_allgather": t["topk_allgather"] / t["topk_a2a"],
-                               "a2a_vs_dense": t["dense"] / t["topk_a2a"]})  # fmt: skip
-    return {"embrace_16gpu": rows_e, "topka2a_32gpu": rows_t,
-            "headlines": {"embrace": 2.41, "topka2a": 1.73}}  # fmt: skip
+                rows_t.append(
+                    {
+                        "model": name,
+                        "gbit": gbit,
+                        "density": density,
+                        **t,
+                        "a2a_vs_allgather": t["topk_allgather"] / t["topk_a2a"],
+                        "a2a_vs_dense": t["dense"] / t["topk_a2a"],
+                    }
+                )
+    return {
+        "embrace_16gpu": rows_e,
+        "topka2a_32gpu": rows_t,
+        "headlines": {"embrace": 2.41, "topka2a": 1.73},
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -74,25 +90,35 @@ def plot(result: dict, path: Path) -> None:
         pts = [(r["gbit"], r["ratio"]) for r in result["embrace_16gpu"] if r["model"] == name]
         a.plot(*zip(*pts, strict=True), marker="o", label=name)
     a.axhline(2.41, color="gray", ls="--", label="EmbRace headline 2.41x")
-    a.set(title="EmbRace, 16 GPUs: comm-time ratio dense / embrace", xlabel="Gbit/s",
-          xscale="log", yscale="log")  # fmt: skip
+    a.set(
+        title="EmbRace, 16 GPUs: comm-time ratio dense / embrace",
+        xlabel="Gbit/s",
+        xscale="log",
+        yscale="log",
+    )
     a.legend(fontsize=7)
     for name in TOPKA2A_MODELS:
-        pts = [(r["density"], r["a2a_vs_allgather"]) for r in result["topka2a_32gpu"]
-               if r["model"] == name and r["gbit"] == 25]  # fmt: skip
+        pts = [
+            (r["density"], r["a2a_vs_allgather"])
+            for r in result["topka2a_32gpu"]
+            if r["model"] == name and r["gbit"] == 25
+        ]
         b.plot(*zip(*pts, strict=True), marker="o", label=name)
     b.axhline(1.73, color="gray", ls="--", label="TopKA2A headline 1.73x")
     b.axhline(1.0, color="black", lw=0.5)
-    b.set(title="TopKA2A, 32 GPUs, 25 Gbit/s: allgather / a2a time", xlabel="density",
-          xscale="log", yscale="log")  # fmt: skip
+    b.set(
+        title="TopKA2A, 32 GPUs, 25 Gbit/s: allgather / a2a time",
+        xlabel="density",
+        xscale="log",
+        yscale="log",
+    )
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.paper_scale",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(prog="python -m experiments.paper_scale", description=__doc__)
     parser.add_argument("--out-dir", default="runs/paper_scale")
     args = parser.parse_args(argv)
     result = project()
@@ -102,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, out / "paper_scale.png")
     print("EmbRace setting, 16 GPUs: modelled communication seconds per step")
     for r in result["embrace_16gpu"]:
-        print(f"  {r['model']:<20} {r['gbit']:>3} Gbit/s  dense {r['dense']:8.4f}  "
-              f"embrace {r['embrace']:8.4f}  ratio {r['ratio']:6.1f}x")  # fmt: skip
+        print(
+            f"  {r['model']:<20} {r['gbit']:>3} Gbit/s  dense {r['dense']:8.4f}  "
+            f"embrace {r['embrace']:8.4f}  ratio {r['ratio']:6.1f}x"
+        )
     print("TopKA2A setting, 32 GPUs: modelled communication seconds per step")
     for r in result["topka2a_32gpu"]:
-        print(f"  {r['model']:<12} {r['gbit']:>3} Gbit/s density {r['density']:<6} dense "
-              f"{r['dense']:.4f} allgather {r['topk_allgather']:.4f} a2a {r['topk_a2a']:.4f} "
-              f"gtopk {r['gtopk']:.4f}  allgather/a2a {r['a2a_vs_allgather']:.2f}")  # fmt: skip
+        print(
+            f"  {r['model']:<12} {r['gbit']:>3} Gbit/s density {r['density']:<6} dense "
+            f"{r['dense']:.4f} allgather {r['topk_allgather']:.4f} a2a {r['topk_a2a']:.4f} "
+            f"gtopk {r['gtopk']:.4f}  allgather/a2a {r['a2a_vs_allgather']:.2f}"
+        )
     return 0
 
 

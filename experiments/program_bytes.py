@@ -21,8 +21,11 @@ def _summary(text: str) -> dict:
     for c in hlo.parse_collectives(text):
         sent[c.kind] += c.bytes_sent
         count[c.kind] += 1
-    return {"MB": sum(sent.values()) / 1e6, "collectives": sum(count.values()),
-            "by_kind": {k: (count[k], round(v / 1e6, 3)) for k, v in sent.items()}}  # fmt: skip
+    return {
+        "MB": sum(sent.values()) / 1e6,
+        "collectives": sum(count.values()),
+        "by_kind": {k: (count[k], round(v / 1e6, 3)) for k, v in sent.items()},
+    }
 
 
 def measure(args) -> dict:
@@ -50,8 +53,9 @@ def measure(args) -> dict:
     grads = p.compute(st.params, p.fetch(st.params, batch.data), batch.data)
     out["overlap high"] = _summary(hlo_text(p.high, st, *grads, batch))
     new, _, pend, _, _ = p.high(st, *grads, batch)
-    out["overlap low"] = _summary(hlo_text(p.low, new.params, new.opt_state, pend,
-                                           batch.capacity, False))  # fmt: skip
+    out["overlap low"] = _summary(
+        hlo_text(p.low, new.params, new.opt_state, pend, batch.capacity, False)
+    )
     out["first-chunk capacity"] = batch.capacity
     return out
 
@@ -75,8 +79,14 @@ def reuse(args, steps=range(2, 8)) -> dict:
     for t in steps:
         (i0, o0, n0), (i1, o1, n1) = reads(t), reads(t + 1)
         out0, out1 = np.concatenate([o0, n0]), np.concatenate([o1, n1])
-        pairs = {"bwd_in": (i0, i1), "bwd_out": (o0, out1), "bwd_neg": (n0, out1),
-                 "fwd_in": (i1, i0), "fwd_out": (o1, out0), "fwd_neg": (n1, out0)}  # fmt: skip
+        pairs = {
+            "bwd_in": (i0, i1),
+            "bwd_out": (o0, out1),
+            "bwd_neg": (n0, out1),
+            "fwd_in": (i1, i0),
+            "fwd_out": (o1, out0),
+            "fwd_neg": (n1, out0),
+        }
         for name, (ids, other) in pairs.items():
             out[name].append(np.isin(ids, other).mean())
     return {k: round(float(np.mean(v)), 3) for k, v in out.items()}

@@ -63,8 +63,9 @@ def model_step(model: str, **overrides) -> tuple[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.selection_cost",
-                                     description=__doc__)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.selection_cost", description=__doc__
+    )
     parser.add_argument("--size", type=int, default=25_000_000, help="vector length d")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--shards", type=int, default=8, help="P for per-shard selection")
@@ -99,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         t_model = result["at_model_size"][name]
         t_big = result["at_size"][name]
         ratio = t_model / step_s
-        print(f"{name:>10}: {t_model * 1e3:8.2f} ms at d={grad_size:,} ({ratio:.2f} x step), "
-              f"{t_big * 1e3:9.1f} ms at d={args.size:,}")  # fmt: skip
+        print(
+            f"{name:>10}: {t_model * 1e3:8.2f} ms at d={grad_size:,} ({ratio:.2f} x step), "
+            f"{t_big * 1e3:9.1f} ms at d={args.size:,}"
+        )
     return 0
 
 

@@ -49,9 +49,13 @@ def prepared(strategy: str, vocab: int, update: str, rounds: int):
     import jax
 
     config = RunConfig(
-        strategy=strategy, devices=1, vocab=vocab, optimizer="sgd", table_update=update,
+        strategy=strategy,
+        devices=1,
+        vocab=vocab,
+        optimizer="sgd",
+        table_update=update,
         **WORKLOAD,
-    )  # fmt: skip
+    )
     validate(config)
     workload, ts = build(config)
     batches = placed_cycle(ts, workload, rounds)
@@ -94,11 +98,16 @@ def main(argv: list[str] | None = None) -> int:
             if r >= args.warmup:
                 times[c].extend(block[1:])
     rows = [
-        {"strategy": args.strategy, "vocab": v, "table_update": u,
-         "step_time_s": statistics.median(times[(v, u)]), "step_times_s": times[(v, u)],
-         "final_loss": runs[(v, u)][1]["loss"]}
+        {
+            "strategy": args.strategy,
+            "vocab": v,
+            "table_update": u,
+            "step_time_s": statistics.median(times[(v, u)]),
+            "step_times_s": times[(v, u)],
+            "final_loss": runs[(v, u)][1]["loss"],
+        }
         for v, u in configs
-    ]  # fmt: skip
+    ]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "table_cost.json").write_text(json.dumps({"workload": WORKLOAD, "rows": rows}, indent=1))
@@ -106,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in rows if r["table_update"] == u]
         for r in mine:
             print(f"{args.strategy} {u:>6} V={r['vocab']:>7,}: {r['step_time_s'] * 1e3:7.1f} ms")
-        print(f"{u}: V={mine[-1]['vocab']:,} / V={mine[0]['vocab']:,} = "
-              f"{mine[-1]['step_time_s'] / mine[0]['step_time_s']:.2f}x")  # fmt: skip
+        print(
+            f"{u}: V={mine[-1]['vocab']:,} / V={mine[0]['vocab']:,} = "
+            f"{mine[-1]['step_time_s'] / mine[0]['step_time_s']:.2f}x"
+        )
     return 0
 
 

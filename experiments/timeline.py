@@ -25,16 +25,29 @@ import time
 from pathlib import Path
 
 STRATEGIES = ("embrace", "embrace_2d", "overlap", "overlap_fused")
-COLORS = {"step": "tab:gray", "fetch": "tab:purple", "compute": "tab:green",
-          "high": "tab:red", "low": "tab:blue", "fused": "tab:orange"}  # fmt: skip
+COLORS = {
+    "step": "tab:gray",
+    "fetch": "tab:purple",
+    "compute": "tab:green",
+    "high": "tab:red",
+    "low": "tab:blue",
+    "fused": "tab:orange",
+}
 
 
 def _workload(args):
     from models import get_workload
 
-    return get_workload(args.model, vocab=args.vocab, dim=args.dim, hidden=args.hidden,
-                        seq_len=args.seq_len, batch=args.batch,
-                        sampled_softmax=args.sampled_softmax, seed=0)  # fmt: skip
+    return get_workload(
+        args.model,
+        vocab=args.vocab,
+        dim=args.dim,
+        hidden=args.hidden,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        sampled_softmax=args.sampled_softmax,
+        seed=0,
+    )
 
 
 def _table_optimizer(args):
@@ -53,10 +66,16 @@ def _run_step_strategy(w, name, params, mesh, steps, table_optimizer=None):
 
     from sparsecomm_jax import train
 
-    ts = train.make_train_step(w.loss, optax.sgd(0.5), mesh, params, name,
-                               replicated_keys=w.replicated_keys,
-                               embedding_paths=w.embedding_paths,
-                               table_optimizer=table_optimizer)  # fmt: skip
+    ts = train.make_train_step(
+        w.loss,
+        optax.sgd(0.5),
+        mesh,
+        params,
+        name,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        table_optimizer=table_optimizer,
+    )
     _steps(ts, w, 3, jax.tree.map(lambda x: x.copy(), ts.state))  # the step donates
     return _steps(ts, w, steps, ts.state)
 
@@ -85,10 +104,15 @@ def _run_overlap(w, params, mesh, steps, fused=False, table_optimizer=None):
 
     from sparsecomm_jax import overlap
 
-    ov = overlap.make_overlapped(w.loss, optax.sgd(0.5), mesh, params,
-                                 replicated_keys=w.replicated_keys,
-                                 embedding_paths=w.embedding_paths,
-                                 table_optimizer=table_optimizer)  # fmt: skip
+    ov = overlap.make_overlapped(
+        w.loss,
+        optax.sgd(0.5),
+        mesh,
+        params,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        table_optimizer=table_optimizer,
+    )
     timeline: list = []
     ov.run(ov.state, w.batch_at, 3, fused=fused)  # compiles every program
     _, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
@@ -125,8 +149,11 @@ def worker(args) -> dict:
         else:
             losses, timeline = _run_step_strategy(w, name, params, mesh, args.steps, rows)
         times = step_times(timeline, args.steps)[args.warmup :]
-        record["runs"][name] = {"losses": losses, "timeline": timeline,
-                                "step_s": statistics.median(times) if times else None}  # fmt: skip
+        record["runs"][name] = {
+            "losses": losses,
+            "timeline": timeline,
+            "step_s": statistics.median(times) if times else None,
+        }
     return record
 
 
@@ -172,8 +199,18 @@ def run_cluster(args, worker_argv: list[str]) -> int:
 
     rate = cluster.loopback_rate(args.bandwidth, args.nproc, args.per_worker)
     cluster.check_environment()
-    launcher = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", str(args.nproc),
-                "--", sys.executable, "-m", "experiments.timeline", *worker_argv]  # fmt: skip
+    launcher = [
+        sys.executable,
+        "-m",
+        "sparsecomm_jax.launch",
+        "--nproc",
+        str(args.nproc),
+        "--",
+        sys.executable,
+        "-m",
+        "experiments.timeline",
+        *worker_argv,
+    ]
     with cluster.Namespace(rate, "") as ns:
         code = subprocess.run(ns.command(launcher)).returncode
     if code == 0:
@@ -185,14 +222,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.timeline", description=__doc__)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--model", default="lstm_lm")
-    for flag, default in (("vocab", 1000), ("dim", 32), ("hidden", 32), ("seq_len", 16),
-                          ("batch", 16), ("sampled_softmax", 64), ("steps", 8),
-                          ("warmup", 2)):  # fmt: skip
+    for flag, default in (
+        ("vocab", 1000),
+        ("dim", 32),
+        ("hidden", 32),
+        ("seq_len", 16),
+        ("batch", 16),
+        ("sampled_softmax", 64),
+        ("steps", 8),
+        ("warmup", 2),
+    ):
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=default)
     p.add_argument("--devices", type=int, default=4, help="simulated devices (--local)")
-    p.add_argument("--table-update", choices=("sparse", "dense"), default="sparse",
-                   help="tables updated row-sparsely (rowwise.sgd) or densely; "
-                   "overlap_fused needs dense")  # fmt: skip
+    p.add_argument(
+        "--table-update",
+        choices=("sparse", "dense"),
+        default="sparse",
+        help="tables updated row-sparsely (rowwise.sgd) or densely; overlap_fused needs dense",
+    )
     p.add_argument("--out", required=True, help="JSON path (rank files next to it)")
     p.add_argument("--cluster", action="store_true", help="run on the emulated cluster")
     p.add_argument("--nproc", type=int, default=4)

@@ -34,12 +34,19 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
     agg = aggregators.AGGREGATORS[kind](density, "data", bucket_bytes=None)
 
     def body(g, r):
-        mean, st = agg.update({"g": g[0]}, agg.init({"g": g[0]}) if kind == "dense" else
-                              aggregators.ErrorFeedbackState({"g": r[0]}))  # fmt: skip
+        mean, st = agg.update(
+            {"g": g[0]},
+            agg.init({"g": g[0]})
+            if kind == "dense"
+            else aggregators.ErrorFeedbackState({"g": r[0]}),
+        )
         return mean["g"][None]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                               out_specs=P("data"), check_vma=False))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+        )
+    )
     shape = jax.ShapeDtypeStruct(
         (workers, size), np.float32, sharding=NamedSharding(mesh, P("data"))
     )
@@ -83,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.topk_bytes", description=__doc__)
     parser.add_argument("--size", type=int, default=25_000_000, help="gradient length d")
     parser.add_argument("--workers", default="4,8,16,32", help="comma list of P")
-    parser.add_argument("--crossover-size", type=int, default=1_000_000,
-                        help="d for the crossover bisection (many compiles)")  # fmt: skip
+    parser.add_argument(
+        "--crossover-size",
+        type=int,
+        default=1_000_000,
+        help="d for the crossover bisection (many compiles)",
+    )
     parser.add_argument("--out-dir", default="runs/topk_bytes")
     args = parser.parse_args(argv)
     workers = [int(p) for p in args.workers.split(",")]
@@ -98,23 +109,28 @@ def main(argv: list[str] | None = None) -> int:
         for density in DENSITIES:
             measured = {k: program_bytes(k, density, args.size, p) for k in KINDS}
             formula = {k: formula_bytes(k, density, args.size, p) for k in KINDS}
-            rows.append({"workers": p, "density": density, "bytes": measured,
-                         "formula": formula})  # fmt: skip
-    cross = [{"workers": p, "measured": crossover(args.crossover_size, p),
-              "formula": 1 / (2 * (p - 1))} for p in workers]  # fmt: skip
+            rows.append({"workers": p, "density": density, "bytes": measured, "formula": formula})
+    cross = [
+        {"workers": p, "measured": crossover(args.crossover_size, p), "formula": 1 / (2 * (p - 1))}
+        for p in workers
+    ]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "topk_bytes.json").write_text(json.dumps({"size": args.size, "rows": rows,
-                                                     "crossover": cross}, indent=1))  # fmt: skip
+    (out / "topk_bytes.json").write_text(
+        json.dumps({"size": args.size, "rows": rows, "crossover": cross}, indent=1)
+    )
     plot(rows, out / "topk_bytes.png")
     print(f"d = {args.size:,}: MB per worker per step (compiled program; formula in brackets)")
     for r in rows:
-        cells = "  ".join(f"{k} {r['bytes'][k] / 1e6:9.4g} ({r['formula'][k] / 1e6:.4g})"
-                          for k in KINDS)  # fmt: skip
+        cells = "  ".join(
+            f"{k} {r['bytes'][k] / 1e6:9.4g} ({r['formula'][k] / 1e6:.4g})" for k in KINDS
+        )
         print(f"P={r['workers']:>2} density={r['density']:<6} {cells}")
     for c in cross:
-        print(f"P={c['workers']:>2} topk_a2a beats topk_allgather above density "
-              f"{c['measured']:.5f} (formula 1/(2(P-1)) = {c['formula']:.5f})")  # fmt: skip
+        print(
+            f"P={c['workers']:>2} topk_a2a beats topk_allgather above density "
+            f"{c['measured']:.5f} (formula 1/(2(P-1)) = {c['formula']:.5f})"
+        )
     return 0
 
 

@@ -74,16 +74,19 @@ def _check_combinations(config: RunConfig) -> None:
     if config.resume_step and not config.resume:
         raise ValueError("--resume-step needs --resume")
     if config.resume and config.overwrite:
-        raise ValueError("--resume continues the folder's run, --overwrite replaces it: "
-                         "pass one of them")  # fmt: skip
+        raise ValueError(
+            "--resume continues the folder's run, --overwrite replaces it: pass one of them"
+        )
 
 
 def _check_model_fields(config: RunConfig) -> None:
     """Constraints between the fields of the chosen model."""
     fields = config_fields(config.model)
     if "heads" in fields and config.dim % config.heads:
-        raise ValueError(f"--heads {config.heads} does not divide --dim {config.dim} "
-                         f"(the width of --model {config.model})")  # fmt: skip
+        raise ValueError(
+            f"--heads {config.heads} does not divide --dim {config.dim} "
+            f"(the width of --model {config.model})"
+        )
     if "masked" in fields and config.masked > config.seq_len:
         raise ValueError(f"--masked {config.masked} is more than --seq-len {config.seq_len}")
 
@@ -93,8 +96,10 @@ def _check_text_file(config: RunConfig) -> None:
         return
     readers = sorted(m for m in MODELS if "text_file" in config_fields(m))
     if config.model not in readers:
-        raise ValueError(f"--text-file is read by {', '.join(readers)} only; --model "
-                         f"{config.model} would ignore it (drop the flag)")  # fmt: skip
+        raise ValueError(
+            f"--text-file is read by {', '.join(readers)} only; --model "
+            f"{config.model} would ignore it (drop the flag)"
+        )
     path = Path(config.text_file)
     if not path.is_file():
         problem = "is a directory" if path.is_dir() else "does not exist"
@@ -121,14 +126,18 @@ def _batch_bytes(config: RunConfig) -> int:
 def _check_resources(config: RunConfig) -> None:
     """A request no machine of this kind can serve, refused before XLA is asked."""
     if runtime.distributed_args() is None and config.devices > MAX_PROCESS_DEVICES:
-        raise ValueError(f"--devices {config.devices}: one process runs at most "
-                         f"{MAX_PROCESS_DEVICES} devices (XLA's CPU collectives cannot "
-                         "join more simulated devices); use fewer, or the launcher")  # fmt: skip
+        raise ValueError(
+            f"--devices {config.devices}: one process runs at most "
+            f"{MAX_PROCESS_DEVICES} devices (XLA's CPU collectives cannot "
+            "join more simulated devices); use fewer, or the launcher"
+        )
     need, have = _batch_bytes(config), _physical_memory()
     if need > have // 2:
-        raise ValueError(f"--batch {config.batch}: one global batch alone needs "
-                         f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB; "
-                         "use a smaller --batch")  # fmt: skip
+        raise ValueError(
+            f"--batch {config.batch}: one global batch alone needs "
+            f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB; "
+            "use a smaller --batch"
+        )
 
 
 # ------------------------------------------------------------ output locations
@@ -188,8 +197,10 @@ def _describe(record: dict[str, Any] | None) -> str:
     if not record:
         return "a run that recorded no configuration"
     cfg = record.get("config", {})
-    return (f"run {record.get('run_id', '?')[:8]} (--model {cfg.get('model')} --strategy "
-            f"{cfg.get('strategy')} --seed {cfg.get('seed')})")  # fmt: skip
+    return (
+        f"run {record.get('run_id', '?')[:8]} (--model {cfg.get('model')} --strategy "
+        f"{cfg.get('strategy')} --seed {cfg.get('seed')})"
+    )
 
 
 def trajectory_differences(config: RunConfig, record: dict[str, Any]) -> list[str]:
@@ -206,26 +217,34 @@ def _check_owner(config: RunConfig) -> None:
     """Refuses to mix runs in one folder; clears it for a fresh run."""
     folder = config.checkpoint_dir
     if foreign := checkpoint.foreign_folders(folder):
-        raise ValueError(f"--checkpoint-dir {folder} holds folders {foreign} that are not "
-                         "checkpoints: give the run a folder of its own")  # fmt: skip
+        raise ValueError(
+            f"--checkpoint-dir {folder} holds folders {foreign} that are not "
+            "checkpoints: give the run a folder of its own"
+        )
     steps, record = checkpoint.saved_steps(folder), checkpoint.read_run(folder)
     if not config.resume:
         if steps and not config.overwrite:
-            raise ValueError(f"--checkpoint-dir {folder} holds checkpoints (steps {steps}) of "
-                             f"{_describe(record)}: pass --resume to continue it, --overwrite "
-                             "to replace it, or use another folder")  # fmt: skip
+            raise ValueError(
+                f"--checkpoint-dir {folder} holds checkpoints (steps {steps}) of "
+                f"{_describe(record)}: pass --resume to continue it, --overwrite "
+                "to replace it, or use another folder"
+            )
         checkpoint.clear(folder)
         return
     if not steps:
         raise ValueError(f"--resume: no checkpoint in {folder}")
     if record is None:
-        raise ValueError(f"--resume: {folder} records no configuration for its checkpoints "
-                         f"(no {checkpoint.RUN_FILE}), so it cannot be checked against this "
-                         "run; start afresh with --overwrite")  # fmt: skip
+        raise ValueError(
+            f"--resume: {folder} records no configuration for its checkpoints "
+            f"(no {checkpoint.RUN_FILE}), so it cannot be checked against this "
+            "run; start afresh with --overwrite"
+        )
     if diff := trajectory_differences(config, record):
-        raise ValueError(f"--resume: this run differs from {_describe(record)} in "
-                         f"{', '.join(diff)}; these change the trajectory: use the "
-                         "checkpoint's values or another --checkpoint-dir")  # fmt: skip
+        raise ValueError(
+            f"--resume: this run differs from {_describe(record)} in "
+            f"{', '.join(diff)}; these change the trajectory: use the "
+            "checkpoint's values or another --checkpoint-dir"
+        )
 
 
 def claim_checkpoint_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:
@@ -262,8 +281,12 @@ def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
     """The optax optimizer of ``--optimizer`` (``lazy_adam``: Adam for the dense layers)."""
     if name == "momentum":
         return optax.sgd(lr, momentum=0.9)
-    return {"sgd": optax.sgd, "adam": optax.adam, "adagrad": optax.adagrad,
-            "lazy_adam": optax.adam}[name](lr)  # fmt: skip
+    return {
+        "sgd": optax.sgd,
+        "adam": optax.adam,
+        "adagrad": optax.adagrad,
+        "lazy_adam": optax.adam,
+    }[name](lr)
 
 
 def row_updates(config: RunConfig) -> bool:
@@ -363,24 +386,29 @@ def build(config: RunConfig):
 
 def _report_skip(step: int, reason: str) -> None:
     if jax.process_index() == 0:
-        print(f"--resume: checkpoint step {step} skipped ({reason}); trying the one before",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"--resume: checkpoint step {step} skipped ({reason}); trying the one before",
+            file=sys.stderr,
+        )
 
 
 def _start_state(config: RunConfig, ts):
     """(checkpointer or None, state, first step): fresh, or from a checkpoint."""
     if not config.checkpoint_dir:
         return None, ts.state, 0
-    ckpt = checkpoint.Checkpointer(config.checkpoint_dir,
-                                   every=config.checkpoint_every or config.steps,
-                                   run=run_record(config))  # fmt: skip
+    ckpt = checkpoint.Checkpointer(
+        config.checkpoint_dir, every=config.checkpoint_every or config.steps, run=run_record(config)
+    )
     if not config.resume:
         return ckpt, ts.state, 0
     newest = ckpt.latest_step()
     state, start = ckpt.restore(ts, config.resume_step or None, on_skip=_report_skip)
     if config.resume_step and newest != start and jax.process_index() == 0:
-        print(f"--resume-step {start}: the checkpoints after it (to step {newest}) are "
-              "removed; this run writes its own", file=sys.stderr)  # fmt: skip
+        print(
+            f"--resume-step {start}: the checkpoints after it (to step {newest}) are "
+            "removed; this run writes its own",
+            file=sys.stderr,
+        )
     return ckpt, state, start
 
 
@@ -418,8 +446,10 @@ class RunLog(NamedTuple):
 
 
 def _diverged(step: int) -> FloatingPointError:
-    return FloatingPointError(f"the parameters are non-finite after step {step} (diverged: "
-                              "lower --lr?); stopping, this state is not saved")  # fmt: skip
+    return FloatingPointError(
+        f"the parameters are non-finite after step {step} (diverged: "
+        "lower --lr?); stopping, this state is not saved"
+    )
 
 
 def _after_nonfinite(config: RunConfig, ts, state, step: int, log: RunLog) -> None:
@@ -610,8 +640,11 @@ def write_json(result: dict[str, Any], path: str) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The command line: one flag per ``RunConfig`` field, one-line errors."""
-    parser = OneLineErrors(prog="python -m experiments.train", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = OneLineErrors(
+        prog="python -m experiments.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     parser.set_defaults(devices=0)  # every device of the job
     return parser

@@ -99,9 +99,13 @@ def row_update_body(ctx: StepContext, layout: Callable[[StepContext, int], Table
 
     def body(state: TrainState, batch: PlacedBatch):
         loss, grads, rows = rowgrad.table_row_grads(
-            ctx.loss_fn, state.params, batch.data, ctx.table_mask,
-            layout(ctx, batch.capacity), widths,
-        )  # fmt: skip
+            ctx.loss_fn,
+            state.params,
+            batch.data,
+            ctx.table_mask,
+            layout(ctx, batch.capacity),
+            widths,
+        )
         rest, agg_state = aggregate(ctx, split_tables(grads, ctx.table_mask)[1], state.agg_state)
         rows = [rows[i] for i in sorted(rows)]  # leaf order
         return finish_step(ctx, state, rest, loss, agg_state, rows=rows)

@@ -190,10 +190,15 @@ def _check_shapes(saved: dict, target: dict, directory: str) -> None:
     for (path, s), t in zip(saved_leaves, target_leaves, strict=True):
         if tuple(s.shape) != tuple(t.shape):
             name = jax.tree_util.keystr(path)
-            hint = (" (per-worker residuals: resume error-feedback runs on the same number "
-                    "of devices)" if name.startswith("['agg_state']") else "")  # fmt: skip
-            raise MismatchError(f"checkpoint array {name} has shape {tuple(s.shape)}, this "
-                                f"run needs {tuple(t.shape)}{hint}")  # fmt: skip
+            hint = (
+                " (per-worker residuals: resume error-feedback runs on the same number of devices)"
+                if name.startswith("['agg_state']")
+                else ""
+            )
+            raise MismatchError(
+                f"checkpoint array {name} has shape {tuple(s.shape)}, this "
+                f"run needs {tuple(t.shape)}{hint}"
+            )
 
 
 def _reason(error: Exception, folder: Path) -> str:
@@ -219,8 +224,13 @@ class Checkpointer:
         new ``run_id`` into ``RUN_FILE`` at the first save unless the folder has a record.
     """
 
-    def __init__(self, directory: str | Path, every: int = 1, keep: int = 2,
-                 run: dict[str, Any] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        directory: str | Path,
+        every: int = 1,
+        keep: int = 2,
+        run: dict[str, Any] | None = None,
+    ):
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {every}")
         self.directory = str(Path(directory).absolute())
@@ -265,8 +275,10 @@ class Checkpointer:
                 step, args=ocp.args.StandardSave(_portable(ts, state)), force=force
             )
         except Exception as e:  # orbax and tensorstore raise many kinds; keep the cause
-            raise OSError(f"cannot write checkpoint step {step} into {self.directory}: "
-                          f"{' '.join(str(e).split())}") from e  # fmt: skip
+            raise OSError(
+                f"cannot write checkpoint step {step} into {self.directory}: "
+                f"{' '.join(str(e).split())}"
+            ) from e
 
     def delete(self, step: int) -> None:
         """Removes the checkpoint of ``step``."""
@@ -279,12 +291,12 @@ class Checkpointer:
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
         if ts.per_device_state:
             local = jax.local_device_count()
-            state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)),
-                                 state)  # fmt: skip
+            state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)), state)
         return state
 
-    def restore(self, ts: TrainStep, step: int | None = None,
-                on_skip: Callable[[int, str], None] = _warn) -> tuple[TrainState, int]:  # fmt: skip
+    def restore(
+        self, ts: TrainStep, step: int | None = None, on_skip: Callable[[int, str], None] = _warn
+    ) -> tuple[TrainState, int]:
         """The saved state, placed like ``ts.state``, and its step.
 
         Without ``step``, the newest checkpoint that restores completely: each newer one
@@ -303,8 +315,9 @@ class Checkpointer:
         if not steps:
             raise ValueError(f"no complete checkpoint in {self.directory}")
         if step is not None and step not in steps:
-            raise ValueError(f"no checkpoint of step {step} in {self.directory}; it has "
-                             f"{sorted(steps)}")  # fmt: skip
+            raise ValueError(
+                f"no checkpoint of step {step} in {self.directory}; it has {sorted(steps)}"
+            )
         target, failed = _target(ts), []
         for s in [step] if step is not None else steps:
             try:

@@ -242,9 +242,15 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
       ``(link, points)`` with points ``(messages, bytes, median seconds)``.
     """
     p = runtime.mesh_axis_size(mesh, axis_name)
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, axis_name), mesh=mesh,
-                               in_specs=P(axis_name), out_specs=P(axis_name),
-                               check_vma=False))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.psum(x, axis_name),
+            mesh=mesh,
+            in_specs=P(axis_name),
+            out_specs=P(axis_name),
+            check_vma=False,
+        )
+    )
     points = []
     for n in sizes:
         x = runtime.put_global(np.ones((p * n,), np.float32), mesh, P(axis_name))

@@ -145,9 +145,15 @@ def _parts_callback(k: int, sizes: tuple[int, ...], rows: int):
     def run(ctx, out, *parts):
         xs, resid, lens = _pointers(parts), _pointers(out[2:]), _lengths(sizes)  # kept alive
         _library().sparsecomm_topk_parts(
-            ctypes.addressof(xs), ctypes.addressof(lens), len(sizes), rows, k, _ptr(out[0]),
-            _ptr(out[1]), ctypes.addressof(resid),
-        )  # fmt: skip
+            ctypes.addressof(xs),
+            ctypes.addressof(lens),
+            len(sizes),
+            rows,
+            k,
+            _ptr(out[0]),
+            _ptr(out[1]),
+            ctypes.addressof(resid),
+        )
 
     return run
 
@@ -184,9 +190,13 @@ def _add_callback(sizes: tuple[int, ...]):
     def run(ctx, out, values, indices, *parts):
         dest, lens = _pointers(out), _lengths(sizes)  # kept alive during the call
         _library().sparsecomm_add_parts(
-            ctypes.addressof(dest), ctypes.addressof(lens), len(sizes), _ptr(values), _ptr(indices),
+            ctypes.addressof(dest),
+            ctypes.addressof(lens),
+            len(sizes),
+            _ptr(values),
+            _ptr(indices),
             values.shape[0],
-        )  # fmt: skip
+        )
 
     return run
 

@@ -130,12 +130,22 @@ def process_alive(pid: int, start_time: str = "") -> bool:
         return False
 
 
-def make_job(nproc: int, devices_per_proc: int = 1, port: int | None = None,
-             nnodes: int = 1, node_rank: int = 0, coordinator: str | None = None,
-             init_timeout_s: int = 300) -> Job:  # fmt: skip
+def make_job(
+    nproc: int,
+    devices_per_proc: int = 1,
+    port: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    coordinator: str | None = None,
+    init_timeout_s: int = 300,
+) -> Job:
     """Checks the flags and picks the coordinator; ``ValueError`` naming the bad flag."""
-    for flag, value in (("--nproc", nproc), ("--devices-per-proc", devices_per_proc),
-                        ("--nnodes", nnodes), ("--init-timeout", init_timeout_s)):  # fmt: skip
+    for flag, value in (
+        ("--nproc", nproc),
+        ("--devices-per-proc", devices_per_proc),
+        ("--nnodes", nnodes),
+        ("--init-timeout", init_timeout_s),
+    ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if not 0 <= node_rank < nnodes:
@@ -156,12 +166,16 @@ def check_coordinator(job: Job) -> None:
     within the job's ``init_timeout_s``. ``ValueError`` (one line) otherwise."""
     host, port = parse_address(job.coordinator)
     if job.node_rank == 0 and not port_is_free(port):
-        raise ValueError(f"port {port} of --coordinator/--port is in use on this host; "
-                         "pick another or leave --port out to use a free one")  # fmt: skip
+        raise ValueError(
+            f"port {port} of --coordinator/--port is in use on this host; "
+            "pick another or leave --port out to use a free one"
+        )
     if job.node_rank > 0 and not wait_for_port(host, port, job.init_timeout_s):
-        raise ValueError(f"--coordinator {job.coordinator} did not answer within "
-                         f"--init-timeout {job.init_timeout_s} s: start node 0 first and "
-                         "check the address")  # fmt: skip
+        raise ValueError(
+            f"--coordinator {job.coordinator} did not answer within "
+            f"--init-timeout {job.init_timeout_s} s: start node 0 first and "
+            "check the address"
+        )
 
 
 def rank_env(job: Job, local_rank: int) -> dict[str, str]:
@@ -212,10 +226,17 @@ def _start(cmd: Sequence[str], job: Job) -> list[subprocess.Popen]:
     for local in range(job.nproc):
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
-            procs.append(subprocess.Popen(list(cmd), env=rank_env(job, local),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True,
-                                          preexec_fn=preexec))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    list(cmd),
+                    env=rank_env(job, local),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+            )
         except OSError as e:
             _stop(procs, 0.0)
             raise ValueError(f"cannot run {cmd[0]!r}: {e.strerror}") from None
@@ -276,8 +297,10 @@ def _wait(procs: Sequence[subprocess.Popen], first: int, poll_s: float, exit_gra
         waited = time.monotonic() - early_since if early_since is not None else 0.0
         done = _ranks([rank for rank, code in enumerate(codes, first) if code == 0])
         if exit_grace_s and waited > exit_grace_s:
-            _say(f"{done} exited 0 but {_ranks(running)} still ran {exit_grace_s:g} s later "
-                 "(see --exit-grace); stopping them")  # fmt: skip
+            _say(
+                f"{done} exited 0 but {_ranks(running)} still ran {exit_grace_s:g} s later "
+                "(see --exit-grace); stopping them"
+            )
             return 1
         if waited > min(5.0, exit_grace_s or 5.0) and not reported:
             limit = f"up to {exit_grace_s:g} s" if exit_grace_s else "without limit"
@@ -334,8 +357,9 @@ def launch(
         procs += _start(cmd, job)
         first = job.node_rank * job.nproc
         for rank, p in enumerate(procs, first):
-            threads.append(threading.Thread(target=_stream, args=(rank, p.stdout, sys.stdout),
-                                            daemon=True))  # fmt: skip
+            threads.append(
+                threading.Thread(target=_stream, args=(rank, p.stdout, sys.stdout), daemon=True)
+            )
             threads[-1].start()
         return _wait(procs, first, poll_s, exit_grace_s)
     except _Stopped as stop:
@@ -351,29 +375,47 @@ def launch(
             signal.signal(sig, handler)
 
 
-_FLAGS = (  # flag, type, default, help
-    ("--nproc", int, None, "processes on this host (required)"),
-    ("--devices-per-proc", int, 1, "GPUs per process (local rank r drives GPUs r*M..r*M+M-1), "
-     "or simulated CPU devices per process"),
-    ("--port", int, None, "coordinator port on 127.0.0.1 (one host; default: a free one)"),
-    ("--nnodes", int, 1, "hosts in the job"),
-    ("--node-rank", int, 0, "this host's index, 0..nnodes-1"),
-    ("--coordinator", str, None, "HOST:PORT of node 0, the same on every node (needed with "
-     "--nnodes > 1)"),
-    ("--init-timeout", int, 300, "seconds to wait for the coordinator and the other ranks"),
-    ("--grace", float, 10.0, "seconds between SIGTERM and SIGKILL when stopping the ranks"),
-    ("--exit-grace", float, 60.0, "seconds the other ranks may run on after one exited 0; "
-     "then they are stopped and the job fails (0: no limit)"),
-)  # fmt: skip
-
-
 def parser() -> argparse.ArgumentParser:
     """The launcher's flags (everything after ``--`` is the command)."""
-    p = argparse.ArgumentParser(prog="python -m sparsecomm_jax.launch",
-                                usage="%(prog)s --nproc N [options] -- CMD ...")  # fmt: skip
-    for flag, kind, default, text in _FLAGS:
-        p.add_argument(flag, type=kind, default=default, help=text, required=default is None
-                       and flag == "--nproc")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m sparsecomm_jax.launch", usage="%(prog)s --nproc N [options] -- CMD ..."
+    )
+    p.add_argument("--nproc", type=int, required=True, help="processes on this host")
+    p.add_argument(
+        "--devices-per-proc",
+        type=int,
+        default=1,
+        help="GPUs per process (local rank r drives GPUs r*M..r*M+M-1), "
+        "or simulated CPU devices per process",
+    )
+    p.add_argument(
+        "--port", type=int, help="coordinator port on 127.0.0.1 (one host; default: a free one)"
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="hosts in the job")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index, 0..nnodes-1")
+    p.add_argument(
+        "--coordinator",
+        help="HOST:PORT of node 0, the same on every node (needed with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--init-timeout",
+        type=int,
+        default=300,
+        help="seconds to wait for the coordinator and the other ranks",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the ranks",
+    )
+    p.add_argument(
+        "--exit-grace",
+        type=float,
+        default=60.0,
+        help="seconds the other ranks may run on after one exited 0; then they are stopped "
+        "and the job fails (0: no limit)",
+    )
     return p
 
 
@@ -388,8 +430,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = argv.index("--")
     args = parser().parse_args(argv[:split])
     try:
-        job = make_job(args.nproc, args.devices_per_proc, args.port, args.nnodes,
-                       args.node_rank, args.coordinator, args.init_timeout)  # fmt: skip
+        job = make_job(
+            args.nproc,
+            args.devices_per_proc,
+            args.port,
+            args.nnodes,
+            args.node_rank,
+            args.coordinator,
+            args.init_timeout,
+        )
         return launch(argv[split + 1 :], job, args.grace, args.exit_grace)
     except ValueError as e:
         _say(str(e))

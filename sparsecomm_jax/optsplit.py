@@ -34,9 +34,12 @@ TABLE, DENSE, OTHER = 0, 1, 2  # kinds of optimizer-state leaves
 def opt_kinds(ctx: StepContext, opt_state) -> list[int]:
     """``TABLE``, ``DENSE`` or ``OTHER`` (e.g. Adam's count) per optimizer-state leaf."""
     kinds = optax.tree_map_params(
-        ctx.optimizer, lambda _, m: TABLE if m else DENSE, opt_state, ctx.table_mask,
+        ctx.optimizer,
+        lambda _, m: TABLE if m else DENSE,
+        opt_state,
+        ctx.table_mask,
         transform_non_params=lambda _: OTHER,
-    )  # fmt: skip
+    )
     return jax.tree.leaves(kinds)
 
 
@@ -53,12 +56,21 @@ def dense_update(ctx: StepContext, state: TrainState, mean, ok) -> TrainState:
     untouched, no pass over them); kept as it was unless ``ok``."""
     mask = ctx.table_mask
     tables, dense = split_tables(state.params, mask)
-    opt = optax.tree_map_params(ctx.optimizer, lambda x, m: None if m else x, state.opt_state,
-                                mask, transform_non_params=lambda x: x)  # fmt: skip
+    opt = optax.tree_map_params(
+        ctx.optimizer,
+        lambda x, m: None if m else x,
+        state.opt_state,
+        mask,
+        transform_non_params=lambda x: x,
+    )
     new_dense, new_opt = apply_optimizer(ctx.optimizer, mean, opt, dense)
     params = merge_tables(tables, where(ok, new_dense, dense), mask)
-    new_opt = jax.tree.map(lambda o, n: o if n is None else jnp.where(ok, n, o),
-                           state.opt_state, new_opt, is_leaf=lambda x: x is None)  # fmt: skip
+    new_opt = jax.tree.map(
+        lambda o, n: o if n is None else jnp.where(ok, n, o),
+        state.opt_state,
+        new_opt,
+        is_leaf=lambda x: x is None,
+    )
     return TrainState(params, new_opt, state.agg_state)
 
 
@@ -75,5 +87,6 @@ def with_other(kinds: list[int], opt_state, other: list):
     """``opt_state`` with its ``OTHER`` leaves replaced by ``other`` (in order)."""
     leaves, treedef = jax.tree.flatten(opt_state)
     rest = iter(other)
-    return jax.tree.unflatten(treedef, [next(rest) if k == OTHER else x
-                                        for k, x in zip(kinds, leaves, strict=True)])  # fmt: skip
+    return jax.tree.unflatten(
+        treedef, [next(rest) if k == OTHER else x for k, x in zip(kinds, leaves, strict=True)]
+    )

@@ -94,8 +94,9 @@ def fetch_body(ctx: StepContext, widths: dict[int, int]) -> Callable:
     """Rows of every table access of ``data`` (per worker), from the tables."""
 
     def body(params, data):
-        calls = embedding.logged_lookups(ctx.loss_fn, params, data, ctx.table_mask, widths,
-                                         pipeline.NO_ATTEND_2D)  # fmt: skip
+        calls = embedding.logged_lookups(
+            ctx.loss_fn, params, data, ctx.table_mask, widths, pipeline.NO_ATTEND_2D
+        )
         leaves = jax.tree.leaves(params)
         return tuple(pipeline.prefetch({i: leaves[i] for i in widths}, calls, ctx.axis_name))
 
@@ -130,8 +131,10 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
         mean, agg_state = aggregate(ctx, jax.tree.map(lambda x: x[0], g_dense), state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [embedding.logged_lookups(ctx.loss_fn, params, b, mask, widths) for b in ahead]
-        plans = {i: pipeline.exchange_plan(ctx, calls, list(g_rows), future, batch.capacity, i)
-                 for i in widths}  # fmt: skip
+        plans = {
+            i: pipeline.exchange_plan(ctx, calls, list(g_rows), future, batch.capacity, i)
+            for i in widths
+        }
         spill = jnp.any(jnp.stack([s for _, s in plans.values()]))
         plans = {i: plan for i, (plan, _) in plans.items()}
         firsts = {i: first(ctx, plan) for i, plan in plans.items()}
@@ -152,13 +155,24 @@ def high_body(ctx: StepContext, widths: dict[int, int], kinds: list[int]) -> Cal
             early = {i: jnp.where(ok, early[i], leaves[i]) for i in early}
             with jax.named_scope(schedule.SCOPE_NEXT):
                 carry = tuple(pipeline.prefetch(early, future[0], ctx.axis_name))
-        other = [] if kinds is None else [
-            x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
-            if k == optsplit.OTHER]  # fmt: skip
-        pending = Pending(firsts, {i: p.rows for i, p in plans.items()},
-                          {i: p.ids for i, p in plans.items()},
-                          {i: p.order for i, p in plans.items()}, ok, other,
-                          {i: shared_parts(p) for i, p in plans.items()})  # fmt: skip
+        other = (
+            []
+            if kinds is None
+            else [
+                x
+                for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True)
+                if k == optsplit.OTHER
+            ]
+        )
+        pending = Pending(
+            firsts,
+            {i: p.rows for i, p in plans.items()},
+            {i: p.ids for i, p in plans.items()},
+            {i: p.order for i, p in plans.items()},
+            ok,
+            other,
+            {i: shared_parts(p) for i, p in plans.items()},
+        )
         return new, carry, pending, jnp.where(ok, loss, jnp.nan), spill
 
     return body
@@ -235,8 +249,13 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[int]) -> _Program
         return smap(body, ins, (no_carry, per, pending, rep, rep))(state, pend, rows, batch)
 
     jit = jax.jit
-    return _Programs(jit(fetch), jit(compute), jit(high), jit(low, static_argnums=(3, 4)),
-                     jit(fused, static_argnums=4))  # fmt: skip
+    return _Programs(
+        jit(fetch),
+        jit(compute),
+        jit(high),
+        jit(low, static_argnums=(3, 4)),
+        jit(fused, static_argnums=4),
+    )
 
 
 def _timed(timeline, phase: str, step: int, fn, *args):
@@ -275,8 +294,18 @@ def _runner(ctx: StepContext, progs: _Programs, place: Callable) -> Callable:
                 )
                 losses.append(loss)
                 last = t + 1 == steps
-                late = pool.submit(_timed, timeline, "low", t, progs.low, state.params,
-                                   state.opt_state, pend, batch.capacity, last)  # fmt: skip
+                late = pool.submit(
+                    _timed,
+                    timeline,
+                    "low",
+                    t,
+                    progs.low,
+                    state.params,
+                    state.opt_state,
+                    pend,
+                    batch.capacity,
+                    last,
+                )
                 if not last:
                     batch = placed(batch_at, t + 1, steps)
                     out = _timed(
@@ -314,8 +343,9 @@ def _runner(ctx: StepContext, progs: _Programs, place: Callable) -> Callable:
         ]
 
     def _late(timeline, t, state, pend, capacity, last=False):
-        tables, opt_state = _timed(timeline, "low", t, progs.low, state.params,
-                                   state.opt_state, pend, capacity, last)  # fmt: skip
+        tables, opt_state = _timed(
+            timeline, "low", t, progs.low, state.params, state.opt_state, pend, capacity, last
+        )
         return state._replace(params=_with_table_leaves(state.params, tables), opt_state=opt_state)
 
     return run
@@ -347,10 +377,20 @@ def make_overlapped(
     if not vocabs:
         raise ValueError("make_overlapped needs embedding tables: pass embedding_paths")
     ctx = StepContext(
-        loss_fn, optimizer, mesh, params, axis_name, tuple(replicated_keys), mask, vocabs,
-        None if id_keys is None else tuple(id_keys), None,
-        AGGREGATORS["dense"](1.0, axis_name), nonfinite, table_optimizer,
-    )  # fmt: skip
+        loss_fn,
+        optimizer,
+        mesh,
+        params,
+        axis_name,
+        tuple(replicated_keys),
+        mask,
+        vocabs,
+        None if id_keys is None else tuple(id_keys),
+        None,
+        AGGREGATORS["dense"](1.0, axis_name),
+        nonfinite,
+        table_optimizer,
+    )
     if table_optimizer is not None:
         rowwise.check_transform(table_optimizer)
     state, specs = placement.place_state(ctx, "column")

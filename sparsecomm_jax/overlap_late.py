@@ -66,8 +66,9 @@ def late_plan(ctx: StepContext, pending: Pending, i: int, capacity: int, last: b
     g, ids, order = pending.shared[i]
     shared = [pipeline.Shared(g, ids, order, bounds(ids.shape[0], g.shape[1]))] if ids.size else []
     vocab = pipeline.table_vocab(ctx, i)
-    return pipeline.Plan(rows, pending.ids[i], pending.order[i],
-                         bounds(rows.shape[0], rows.shape[1]), shared, vocab)  # fmt: skip
+    return pipeline.Plan(
+        rows, pending.ids[i], pending.order[i], bounds(rows.shape[0], rows.shape[1]), shared, vocab
+    )
 
 
 def low_body(ctx: StepContext, widths, kinds, capacity: int, last: bool) -> Callable:
@@ -135,7 +136,8 @@ def next_rows_patched(ctx: StepContext, state: TrainState, firsts: dict, ok, cal
     patches = pipeline_rows.early_patches(
         ctx, state, {i: pipeline_rows.scaled(g, num) for i, g in firsts.items()}
     )
-    patches = {i: RowGrad(jnp.where(ok, p.ids, leaves[i].shape[0]), p.rows)
-               for i, p in patches.items()}  # fmt: skip
+    patches = {
+        i: RowGrad(jnp.where(ok, p.ids, leaves[i].shape[0]), p.rows) for i, p in patches.items()
+    }
     tables = {i: leaves[i] for i in firsts}
     return tuple(pipeline_rows.patched_prefetch(tables, patches, calls, ctx.axis_name))

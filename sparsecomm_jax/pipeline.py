@@ -139,8 +139,9 @@ def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
 def _future_ids(future: list, i: int, axis: str) -> list:
     """Per future batch, int[m]: every id its logged calls read of table ``i`` (all
     workers; one all-gather for all the batches' lookups)."""
-    local = [[c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup"]
-             for calls in future]  # fmt: skip
+    local = [
+        [c.reshape(-1) for kind, t, c in calls if t == i and kind == "lookup"] for calls in future
+    ]
     sizes = [sum(x.size for x in ids) for ids in local]
     flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
     every = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, sum(sizes)]
@@ -339,8 +340,9 @@ def _reads_fn(ctx: StepContext):
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), ctx.params)
     leaves, treedef = jax.tree.flatten(shapes)
     flags = tuple(bool(f) for f in jax.tree.leaves(ctx.table_mask))
-    return _cached_reads_fn(ctx.loss_fn, treedef, tuple(leaves), flags,
-                            ctx.replicated_keys, ctx.num_workers)  # fmt: skip
+    return _cached_reads_fn(
+        ctx.loss_fn, treedef, tuple(leaves), flags, ctx.replicated_keys, ctx.num_workers
+    )
 
 
 @functools.lru_cache(maxsize=16)

@@ -54,10 +54,15 @@ DEFAULT_INIT_TIMEOUT_S = 300
 # The variables jax.distributed's cluster detectors read (jax/_src/clusters), in its order.
 SCHEDULER_VARS = {
     "ompi": ("OMPI_MCA_orte_hnp_uri",),  # mpirun / mpiexec (Open MPI)
-    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-              "SLURM_LOCALID"),  # srun
+    "slurm": (
+        "SLURM_JOB_ID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+    ),  # srun
     "k8s": ("KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"),  # an indexed Job
-}  # fmt: skip
+}
 _TASK_COUNT = {"ompi": "OMPI_COMM_WORLD_SIZE", "slurm": "SLURM_NTASKS"}
 
 
@@ -260,8 +265,10 @@ def distributed_args() -> dict | None:
             None, None, None, ids, None, timeout
         )
         if None in explicit:
-            raise RuntimeError(f"the {detect_scheduler()} job could not be read by jax "
-                               "(for Kubernetes: pip install 'jax[k8s]')")  # fmt: skip
+            raise RuntimeError(
+                f"the {detect_scheduler()} job could not be read by jax "
+                "(for Kubernetes: pip install 'jax[k8s]')"
+            )
     else:
         return None
     keys = ("coordinator_address", "num_processes", "process_id")
@@ -305,8 +312,10 @@ def _check_reachable(args: dict) -> None:
     if args["process_id"] == 0 and not launch.port_is_free(port):
         raise RuntimeError(f"coordinator port {port} is in use on this host: pick another")
     if args["process_id"] > 0 and not launch.wait_for_port(host, port, timeout):
-        raise RuntimeError(f"coordinator {host}:{port} did not answer within {timeout} s: is "
-                           "process 0 running and the address right?")  # fmt: skip
+        raise RuntimeError(
+            f"coordinator {host}:{port} did not answer within {timeout} s: is "
+            "process 0 running and the address right?"
+        )
 
 
 def watch_launcher(poll_s: float = 0.5) -> threading.Thread | None:

@@ -214,8 +214,10 @@ def table_reads_fn(loss_fn, params, mask, replicated_keys: Sequence[str], worker
     @jax.jit
     def reads(batch):
         axes = {k: None if k in replicated_keys else 0 for k in batch}
-        split = {k: v if k in replicated_keys else v.reshape(workers, -1, *v.shape[1:])
-                 for k, v in batch.items()}  # fmt: skip
+        split = {
+            k: v if k in replicated_keys else v.reshape(workers, -1, *v.shape[1:])
+            for k, v in batch.items()
+        }
         out = jax.vmap(one_worker, in_axes=(axes,))(split)
         return {i: (look, shared[0]) for i, (look, shared) in out.items()}
 

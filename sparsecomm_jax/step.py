@@ -214,9 +214,15 @@ def finish_step(
     ok = all_finite(ctx, (grads, agg_state, [g.rows for g in rows or ()])) if check else True
     if rows is not None:  # skipping touches the rows only, never whole tables
         params, opt_state = rowwise.apply_tables(
-            ctx.optimizer, ctx.table_optimizer, grads, rows, state.opt_state, state.params,
-            ctx.table_mask, ok,
-        )  # fmt: skip
+            ctx.optimizer,
+            ctx.table_optimizer,
+            grads,
+            rows,
+            state.opt_state,
+            state.params,
+            ctx.table_mask,
+            ok,
+        )
         agg_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), agg_state, state.agg_state)
         return TrainState(params, opt_state, agg_state, carry), jnp.where(ok, loss, jnp.nan)
     params, opt_state = apply_optimizer(ctx.optimizer, grads, state.opt_state, state.params)

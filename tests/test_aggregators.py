@@ -25,8 +25,9 @@ def _program(agg, devices=N):
         return mean["a"][None], mean["b"][None], new.residual["a"][None], new.residual["b"][None]
 
     spec = P("data")
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4,
-                       check_vma=False)  # fmt: skip
+    fn = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4, check_vma=False
+    )
     return jax.jit(fn), mesh
 
 
@@ -103,8 +104,9 @@ def test_topk_a2a_is_mean_of_per_shard_topk(selector):
     np.testing.assert_allclose(mean[0], ref, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("d, workers, density, kind", [(13, 4, 0.1, "ties"),
-                                                     (101, 8, 0.3, "random")])  # fmt: skip
+@pytest.mark.parametrize(
+    "d, workers, density, kind", [(13, 4, 0.1, "ties"), (101, 8, 0.3, "random")]
+)
 def test_topk_a2a_any_length_sends_k_entries_by_real_shard_sizes(d, workers, density, kind):
     # d=13, P=4, density 0.1: k = 1 entry in all, not one per shard (4, a density of 31%)
     g, r = (x[:workers] for x in inputs(kind, d=d, seed=11))
@@ -190,7 +192,7 @@ def test_non_float_gradients_are_an_error():
                 in_specs=P(),
                 out_specs=P(),
                 check_vma=False,
-            ),  # fmt: skip
+            ),
             grads,
         )
 

@@ -127,8 +127,13 @@ def test_bad_input_is_one_line_error(args, message, capsys, monkeypatch):
 
 
 def test_bad_input_as_a_process_is_one_line_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "experiments.train", "--lr", "nan"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--lr", "nan"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -181,10 +186,19 @@ def test_writes_json(tmp_path):
 
 def test_rowwise_run_survives_capacity_growth():
     """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails."""
-    config = RunConfig(model="transformer", strategy="embrace_rowwise", devices=4, batch=8,
-                       steps=3, vocab=2000, dim=16, warmup=0)  # fmt: skip
+    config = RunConfig(
+        model="transformer",
+        strategy="embrace_rowwise",
+        devices=4,
+        batch=8,
+        steps=3,
+        vocab=2000,
+        dim=16,
+        warmup=0,
+    )
     result = train_and_evaluate(config, progress=False)
     assert result["programs"] >= 2 and len(result["losses"]) == 3
-    dense = train_and_evaluate(RunConfig(**{**config.__dict__, "strategy": "dense"}),
-                               progress=False)  # fmt: skip
+    dense = train_and_evaluate(
+        RunConfig(**{**config.__dict__, "strategy": "dense"}), progress=False
+    )
     np.testing.assert_allclose(result["losses"], dense["losses"], rtol=1e-5)

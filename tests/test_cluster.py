@@ -15,8 +15,11 @@ from experiments import cluster
 def test_argument_checks():
     cluster.check_args(2, 1, "100mbit", "")
     cluster.check_args(2, 1, "1gbit", "50us")
-    for args, message in [((0, 1, "1gbit", ""), "--nproc"), ((2, 1, "1gb", ""), "--bandwidth"),
-                          ((2, 1, "1gbit", "fast"), "--latency")]:  # fmt: skip
+    for args, message in [
+        ((0, 1, "1gbit", ""), "--nproc"),
+        ((2, 1, "1gb", ""), "--bandwidth"),
+        ((2, 1, "1gbit", "fast"), "--latency"),
+    ]:
         with pytest.raises(ValueError, match=message):
             cluster.check_args(*args)
     assert cluster.qdisc_args("1gbit", "")[:3] == ["tbf", "rate", "1gbit"]
@@ -40,10 +43,33 @@ def _namespaces() -> set[str]:
 
 def _cluster(tmp_path, strategy, extra=()):
     out = tmp_path / f"{strategy}.json"
-    cmd = [sys.executable, "-m", "experiments.cluster", "--nproc", "2", "--bandwidth",
-           "100mbit", "--", "--strategy", strategy, "--batch", "8",
-           "--steps", "4", "--warmup", "1", "--vocab", "10000", "--dim", "64",
-           "--sampled-softmax", "64", "--out", str(out), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.cluster",
+        "--nproc",
+        "2",
+        "--bandwidth",
+        "100mbit",
+        "--",
+        "--strategy",
+        strategy,
+        "--batch",
+        "8",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--vocab",
+        "10000",
+        "--dim",
+        "64",
+        "--sampled-softmax",
+        "64",
+        "--out",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     return proc, out
 

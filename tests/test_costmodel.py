@@ -16,12 +16,18 @@ def _compiled(name, density, size, workers=N):
     agg = aggregators.AGGREGATORS[name](density, "data", bucket_bytes=None)
 
     def body(g, r):
-        state = agg.init({"g": g[0]}) if name == "dense" else aggregators.ErrorFeedbackState(
-            {"g": r[0]})  # fmt: skip
+        state = (
+            agg.init({"g": g[0]})
+            if name == "dense"
+            else aggregators.ErrorFeedbackState({"g": r[0]})
+        )
         return agg.update({"g": g[0]}, state)[0]["g"][None]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                               out_specs=P("data"), check_vma=False))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+        )
+    )
     x = jax.ShapeDtypeStruct((workers, size), np.float32, sharding=NamedSharding(mesh, P("data")))
     return hlo.collectives(fn, x, x)
 
@@ -61,8 +67,10 @@ def test_latency_bound_buckets_go_dense():
 
 def test_fit_recovers_alpha_and_beta():
     truth = costmodel.Link(alpha=2e-5, beta=3e-9)
-    points = [(m, b, m * truth.alpha + b * truth.beta)
-              for m, b in [(14, 1e3), (14, 1e6), (28, 1e5), (6, 5e6)]]  # fmt: skip
+    points = [
+        (m, b, m * truth.alpha + b * truth.beta)
+        for m, b in [(14, 1e3), (14, 1e6), (28, 1e5), (6, 5e6)]
+    ]
     got = costmodel.fit(points)
     assert got.alpha == pytest.approx(truth.alpha, rel=1e-6)
     assert got.beta == pytest.approx(truth.beta, rel=1e-6)
@@ -75,8 +83,9 @@ def test_calibrate_runs_on_simulated_devices():
     assert len(points) == 2 and link.alpha >= 0 and link.beta >= 0
 
 
-@pytest.mark.parametrize("density, expected", [(0.001, "all-gather"), (0.3, "all-to-all"),
-                                               (0.9, "all-reduce")])  # fmt: skip
+@pytest.mark.parametrize(
+    "density, expected", [(0.001, "all-gather"), (0.3, "all-to-all"), (0.9, "all-reduce")]
+)
 def test_adaptive_picks_per_bucket_and_conserves(density, expected):
     link = costmodel.Link(alpha=0.0, beta=1e-9)
     mesh = runtime.data_mesh(N)
@@ -89,8 +98,15 @@ def test_adaptive_picks_per_bucket_and_conserves(density, expected):
         mean, st = agg.update({"w": gp[0]}, aggregators.ErrorFeedbackState({"w": rp[0]}))
         return mean["w"][None], st.residual["w"][None]
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P("data")),
-                               out_specs=(P("data"), P("data")), check_vma=False))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("data"), P("data")),
+            out_specs=(P("data"), P("data")),
+            check_vma=False,
+        )
+    )
     args = [runtime.put_global(x, mesh, P("data")) for x in (g, r)]
     mean, new_r = (np.asarray(x) for x in fn(*args))
     np.testing.assert_allclose(N * mean[0] + new_r.sum(0), (g + r).sum(0), atol=1e-4)
@@ -151,12 +167,14 @@ def test_local_work_fn_is_the_exchange_without_collectives(strategy):
 def test_adaptive_prices_local_work():
     # density 0.3 goes by all-to-all on bytes alone (above); a slow local a2a turns it.
     local = costmodel.LocalWork({"topk_a2a": (1.0, 0.0)})
-    agg = aggregators.adaptive(0.3, "data", link=costmodel.Link(0.0, 1e-9, local),
-                               bucket_bytes=None)  # fmt: skip
+    agg = aggregators.adaptive(
+        0.3, "data", link=costmodel.Link(0.0, 1e-9, local), bucket_bytes=None
+    )
     body = lambda g: agg.update({"w": g[0]}, agg.init({"w": g[0]}))[0]["w"][None]  # noqa: E731
     mesh = runtime.data_mesh(N)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                               check_vma=False))  # fmt: skip
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    )
     x = runtime.put_global(np.ones((N, 4000), np.float32), mesh, P("data"))
     kinds = {c.kind for c in hlo.collectives(fn, x)}
     assert "all-to-all" not in kinds and "all-reduce" in kinds  # dense is next cheapest
@@ -169,9 +187,18 @@ def test_formulas_match_compiled_bytes_for_any_size(name, size):
     assert hlo.total_bytes(_compiled(name, 0.1, size)) == pytest.approx(nbytes, rel=1e-6)
 
 
-@pytest.mark.parametrize("size, workers, density", [
-    (13, 4, 0.1), (13, 4, 0.3), (37, 8, 0.05), (37, 4, 0.5), (1001, 8, 0.1),
-    (1001, 4, 0.01), (1001, 8, 0.3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "size, workers, density",
+    [
+        (13, 4, 0.1),
+        (13, 4, 0.3),
+        (37, 8, 0.05),
+        (37, 4, 0.5),
+        (1001, 8, 0.1),
+        (1001, 4, 0.01),
+        (1001, 8, 0.3),
+    ],
+)
 def test_topk_a2a_formula_matches_compiled_bytes_for_any_size(size, workers, density):
     # k < P, k not a multiple of P, d not a multiple of P: ceil(k/P) slots per shard
     colls = _compiled("topk_a2a", density, size, workers)

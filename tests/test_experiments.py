@@ -103,13 +103,26 @@ def _run_config_in_process(train_args, out, nproc=1, bandwidth=""):
 @pytest.mark.slow
 def test_scaling_runs_and_saves(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "run_config", _run_config_in_process)
-    argv = ["--local", "--nproc", "1,2", "--strategies", "dense_pmap,embrace",
-            "--batch-per-worker", "4", "--out-dir", str(tmp_path), *TINY]  # fmt: skip
+    argv = [
+        "--local",
+        "--nproc",
+        "1,2",
+        "--strategies",
+        "dense_pmap,embrace",
+        "--batch-per-worker",
+        "4",
+        "--out-dir",
+        str(tmp_path),
+        *TINY,
+    ]
     assert _run_in_repo(monkeypatch, scaling.main, argv) == 0
     rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
     assert sorted((r["workers"], r["strategy"]) for r in rows) == [
-        (1, "dense_pmap"), (1, "embrace"), (2, "dense_pmap"), (2, "embrace")
-    ]  # fmt: skip
+        (1, "dense_pmap"),
+        (1, "embrace"),
+        (2, "dense_pmap"),
+        (2, "embrace"),
+    ]
     by = {(r["workers"], r["strategy"]): r for r in rows}
     for n in (1, 2):  # embrace is exact: the same loss as dense on the same global batch
         assert by[n, "embrace"]["final_loss"] == pytest.approx(by[n, "dense_pmap"]["final_loss"])
@@ -122,8 +135,18 @@ def test_scaling_runs_and_saves(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_convergence_runs_and_saves(tmp_path, monkeypatch):
-    argv = ["--local", "--nproc", "2", "--strategies", "dense_pmap,sparse_allgather",
-            "--window", "2", "--out-dir", str(tmp_path), *TINY]  # fmt: skip
+    argv = [
+        "--local",
+        "--nproc",
+        "2",
+        "--strategies",
+        "dense_pmap,sparse_allgather",
+        "--window",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+        *TINY,
+    ]
     assert _run_in_repo(monkeypatch, convergence.main, argv) == 0
     saved = json.loads((tmp_path / "convergence.json").read_text())
     curves = {}
@@ -145,21 +168,45 @@ def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
         strategy = train_args[train_args.index("--strategy") + 1]
         nbytes = {"dense_pmap": 8e6, "embrace": 1e6}[strategy]
         step = 0.01 + nbytes * 8 / (sweep.gbit(rate) * 1e9)
-        coll = {"kind": "all-gather", "name": "ag", "group_size": nproc,
-                "result_bytes": 2 * nbytes, "bytes_sent": nbytes}  # fmt: skip
-        return {"strategy": strategy, "step_time_s": step, "tokens_per_s": 100 / step,
-                "comm_bytes_per_step": nbytes, "losses": [1.0], "collectives": [coll]}  # fmt: skip
+        coll = {
+            "kind": "all-gather",
+            "name": "ag",
+            "group_size": nproc,
+            "result_bytes": 2 * nbytes,
+            "bytes_sent": nbytes,
+        }
+        return {
+            "strategy": strategy,
+            "step_time_s": step,
+            "tokens_per_s": 100 / step,
+            "comm_bytes_per_step": nbytes,
+            "losses": [1.0],
+            "collectives": [coll],
+        }
 
     monkeypatch.setattr(sweep, "run_config", fake_run)
-    argv = ["--nproc", "2", "--bandwidths", "1gbit,10gbit", "--free-bandwidth", "1000gbit",
-            "--strategies", "dense_pmap,embrace", "--alpha-us", "0", "--out-dir",
-            str(tmp_path)]  # fmt: skip
+    argv = [
+        "--nproc",
+        "2",
+        "--bandwidths",
+        "1gbit,10gbit",
+        "--free-bandwidth",
+        "1000gbit",
+        "--strategies",
+        "dense_pmap,embrace",
+        "--alpha-us",
+        "0",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert bandwidth.main(argv) == 0
     rows = json.loads((tmp_path / "bandwidth.json").read_text())["rows"]
     assert [(r["bandwidth"], r["gbit"], r["strategy"]) for r in rows[:4]] == [
-        ("1gbit", 1.0, "dense_pmap"), ("1gbit", 1.0, "embrace"),
-        ("10gbit", 10.0, "dense_pmap"), ("10gbit", 10.0, "embrace"),
-    ]  # fmt: skip
+        ("1gbit", 1.0, "dense_pmap"),
+        ("1gbit", 1.0, "embrace"),
+        ("10gbit", 10.0, "dense_pmap"),
+        ("10gbit", 10.0, "embrace"),
+    ]
     assert rows[1]["speedup"] == pytest.approx(0.074 / 0.018)
     for r in rows[:4]:  # measured = step - step at 1000gbit; the model prices bytes / rate
         assert r["comm_s"] == pytest.approx(
@@ -181,10 +228,20 @@ def test_density_sweep_predictions_with_stand_in_runs(tmp_path, monkeypatch):
         sent = nbytes.get(strategy, nbytes["topk_allgather"])
         free = "100gbit" in rate
         step = 0.1 + (0 if free else sent * 1e-7)
-        coll = {"kind": "all-gather", "name": "ag", "group_size": nproc,
-                "result_bytes": sent * nproc / (nproc - 1), "bytes_sent": sent}  # fmt: skip
-        result = {"strategy": strategy, "step_time_s": step, "comm_bytes_per_step": sent,
-                  "losses": [1.0], "collectives": [coll]}  # fmt: skip
+        coll = {
+            "kind": "all-gather",
+            "name": "ag",
+            "group_size": nproc,
+            "result_bytes": sent * nproc / (nproc - 1),
+            "bytes_sent": sent,
+        }
+        result = {
+            "strategy": strategy,
+            "step_time_s": step,
+            "comm_bytes_per_step": sent,
+            "losses": [1.0],
+            "collectives": [coll],
+        }
         return {**result, "link": link} if "--calibrate" in train_args else result
 
     monkeypatch.setattr(sweep, "run_config", fake_run)

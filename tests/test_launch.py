@@ -25,16 +25,29 @@ LAUNCH = [sys.executable, "-m", "sparsecomm_jax.launch"]
 
 
 def _launch(nproc, per_proc, cmd, timeout=240, extra=()):
-    return subprocess.run([*LAUNCH, "--nproc", str(nproc), "--devices-per-proc", str(per_proc),
-                           *extra, "--", *cmd], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [*LAUNCH, "--nproc", str(nproc), "--devices-per-proc", str(per_proc), *extra, "--", *cmd],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _train_cmd(out, devices=None):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
     devices = ["--devices", str(devices)] if devices else []
-    return [sys.executable, "-m", "experiments.train", "--strategy", "dense", *devices, *flags,
-            "--out", str(out)]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "--strategy",
+        "dense",
+        *devices,
+        *flags,
+        "--out",
+        str(out),
+    ]
 
 
 def _single(devices):
@@ -81,15 +94,17 @@ def test_rank_env_is_complete():
     "flags, message",
     [
         (["--nproc", "0"], "--nproc must be >= 1"),
-        (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
-         "--node-rank must be in [0, --nnodes=2)"),
+        (
+            ["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1"],
+            "--node-rank must be in [0, --nnodes=2)",
+        ),
         (["--nproc", "1", "--node-rank", "-1"], "--node-rank"),
         (["--nproc", "1", "--nnodes", "2"], "needs --coordinator"),
         (["--nproc", "1", "--coordinator", "nohost"], "--coordinator must be HOST:PORT"),
         (["--nproc", "1", "--port", "1", "--coordinator", "h:2"], "not both"),
         (["--nproc", "1", "--exit-grace", "nan"], "--exit-grace must be >= 0"),
     ],
-)  # fmt: skip
+)
 def test_bad_flags_are_one_line_errors(flags, message, capsys):
     assert launch.main([*flags, "--", "true"]) == 2
     err = capsys.readouterr().err
@@ -106,8 +121,25 @@ def test_missing_command_busy_port_and_absent_coordinator(capsys):
         assert launch.main(["--nproc", "1", "--port", port, "--", "true"]) == 2
     t = time.monotonic()
     absent = f"127.0.0.1:{_free_port()}"
-    assert launch.main(["--nproc", "1", "--nnodes", "2", "--node-rank", "1", "--coordinator",
-                        absent, "--init-timeout", "1", "--", "true"]) == 2  # fmt: skip
+    assert (
+        launch.main(
+            [
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--coordinator",
+                absent,
+                "--init-timeout",
+                "1",
+                "--",
+                "true",
+            ]
+        )
+        == 2
+    )
     assert time.monotonic() - t < 10
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 4 and "usage" in lines[0]
@@ -197,9 +229,13 @@ def test_repeated_signals_cannot_interrupt_the_clean_up(tmp_path):
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
         "time.sleep(120)\n"
     )
-    job = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "1.5", "--", sys.executable,
-                            "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    job = subprocess.Popen(
+        [*LAUNCH, "--nproc", "2", "--grace", "1.5", "--", sys.executable, "-c", script],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = _wait_for_lines(marker, 2, job)
     job.send_signal(signal.SIGINT)
     deadline = time.monotonic() + 2.5
@@ -252,7 +288,7 @@ def test_two_nodes_on_the_loopback_match_single_process(tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for r in (1, 0)
     ]  # node 1 first: it waits for the coordinator
     logs = [node.communicate(timeout=240)[0] for node in nodes]
@@ -282,11 +318,32 @@ def test_host_mesh_of_two_nodes_keeps_local_collectives_inside_a_node(tmp_path):
     x = np.random.default_rng().normal(size=4).round(3)
     coordinator = f"127.0.0.1:{_free_port()}"
     cmd = [sys.executable, "-c", HOST_MESH_SCRIPT, json.dumps(x.tolist())]
-    nodes = [subprocess.Popen([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--nnodes",
-                               "2", "--node-rank", str(r), "--coordinator", coordinator,
-                               "--init-timeout", "60", "--", *cmd], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [
+                *LAUNCH,
+                "--nproc",
+                "1",
+                "--devices-per-proc",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--coordinator",
+                coordinator,
+                "--init-timeout",
+                "60",
+                "--",
+                *cmd,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     for node in nodes:
         log = node.communicate(timeout=120)[0]
         assert node.returncode == 0, log
@@ -335,11 +392,19 @@ def test_host_mesh_rows_are_hosts_and_local_collectives_stay_inside():
 
 
 # Variables each scheduler sets for one task (values as srun / mpirun / an indexed Job would).
-SLURM = {"SLURM_JOB_ID": "12345", "SLURM_STEP_NODELIST": "gpu[007-010],cpu1", "SLURM_NTASKS": "8",
-         "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}  # fmt: skip
-OMPI = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
-        "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
-        "OMPI_COMM_WORLD_LOCAL_RANK": "0"}  # fmt: skip
+SLURM = {
+    "SLURM_JOB_ID": "12345",
+    "SLURM_STEP_NODELIST": "gpu[007-010],cpu1",
+    "SLURM_NTASKS": "8",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+}
+OMPI = {
+    "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+    "OMPI_COMM_WORLD_SIZE": "4",
+    "OMPI_COMM_WORLD_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+}
 K8S = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}
 
 
@@ -398,20 +463,41 @@ def test_initialize_calls_jax_with_the_resolved_job(clean_env):
     calls, port = [], _free_port()
     clean_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
     clean_env.setattr(jax.config, "update", lambda *a: None)  # keep this process's config
-    _set(clean_env, {**SLURM, "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0",
-                     "SLURM_LOCALID": "0", "JAX_COORDINATOR_PORT": str(port)})  # fmt: skip
+    _set(
+        clean_env,
+        {
+            **SLURM,
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_PROCID": "0",
+            "SLURM_LOCALID": "0",
+            "JAX_COORDINATOR_PORT": str(port),
+        },
+    )
     assert runtime.initialize_distributed() == (0, 8)
-    assert calls == [dict(coordinator_address=f"localhost:{port}", num_processes=8, process_id=0,
-                          local_device_ids=[0], initialization_timeout=300,
-                          cluster_detection_method="deactivate")]  # fmt: skip
+    assert calls == [
+        dict(
+            coordinator_address=f"localhost:{port}",
+            num_processes=8,
+            process_id=0,
+            local_device_ids=[0],
+            initialization_timeout=300,
+            cluster_detection_method="deactivate",
+        )
+    ]
 
 
 def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env):
     calls = []
     clean_env.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-    _set(clean_env, {runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
-                     runtime.ENV_NUM_PROCESSES: "2", runtime.ENV_PROCESS_ID: "1",
-                     runtime.ENV_INIT_TIMEOUT: "1"})  # fmt: skip
+    _set(
+        clean_env,
+        {
+            runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+            runtime.ENV_NUM_PROCESSES: "2",
+            runtime.ENV_PROCESS_ID: "1",
+            runtime.ENV_INIT_TIMEOUT: "1",
+        },
+    )
     with pytest.raises(RuntimeError, match="did not answer within 1 s"):
         runtime.initialize_distributed()
     with socket.socket() as busy:

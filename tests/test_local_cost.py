@@ -20,10 +20,24 @@ def test_aggregation_step_is_error_feedback_topk():
 
 
 def test_main_writes_passes(tmp_path):
-    argv = ["--size", "4096", "--densities", "0.01,0.2", "--selectors", "auto,radix",
-            "--repeats", "1", "--out-dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--size",
+        "4096",
+        "--densities",
+        "0.01,0.2",
+        "--selectors",
+        "auto,radix",
+        "--repeats",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     assert local_cost.main(argv) == 0
     result = json.loads((tmp_path / "local_cost.json").read_text())
     assert [(r["density"], r["selector"]) for r in result["rows"]] == [
-        (0.01, "auto"), (0.01, "radix"), (0.2, "auto"), (0.2, "radix")]  # fmt: skip
+        (0.01, "auto"),
+        (0.01, "radix"),
+        (0.2, "auto"),
+        (0.2, "radix"),
+    ]
     assert all(r["select_passes"] > 0 and r["aggregate_passes"] > 0 for r in result["rows"])

@@ -14,10 +14,15 @@ from sparsecomm_jax import overlap, rowwise, runtime
 
 def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False, **kw):
     ov = overlap.make_overlapped(
-        w.loss, optimizer, runtime.data_mesh(devices), params,
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-        id_keys=w.id_keys, **kw,
-    )  # fmt: skip
+        w.loss,
+        optimizer,
+        runtime.data_mesh(devices),
+        params,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        id_keys=w.id_keys,
+        **kw,
+    )
     state, losses = ov.run(ov.state, w.batch_at, steps, timeline, fused=fused)
     return np.array(losses), ov.host_params(state)
 
@@ -73,16 +78,40 @@ def test_many_overlapped_steps_on_processes(tmp_path, nproc):
     from conftest import REPO
 
     out, steps = tmp_path / "t.json", 12
-    cmd = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", str(nproc), "--",
-           sys.executable, "-m", "experiments.timeline", "--strategies", "embrace,overlap",
-           "--vocab", "64", "--dim", "8", "--hidden", "8", "--seq-len", "8", "--batch", "8",
-           "--sampled-softmax", "4", "--steps", str(steps), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparsecomm_jax.launch",
+        "--nproc",
+        str(nproc),
+        "--",
+        sys.executable,
+        "-m",
+        "experiments.timeline",
+        "--strategies",
+        "embrace,overlap",
+        "--vocab",
+        "64",
+        "--dim",
+        "8",
+        "--hidden",
+        "8",
+        "--seq-len",
+        "8",
+        "--batch",
+        "8",
+        "--sampled-softmax",
+        "4",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(nproc):
         runs = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["runs"]
-        np.testing.assert_allclose(runs["overlap"]["losses"], runs["embrace"]["losses"],
-                                   rtol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(runs["overlap"]["losses"], runs["embrace"]["losses"], rtol=1e-5)
         phases = [p for p, *_ in runs["overlap"]["timeline"]]
         assert phases.count("low") == phases.count("high") == steps
 
@@ -95,8 +124,10 @@ def test_optimizer_halves_merge_to_one_update():
     from sparsecomm_jax import optsplit, step
 
     rng = np.random.default_rng(0)
-    params = {"embed": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
-              "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}  # fmt: skip
+    params = {
+        "embed": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+    }
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     opt, mask = optax.adam(0.1), {"embed": True, "w": False}
     ctx = step.StepContext(
@@ -108,8 +139,9 @@ def test_optimizer_halves_merge_to_one_update():
     leaves = jax.tree.leaves(state.opt_state)
     other = [x for k, x in zip(kinds, leaves, strict=True) if k == optsplit.OTHER]
     opt_in = optsplit.with_other(kinds, dense.opt_state, other)
-    tables, opt_t = step.apply_optimizer(opt, {"embed": grads["embed"], "w": jnp.zeros(3)},
-                                         opt_in, dense.params)  # fmt: skip
+    tables, opt_t = step.apply_optimizer(
+        opt, {"embed": grads["embed"], "w": jnp.zeros(3)}, opt_in, dense.params
+    )
     merged_opt = optsplit.pick(kinds, (optsplit.TABLE,), opt_t, dense.opt_state)
     merged = {"embed": tables["embed"], "w": dense.params["w"]}
     ref_params, ref_opt = step.apply_optimizer(opt, grads, state.opt_state, params)
@@ -126,9 +158,13 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
 
     w = _alternating()
     ov = overlap.make_overlapped(
-        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-    )  # fmt: skip
+        w.loss,
+        optax.sgd(0.5),
+        runtime.data_mesh(4),
+        w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+    )
     progs, at = ov.programs, w.batch_at
     b0, b1 = ov.place(*(at(s) for s in range(4))), ov.place(*(at(s) for s in range(1, 5)))
     rows = progs.fetch(ov.state.params, b0.data)
@@ -138,8 +174,13 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     text = hlo.compiled_text(progs.fused, state, pend, rows, b1, b0.capacity)
     instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
     low = {c.name for c in colls if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
-    first = [c for c in colls if schedule.SCOPE_HIGH in c.op_name and c.opcode == "all-to-all"
-             and schedule.SCOPE_NEXT not in c.op_name]  # fmt: skip
+    first = [
+        c
+        for c in colls
+        if schedule.SCOPE_HIGH in c.op_name
+        and c.opcode == "all-to-all"
+        and schedule.SCOPE_NEXT not in c.op_name
+    ]
     assert low and first
     for c in first:
         assert not hlo.ancestors(instrs, c.name) & low
@@ -148,9 +189,13 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
 def test_one_program_form_refuses_row_updates_clearly():
     w = _workload("gpt2", seed=1)
     ov = overlap.make_overlapped(
-        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)),
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        w.loss,
+        optax.sgd(0.5),
+        runtime.data_mesh(4),
+        w.init(jax.random.key(0)),
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
         table_optimizer=rowwise.sgd(0.5),
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match="fused=True.*table_optimizer=None"):
         ov.run(ov.state, w.batch_at, 2, fused=True)

@@ -23,8 +23,18 @@ TIED = {
 
 
 def _workload(name, seed=0, vocab=8):
-    return get_workload(name, vocab=vocab, dim=8, layers=1, heads=2, seq_len=8, batch=8,
-                        sampled_softmax=4, seed=seed, **TIED[name])  # fmt: skip
+    return get_workload(
+        name,
+        vocab=vocab,
+        dim=8,
+        layers=1,
+        heads=2,
+        seq_len=8,
+        batch=8,
+        sampled_softmax=4,
+        seed=seed,
+        **TIED[name],
+    )
 
 
 def _poisoned(w, bad_step):
@@ -43,10 +53,16 @@ def _poisoned(w, bad_step):
 def _run(w, strategy, steps, params, devices=4, optimizer=None, **kw):
     """Losses of every step and the final host parameters, as a user drives them."""
     ts = train.make_train_step(
-        w.loss, optimizer or optax.sgd(0.5), runtime.data_mesh(devices), params, strategy,
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-        id_keys=w.id_keys, **kw,
-    )  # fmt: skip
+        w.loss,
+        optimizer or optax.sgd(0.5),
+        runtime.data_mesh(devices),
+        params,
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        id_keys=w.id_keys,
+        **kw,
+    )
     state, losses = ts.state, []
     for step in range(steps):
         state, loss = ts.step(state, train.place_for_step(ts, w.batch_at, step, steps))
@@ -73,8 +89,9 @@ def test_tied_tables_equal_embrace(name):
 @pytest.mark.parametrize("name", ["gpt2", "lstm_lm"])
 def test_step_after_a_skipped_step(name):
     """Step 1 is skipped (Inf gradients); step 2 reads rows of the unchanged tables."""
-    losses = _assert_same_run(_poisoned(_workload(name, seed=1), 1), steps=4,
-                              optimizer=optax.adam(1e-2, eps=1e-3))  # fmt: skip
+    losses = _assert_same_run(
+        _poisoned(_workload(name, seed=1), 1), steps=4, optimizer=optax.adam(1e-2, eps=1e-3)
+    )
     assert np.isnan(losses[1]) and np.isfinite(losses[[0, 2, 3]]).all()
 
 
@@ -96,8 +113,14 @@ def test_guard_with_row_updates(monkeypatch):
     w = _workload("gpt2", seed=2)
     params = w.init(jax.random.key(2))
     ref_losses, ref = reference_run(w, optax.adagrad(0.3), params, 2)
-    losses, got = _run(w, "embrace_2d", 2, params, optimizer=optax.adagrad(0.3),
-                       table_optimizer=rowwise.adagrad(0.3))  # fmt: skip
+    losses, got = _run(
+        w,
+        "embrace_2d",
+        2,
+        params,
+        optimizer=optax.adagrad(0.3),
+        table_optimizer=rowwise.adagrad(0.3),
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -105,10 +128,15 @@ def test_guard_with_row_updates(monkeypatch):
 def test_fixed_capacity_too_small_is_refused():
     w = _workload("gpt2")
     ts = train.make_train_step(
-        w.loss, optax.sgd(0.1), runtime.data_mesh(4), w.init(jax.random.key(0)),
-        "embrace_2d", replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(4),
+        w.init(jax.random.key(0)),
+        "embrace_2d",
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
         capacity=1,
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match="capacity=1 is too small"):
         train.place_for_step(ts, w.batch_at, 0, 2)
 
@@ -142,13 +170,21 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
     w = _alternating()
     _assert_same_run(w, steps=4)
     ts = train.make_train_step(
-        w.loss, optax.sgd(0.5), runtime.data_mesh(4), w.init(jax.random.key(0)), "embrace_2d",
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-    )  # fmt: skip
+        w.loss,
+        optax.sgd(0.5),
+        runtime.data_mesh(4),
+        w.init(jax.random.key(0)),
+        "embrace_2d",
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+    )
     batch = train.place_for_step(ts, w.batch_at, 0, 5)
     text = hlo.compiled_text(ts.step, ts.state, batch)
-    low = [c for c in hlo.scheduled_collectives(text)
-           if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"]  # fmt: skip
+    low = [
+        c
+        for c in hlo.scheduled_collectives(text)
+        if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
+    ]
     n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
     late = pipeline.late_capacities(n, batch.capacity, 8, 4)[1:]
     assert len(low) == len(late) == pipeline.MAX_LATE_CHUNKS

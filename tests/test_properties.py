@@ -12,8 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, collectives, embedding, runtime, sparsify
 
-SETTINGS = settings(max_examples=8, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORKERS = st.sampled_from([2, 4, 8])
 
 
@@ -23,9 +22,13 @@ ROWS = P("data")
 def _per_worker(fn, workers, *arrays, out_specs=ROWS):
     """Runs ``fn`` on row p of each array on worker p; returns numpy outputs."""
     mesh = runtime.data_mesh(workers)
-    body = jax.shard_map(lambda *xs: fn(*[x[0] for x in xs]), mesh=mesh,
-                         in_specs=(P("data"),) * len(arrays), out_specs=out_specs,
-                         check_vma=False)  # fmt: skip
+    body = jax.shard_map(
+        lambda *xs: fn(*[x[0] for x in xs]),
+        mesh=mesh,
+        in_specs=(P("data"),) * len(arrays),
+        out_specs=out_specs,
+        check_vma=False,
+    )
     placed = [runtime.put_global(np.asarray(a), mesh, P("data")) for a in arrays]
     return jax.tree.map(np.asarray, jax.jit(body)(*placed))
 
@@ -58,9 +61,12 @@ def _dense_topk(x, k):
 
 
 @SETTINGS
-@given(data=gradients(), density=st.sampled_from([0.05, 0.2, 0.5, 1.0]),
-       name=st.sampled_from(["topk_allgather", "topk_a2a", "gtopk"]),
-       bucket=st.sampled_from([None, 256]))  # fmt: skip
+@given(
+    data=gradients(),
+    density=st.sampled_from([0.05, 0.2, 0.5, 1.0]),
+    name=st.sampled_from(["topk_allgather", "topk_a2a", "gtopk"]),
+    bucket=st.sampled_from([None, 256]),
+)
 def test_aggregators_conserve_mass(data, density, name, bucket):
     workers, g, r = data
     agg = aggregators.AGGREGATORS[name](density, "data", bucket_bytes=bucket)
@@ -76,8 +82,9 @@ def test_aggregators_conserve_mass(data, density, name, bucket):
         return
     np.testing.assert_array_equal(mean, np.broadcast_to(mean[0], mean.shape))
     scale = max(1.0, float(np.abs(g + r).max()))
-    np.testing.assert_allclose(workers * mean[0] + new_r.sum(0), (g + r).sum(0),
-                               atol=2e-6 * scale * workers)  # fmt: skip
+    np.testing.assert_allclose(
+        workers * mean[0] + new_r.sum(0), (g + r).sum(0), atol=2e-6 * scale * workers
+    )
     if density == 1.0:
         np.testing.assert_allclose(mean[0], (g + r).mean(0), atol=2e-6 * scale)
 
@@ -113,9 +120,14 @@ def test_topk_allgather_collective_matches_numpy(data, k):
 
 
 @SETTINGS
-@given(workers=WORKERS, rows=st.integers(1, 6), width=st.integers(1, 3),
-       tokens=st.integers(1, 12), seed=st.integers(0, 2**31 - 1),
-       layout=st.sampled_from(["column", "row"]))  # fmt: skip
+@given(
+    workers=WORKERS,
+    rows=st.integers(1, 6),
+    width=st.integers(1, 3),
+    tokens=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+    layout=st.sampled_from(["column", "row"]),
+)
 def test_sharded_lookups_match_numpy(workers, rows, width, tokens, seed, layout):
     rng = np.random.default_rng(seed)
     vocab, dim = rows * workers, width * workers
@@ -128,16 +140,19 @@ def test_sharded_lookups_match_numpy(workers, rows, width, tokens, seed, layout)
     else:
         fn = lambda t, i: embedding.row_lookup(t, i[0], "data", tokens)[None]  # noqa: E731
     spec = embedding.table_spec(layout, "data")
-    body = jax.shard_map(fn, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data"),
-                         check_vma=False)  # fmt: skip
-    got = jax.jit(body)(embedding.shard_table(table, mesh, layout, "data"),
-                        runtime.put_global(ids, mesh, P("data")))  # fmt: skip
+    body = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data"), check_vma=False
+    )
+    got = jax.jit(body)(
+        embedding.shard_table(table, mesh, layout, "data"), runtime.put_global(ids, mesh, P("data"))
+    )
     np.testing.assert_array_equal(np.asarray(got), table[ids])
 
 
 @settings(max_examples=10, deadline=None)
-@given(workers=WORKERS, rows=st.integers(1, 8), n=st.integers(1, 20),
-       seed=st.integers(0, 2**31 - 1))  # fmt: skip
+@given(
+    workers=WORKERS, rows=st.integers(1, 8), n=st.integers(1, 20), seed=st.integers(0, 2**31 - 1)
+)
 def test_bucket_plan_places_every_id(workers, rows, n, seed):
     vocab = rows * workers
     ids = np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)

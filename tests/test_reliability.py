@@ -24,8 +24,17 @@ from models import get_workload
 from sparsecomm_jax import checkpoint, runtime, train
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16, warmup=0)
-RESUMABLE = ["dense_pmap", "dense", "sparse_allgather", "embrace", "embrace_rowwise",
-             "embrace_2d", "topk_a2a", "gtopk", "embrace+topk_allgather"]  # fmt: skip
+RESUMABLE = [
+    "dense_pmap",
+    "dense",
+    "sparse_allgather",
+    "embrace",
+    "embrace_rowwise",
+    "embrace_2d",
+    "topk_a2a",
+    "gtopk",
+    "embrace+topk_allgather",
+]
 
 
 @pytest.mark.parametrize("strategy", RESUMABLE)
@@ -47,9 +56,15 @@ def test_final_parameters_equal_after_resume(tmp_path):
     params = w.init(jax.random.key(0))
 
     def build():
-        return train.make_train_step(w.loss, optax.adam(1e-2), runtime.data_mesh(8), params,
-                                     "embrace", replicated_keys=w.replicated_keys,
-                                     embedding_paths=w.embedding_paths)  # fmt: skip
+        return train.make_train_step(
+            w.loss,
+            optax.adam(1e-2),
+            runtime.data_mesh(8),
+            params,
+            "embrace",
+            replicated_keys=w.replicated_keys,
+            embedding_paths=w.embedding_paths,
+        )
 
     ts = build()
     state = ts.state
@@ -61,8 +76,11 @@ def test_final_parameters_equal_after_resume(tmp_path):
     state2, start = checkpoint.Checkpointer(tmp_path).restore(ts2)
     for step in range(start, 4):
         state2, _ = ts2.step(state2, place(ts2, w, step, 4))
-    for a, b in zip(jax.tree.leaves(ts.host_params(state)),
-                    jax.tree.leaves(ts2.host_params(state2)), strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(ts.host_params(state)),
+        jax.tree.leaves(ts2.host_params(state2)),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
 
 
@@ -73,8 +91,7 @@ def test_interrupted_write_keeps_previous_checkpoint(tmp_path):
     partial = tmp_path / "3.orbax-checkpoint-tmp-1234"
     partial.mkdir()
     (partial / "junk").write_text("half a checkpoint")
-    resumed = train_and_evaluate(RunConfig(**{**cfg, "steps": 3, "resume": True}),
-                                 progress=False)  # fmt: skip
+    resumed = train_and_evaluate(RunConfig(**{**cfg, "steps": 3, "resume": True}), progress=False)
     assert resumed["start_step"] == 2
     assert not partial.exists()  # the unfinished write is cleaned at start
 
@@ -115,10 +132,12 @@ def test_resume_step_picks_a_checkpoint(tmp_path):
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     train_and_evaluate(RunConfig(steps=3, **ck, **SMALL), progress=False)
     with pytest.raises(ValueError, match=r"no checkpoint of step 1 .* it has \[2, 3\]"):
-        train_and_evaluate(RunConfig(steps=4, resume=True, resume_step=1, **ck, **SMALL),
-                           progress=False)  # fmt: skip
-    resumed = train_and_evaluate(RunConfig(steps=4, resume=True, resume_step=2, **ck, **SMALL),
-                                 progress=False)  # fmt: skip
+        train_and_evaluate(
+            RunConfig(steps=4, resume=True, resume_step=1, **ck, **SMALL), progress=False
+        )
+    resumed = train_and_evaluate(
+        RunConfig(steps=4, resume=True, resume_step=2, **ck, **SMALL), progress=False
+    )
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
 
 
@@ -127,12 +146,16 @@ def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
     train_and_evaluate(RunConfig(steps=2, **ck, **SMALL), progress=False)
     first = checkpoint.read_run(tmp_path)
     assert first["config"]["seed"] == 0 and first["config"]["devices"] == 8
-    with pytest.raises(ValueError, match=rf"holds checkpoints \(steps \[1, 2\]\) of run "
-                                         rf"{first['run_id'][:8]}.*--overwrite"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"holds checkpoints \(steps \[1, 2\]\) of run "
+        rf"{first['run_id'][:8]}.*--overwrite",
+    ):
         train_and_evaluate(RunConfig(steps=4, **ck, **{**SMALL, "seed": 1}), progress=False)
     assert checkpoint.read_run(tmp_path) == first  # untouched
-    result = train_and_evaluate(RunConfig(steps=1, overwrite=True, **ck, **{**SMALL, "seed": 1}),
-                                progress=False)  # fmt: skip
+    result = train_and_evaluate(
+        RunConfig(steps=1, overwrite=True, **ck, **{**SMALL, "seed": 1}), progress=False
+    )
     second = checkpoint.read_run(tmp_path)
     assert result["start_step"] == 0 and checkpoint.saved_steps(tmp_path) == [1]
     assert second["run_id"] != first["run_id"] and second["config"]["seed"] == 1
@@ -149,8 +172,9 @@ def test_folder_used_for_other_things_is_refused(tmp_path, monkeypatch):
 
 
 def test_resume_refuses_a_different_trajectory_and_names_it(tmp_path):
-    base = dict(strategy="topk_a2a", density=0.1, checkpoint_dir=str(tmp_path),
-                checkpoint_every=1, **SMALL)  # fmt: skip
+    base = dict(
+        strategy="topk_a2a", density=0.1, checkpoint_dir=str(tmp_path), checkpoint_every=1, **SMALL
+    )
     train_and_evaluate(RunConfig(steps=2, **base), progress=False)
     changes = [
         ({"lr": 0.01}, ["--lr (0.001 there, 0.01 here)"]),
@@ -160,13 +184,22 @@ def test_resume_refuses_a_different_trajectory_and_names_it(tmp_path):
     ]
     for change, names in changes:
         with pytest.raises(ValueError, match="this run differs from run") as err:
-            train_and_evaluate(RunConfig(**{**base, "steps": 3, "resume": True, **change}),
-                               progress=False)  # fmt: skip
+            train_and_evaluate(
+                RunConfig(**{**base, "steps": 3, "resume": True, **change}), progress=False
+            )
         assert all(name in str(err.value) for name in names), str(err.value)
     # the run's length, outputs, policies and fields this model or strategy does not read
     # may change
-    same = dict(steps=3, resume=True, warmup=1, checkpoint_every=2, nonfinite="error",
-                image_size=8, link_gbit=1.0, out=str(tmp_path / "r.json"))  # fmt: skip
+    same = dict(
+        steps=3,
+        resume=True,
+        warmup=1,
+        checkpoint_every=2,
+        nonfinite="error",
+        image_size=8,
+        link_gbit=1.0,
+        out=str(tmp_path / "r.json"),
+    )
     assert train_and_evaluate(RunConfig(**{**base, **same}), progress=False)["start_step"] == 2
 
 
@@ -182,20 +215,30 @@ def test_two_runs_cannot_share_a_folder(tmp_path):
     """A second process holding the folder's lock stops this run; once that process is
     killed, the lock is free."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from sparsecomm_jax.checkpoint import "
-         "DirectoryLock; lock = DirectoryLock(sys.argv[1]); print('locked', flush=True); "
-         "time.sleep(120)", str(tmp_path)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from sparsecomm_jax.checkpoint import "
+            "DirectoryLock; lock = DirectoryLock(sys.argv[1]); print('locked', flush=True); "
+            "time.sleep(120)",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ValueError, match=rf"in use by another run \(process {holder.pid} "):
-            train_and_evaluate(RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL),
-                               progress=False)  # fmt: skip
+            train_and_evaluate(
+                RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL), progress=False
+            )
     finally:
         holder.kill()
         holder.wait()
-    result = train_and_evaluate(RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL),
-                                progress=False)  # fmt: skip
+    result = train_and_evaluate(
+        RunConfig(steps=1, checkpoint_dir=str(tmp_path), **SMALL), progress=False
+    )
     assert len(result["losses"]) == 1
 
 
@@ -219,8 +262,22 @@ def test_unwritable_checkpoint_dir_exits_fast(tmp_path, where):
         target.write_text("not a folder")
     else:
         target, prefix = _read_only_dir(tmp_path)
-    cmd = [*prefix, sys.executable, "-m", "experiments.train", "--devices", "2", "--batch",
-           "4", "--vocab", "100", "--steps", "2", "--checkpoint-dir", str(target)]  # fmt: skip
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "experiments.train",
+        "--devices",
+        "2",
+        "--batch",
+        "4",
+        "--vocab",
+        "100",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        str(target),
+    ]
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert time.monotonic() - t < 30
@@ -256,8 +313,13 @@ def test_failed_save_raises_and_the_process_still_exits(tmp_path):
     """A save that cannot be written raises at once, and nothing it started keeps the
     process alive at exit (a plain interpreter exit, no forced one)."""
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", FAILED_SAVE, str(tmp_path / "ck")], cwd=REPO,
-                          capture_output=True, text=True, timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILED_SAVE, str(tmp_path / "ck")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert time.monotonic() - t < 30
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "raised: cannot write checkpoint step 1 into" in proc.stdout
@@ -279,21 +341,39 @@ def test_resume_on_another_device_count(tmp_path):
     # replicated state and column-sharded tables move from 8 to 4 devices
     for strategy in ("dense", "embrace"):
         d = tmp_path / strategy
-        train_and_evaluate(RunConfig(strategy=strategy, **base, **{**ck, "checkpoint_dir": str(d)}),
-                           progress=False)  # fmt: skip
-        full = train_and_evaluate(RunConfig(strategy=strategy, **{**base, "steps": 3}),
-                                  progress=False)  # fmt: skip
+        train_and_evaluate(
+            RunConfig(strategy=strategy, **base, **{**ck, "checkpoint_dir": str(d)}), progress=False
+        )
+        full = train_and_evaluate(
+            RunConfig(strategy=strategy, **{**base, "steps": 3}), progress=False
+        )
         resumed = train_and_evaluate(
-            RunConfig(strategy=strategy, devices=4, resume=True, **{**base, "steps": 3},
-                      **{**ck, "checkpoint_dir": str(d)}), progress=False)  # fmt: skip
+            RunConfig(
+                strategy=strategy,
+                devices=4,
+                resume=True,
+                **{**base, "steps": 3},
+                **{**ck, "checkpoint_dir": str(d)},
+            ),
+            progress=False,
+        )
         assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
     # per-worker residuals cannot: a clear error
     d = str(tmp_path / "topk")
-    train_and_evaluate(RunConfig(strategy="topk_a2a", **base, checkpoint_dir=d,
-                                 checkpoint_every=1), progress=False)  # fmt: skip
+    train_and_evaluate(
+        RunConfig(strategy="topk_a2a", **base, checkpoint_dir=d, checkpoint_every=1), progress=False
+    )
     with pytest.raises(ValueError, match="same number of devices"):
-        train_and_evaluate(RunConfig(strategy="topk_a2a", devices=4, resume=True, checkpoint_dir=d,
-                                     **{**base, "steps": 3}), progress=False)  # fmt: skip
+        train_and_evaluate(
+            RunConfig(
+                strategy="topk_a2a",
+                devices=4,
+                resume=True,
+                checkpoint_dir=d,
+                **{**base, "steps": 3},
+            ),
+            progress=False,
+        )
 
 
 def _poisoned(w, bad_steps, through_gradient=True):
@@ -321,9 +401,16 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy):
     w = get_workload("lstm_lm", **{k: v for k, v in SMALL.items() if k != "warmup"})
     bad = _poisoned(w, bad_steps=1)
     params = w.init(jax.random.key(0))
-    ts = train.make_train_step(bad.loss, optax.adam(1e-2), runtime.data_mesh(8), params,
-                               strategy, replicated_keys=w.replicated_keys,
-                               embedding_paths=w.embedding_paths, density=0.1)  # fmt: skip
+    ts = train.make_train_step(
+        bad.loss,
+        optax.adam(1e-2),
+        runtime.data_mesh(8),
+        params,
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        density=0.1,
+    )
     state, _ = ts.step(ts.state, place(ts, bad, 0, 4))
     before = jax.tree.map(np.asarray, (ts.host_params(state), state.agg_state))
     after_state, loss = ts.step(state, place(ts, bad, 1, 4))
@@ -365,9 +452,28 @@ def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
     """``off`` applies the NaN gradient of step 2: the run stops there, non-zero, and its
     checkpoints end with the state before that step."""
     _poison_runs(monkeypatch, 2)
-    args = ["--nonfinite", "off", "--steps", "5", "--vocab", "256", "--dim", "16", "--hidden",
-            "16", "--seq-len", "8", "--batch", "16", "--checkpoint-dir", str(tmp_path / "ck"),
-            "--checkpoint-every", "1", "--out", str(tmp_path / "r.json")]  # fmt: skip
+    args = [
+        "--nonfinite",
+        "off",
+        "--steps",
+        "5",
+        "--vocab",
+        "256",
+        "--dim",
+        "16",
+        "--hidden",
+        "16",
+        "--seq-len",
+        "8",
+        "--batch",
+        "16",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(tmp_path / "r.json"),
+    ]
     assert main(args) == 2
     assert checkpoint.saved_steps(tmp_path / "ck") == [1, 2]
     assert not (tmp_path / "r.json").exists()
@@ -401,13 +507,38 @@ def test_killed_rank_then_resume(tmp_path):
     --resume continues from the last checkpoint to the same losses."""
     out, ck = tmp_path / "run.json", tmp_path / "ck"
     marker = tmp_path / "started"
-    args = ["--strategy", "dense", "--devices", "2", "--batch", "4", "--vocab", "200",
-            "--steps", "60", "--checkpoint-dir", str(ck), "--checkpoint-every", "1"]  # fmt: skip
-    launch = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", "2", "--",
-              sys.executable, "-m", "experiments.train", *args]  # fmt: skip
+    args = [
+        "--strategy",
+        "dense",
+        "--devices",
+        "2",
+        "--batch",
+        "4",
+        "--vocab",
+        "200",
+        "--steps",
+        "60",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "1",
+    ]
+    launch = [
+        sys.executable,
+        "-m",
+        "sparsecomm_jax.launch",
+        "--nproc",
+        "2",
+        "--",
+        sys.executable,
+        "-m",
+        "experiments.train",
+        *args,
+    ]
     env = {**os.environ, "SPARSECOMM_TEST_MARK": str(marker)}
-    job = subprocess.Popen(launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env=env)  # fmt: skip
+    job = subprocess.Popen(
+        launch, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     deadline = time.monotonic() + 180
     while not (ck.exists() and any(p.name.isdigit() and int(p.name) >= 2 for p in ck.iterdir())):  # noqa: E501
         assert time.monotonic() < deadline and job.poll() is None, "job never checkpointed"
@@ -420,16 +551,22 @@ def test_killed_rank_then_resume(tmp_path):
     assert job.returncode != 0 and "rank 1 exited with signal 9" in err
     assert _rank_pid(0) is None and _rank_pid(1) is None  # no orphans
     steps = 2 + max(int(p.name) for p in ck.iterdir() if p.name.isdigit())  # 2 past the last
-    resumed = subprocess.run([*launch[:-len(args)], *args, "--resume", "--steps", str(steps),
-                              "--out", str(out)], cwd=REPO, capture_output=True, text=True,
-                             timeout=240)  # fmt: skip
+    resumed = subprocess.run(
+        [*launch[: -len(args)], *args, "--resume", "--steps", str(steps), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["start_step"] >= 2 and len(result["losses"]) == steps - result["start_step"]
-    single = train_and_evaluate(RunConfig(strategy="dense", devices=2, batch=4, vocab=200,
-                                          steps=steps), progress=False)  # fmt: skip
-    np.testing.assert_allclose(result["losses"], single["losses"][result["start_step"]:],
-                               rtol=1e-6)  # fmt: skip
+    single = train_and_evaluate(
+        RunConfig(strategy="dense", devices=2, batch=4, vocab=200, steps=steps), progress=False
+    )
+    np.testing.assert_allclose(
+        result["losses"], single["losses"][result["start_step"] :], rtol=1e-6
+    )
 
 
 def _rank_pid(rank: int):
@@ -440,8 +577,11 @@ def _rank_pid(rank: int):
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if (b"experiments.train" in cmd and f"SPARSECOMM_PROCESS_ID={rank}".encode() in env
-                and any(e.startswith(b"SPARSECOMM_TEST_MARK=") for e in env)):  # fmt: skip
+        if (
+            b"experiments.train" in cmd
+            and f"SPARSECOMM_PROCESS_ID={rank}".encode() in env
+            and any(e.startswith(b"SPARSECOMM_TEST_MARK=") for e in env)
+        ):
             state = Path(f"/proc/{pid}/stat").read_text().split()[2]
             if state != "Z":
                 return int(pid)

@@ -110,10 +110,15 @@ def test_nonfinite_rows_skip_the_step(strategy):
 
     bad = w._replace(batch_at=batch_at, loss=loss)
     ts = train.make_train_step(
-        bad.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(4)), strategy,
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        bad.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        w.init(jax.random.key(4)),
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
         table_optimizer=rowwise.sgd(0.1),
-    )  # fmt: skip
+    )
     state, _ = ts.step(ts.state, place(ts, bad, 0, 2))
     before = jax.tree.map(np.asarray, ts.host_params(state))
     state, loss_value = ts.step(state, place(ts, bad, 1, 2))
@@ -123,13 +128,20 @@ def test_nonfinite_rows_skip_the_step(strategy):
 
 
 def _row_bytes(strategy, comm_dtype):
-    w = get_workload("lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32,
-                     sampled_softmax=16)  # fmt: skip
+    w = get_workload(
+        "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32, sampled_softmax=16
+    )
     ts = train.make_train_step(
-        w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(5)), strategy,
-        replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
-        table_optimizer=rowwise.sgd(0.1), comm_dtype=comm_dtype,
-    )  # fmt: skip
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        w.init(jax.random.key(5)),
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        table_optimizer=rowwise.sgd(0.1),
+        comm_dtype=comm_dtype,
+    )
     colls = hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
     ids = sum(c.bytes_sent for c in colls if c.shapes[0][0] in ("s32", "pred"))
     return hlo.total_bytes(colls) - ids, colls
@@ -147,13 +159,16 @@ def test_embrace_sends_each_distinct_row_once():
     """One id all-gather and one all-to-all each way for all lookups; each worker's slots
     per table = the most distinct ids any worker reads of it (numpy), 1/8 headroom."""
     _, colls = _row_bytes("embrace", "float32")
-    w = get_workload("lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32,
-                     sampled_softmax=16)  # fmt: skip
+    w = get_workload(
+        "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32, sampled_softmax=16
+    )
     batch, num = w.batch_at(0), 8
     parts = np.split(batch["tokens"], num)
     neg = batch["negatives"]
-    need = [max(np.unique(p[:, :-1]).size for p in parts),
-            max(np.unique(np.r_[p[:, 1:].ravel(), neg]).size for p in parts)]  # fmt: skip
+    need = [
+        max(np.unique(p[:, :-1]).size for p in parts),
+        max(np.unique(np.r_[p[:, 1:].ravel(), neg]).size for p in parts),
+    ]
     caps = [colfetch.grow_by_eighth(n) for n in need]
     rows = (num - 1) * sum(caps) * 16 // num * 4  # bytes of one exchange of rows
     kinds = [(c.kind, c.bytes_sent == rows) for c in colls]
@@ -168,8 +183,9 @@ def test_per_table_capacities_grow_one_by_one_and_never_shrink():
     policy = placement.CapacityPolicy(lambda ctx, b: next(needs), "rows", colfetch.grow_by_eighth)
     capacity = placement.capacity_fn(types.SimpleNamespace(capacity=None), policy)
     assert [capacity({}) for _ in range(3)] == [(16, 112), (16, 112), (16, 152)]
-    fixed = placement.capacity_fn(types.SimpleNamespace(capacity=64), policy._replace(
-        need=lambda ctx, b: (10, 100)))  # fmt: skip
+    fixed = placement.capacity_fn(
+        types.SimpleNamespace(capacity=64), policy._replace(need=lambda ctx, b: (10, 100))
+    )
     with pytest.raises(ValueError, match="capacity=64 is too small: this batch needs 100"):
         fixed({})
 
@@ -185,8 +201,9 @@ def test_bad_input_fails_before_compiling():
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
         train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
-        train.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16",
-                              table_optimizer=rowwise.sgd(0.1), **kw)  # fmt: skip
+        train.make_train_step(
+            *args, "embrace_2d", comm_dtype="bfloat16", table_optimizer=rowwise.sgd(0.1), **kw
+        )
 
 
 @pytest.mark.parametrize(
@@ -217,8 +234,18 @@ def test_cli_error_is_one_line(capsys):
 
 def test_row_states_resume_from_a_checkpoint(tmp_path):
     """Adagrad's row state, sharded like its table, saved on 8 devices, resumed on 4."""
-    base = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16,
-                warmup=0, strategy="embrace_rowwise", optimizer="adagrad", lr=0.3)  # fmt: skip
+    base = dict(
+        vocab=256,
+        dim=16,
+        hidden=16,
+        seq_len=8,
+        batch=16,
+        sampled_softmax=16,
+        warmup=0,
+        strategy="embrace_rowwise",
+        optimizer="adagrad",
+        lr=0.3,
+    )
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     train_and_evaluate(RunConfig(steps=2, **base, **ck), progress=False)
     full = train_and_evaluate(RunConfig(steps=3, **base), progress=False)

@@ -33,8 +33,9 @@ def test_more_than_two_levels():
 
 
 def _lm(batches=None):
-    w = get_workload("lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B,
-                     sampled_softmax=16, seed=2)  # fmt: skip
+    w = get_workload(
+        "lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B, sampled_softmax=16, seed=2
+    )
     if batches is None:
         return w
     return w._replace(batch_at=lambda s: {**w.batch_at(s), "tokens": batches(s)})
@@ -64,7 +65,7 @@ CASES = {"zipf": None, "disjoint": _disjoint, "same": _same, "repeats": _repeats
         ("disjoint", "sgd"),
         ("same", "sgd"),
         ("repeats", "adam"),
-    ],  # fmt: skip
+    ],
 )
 def test_embrace_2d_equals_embrace_and_dense(case, opt):
     w = _lm(CASES[case])
@@ -95,10 +96,15 @@ def _middle_step_program(table_optimizer=None):
     """The compiled program of a middle step (rows carried in, next batch given)."""
     w = _lm(_disjoint)  # disjoint halves: a real low-priority chunk exists
     ts = train.make_train_step(
-        w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)),
-        "embrace_2d", replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths,
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        w.init(jax.random.key(0)),
+        "embrace_2d",
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
         table_optimizer=table_optimizer,
-    )  # fmt: skip
+    )
     state, _ = ts.step(ts.state, place(ts, w, 0, 3))
     return hlo.compiled_text(ts.step, state, place(ts, w, 1, 3))
 
@@ -113,8 +119,9 @@ def test_compiled_order_and_dependencies(rows):
     def named(scope, kind="all-to-all"):
         return [c for c in colls if scope in c.op_name and c.opcode == kind]
 
-    high, low, nxt = (named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW,
-                                          schedule.SCOPE_NEXT))  # fmt: skip
+    high, low, nxt = (
+        named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW, schedule.SCOPE_NEXT)
+    )
     assert high and low and nxt
     # the shared negatives batch t+1 does not read travel late (a reduce-scatter in low)
     assert named(schedule.SCOPE_LOW, "reduce-scatter")

@@ -215,8 +215,12 @@ def test_select_with_residual_is_x_minus_densify(selector):
 def test_auto_topk_per_worker_in_shard_map_and_under_vmap():
     x = np.random.default_rng(5).normal(size=(4, 300)).astype(np.float32)
     mesh = runtime.data_mesh(4)
-    body = jax.shard_map(lambda v: sparsify.auto_topk(v[0], 7)[1][None], mesh=mesh,
-                         in_specs=P("data"), out_specs=P("data"))  # fmt: skip
+    body = jax.shard_map(
+        lambda v: sparsify.auto_topk(v[0], 7)[1][None],
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P("data"),
+    )
     got = jax.jit(body)(runtime.put_global(x, mesh, P("data")))
     batched = jax.jit(jax.vmap(lambda v: sparsify.auto_topk(v, 7)[1]))(x)
     for w in range(4):

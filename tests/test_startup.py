@@ -12,8 +12,18 @@ from experiments.train import build, train_and_evaluate, validate
 from models import get_workload
 from sparsecomm_jax import fusion
 
-TINY = dict(model="lstm_lm", strategy="topk_allgather", devices=2, batch=4, steps=2,
-            warmup=0, vocab=100, dim=8, hidden=8, seq_len=4)  # fmt: skip
+TINY = dict(
+    model="lstm_lm",
+    strategy="topk_allgather",
+    devices=2,
+    batch=4,
+    steps=2,
+    warmup=0,
+    vocab=100,
+    dim=8,
+    hidden=8,
+    seq_len=4,
+)
 
 
 def test_choose_bucket_finds_the_least_stand_in_step_time(monkeypatch):
@@ -26,8 +36,10 @@ def test_choose_bucket_finds_the_least_stand_in_step_time(monkeypatch):
 
     monkeypatch.setattr(startup, "measured_step_s", stand_in)
     chosen, record = startup.choose_bucket(config, build)
-    params = jax.eval_shape(get_workload("lstm_lm", vocab=100, dim=8, hidden=8,
-                                         seq_len=4, batch=4).init, jax.random.key(0))  # fmt: skip
+    params = jax.eval_shape(
+        get_workload("lstm_lm", vocab=100, dim=8, hidden=8, seq_len=4, batch=4).init,
+        jax.random.key(0),
+    )
     sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
     candidates = fusion.candidate_thresholds(sizes)
     best = min(candidates, key=lambda c: abs(c - 3000))

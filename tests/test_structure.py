@@ -1,4 +1,5 @@
-"""The library's shape: imports only go down, no function-local imports, small modules."""
+"""The library's shape: imports only go down and no function-local imports (modules are
+sized by their concept; the formatter decides layout)."""
 
 import ast
 import subprocess
@@ -9,7 +10,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "sparsecomm_jax"
 MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-MAX_LINES = 400
 
 
 def _tree(name: str) -> ast.Module:
@@ -63,7 +63,7 @@ def test_library_imports_form_no_cycle():
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_no_function_local_imports_and_small_modules(name):
+def test_no_function_local_imports(name):
     tree = _tree(name)
     top = set(map(id, tree.body))
     local = [
@@ -72,8 +72,6 @@ def test_no_function_local_imports_and_small_modules(name):
         if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in top
     ]
     assert not local, f"{name}.py imports inside functions at lines {local}"
-    lines = len((PACKAGE / f"{name}.py").read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name}.py has {lines} lines (at most {MAX_LINES})"
 
 
 def test_every_module_imports_alone_in_reverse_order():

@@ -31,8 +31,9 @@ def test_density_one_is_dense(strategy):
 
 def test_embrace_plus_topk_exchanges_tables_by_all_to_all():
     w = get_workload("lstm_lm", sampled_softmax=16, **SMALL)
-    _, _, ts = strategy_run(w, optax.sgd(0.5), w.init(jax.random.key(0)), 1,
-                            "embrace+topk_a2a", density=0.05)  # fmt: skip
+    _, _, ts = strategy_run(
+        w, optax.sgd(0.5), w.init(jax.random.key(0)), 1, "embrace+topk_a2a", density=0.05
+    )
     colls = hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(1)))
     kinds = [c.kind for c in colls]
     assert kinds.count("all-to-all") >= 4  # table lookups and the top-k exchange
@@ -50,8 +51,15 @@ def test_topk_a2a_converges_like_dense(model):
     """After the same steps, the loss (mean of the last 10) is within 5% of dense."""
 
     def final(strategy, density=1.0):
-        cfg = RunConfig(model=model, strategy=strategy, density=density, optimizer="sgd",
-                        devices=4, batch=32, **CONVERGENCE[model])  # fmt: skip
+        cfg = RunConfig(
+            model=model,
+            strategy=strategy,
+            density=density,
+            optimizer="sgd",
+            devices=4,
+            batch=32,
+            **CONVERGENCE[model],
+        )
         losses = train_and_evaluate(cfg, progress=False)["losses"]
         assert losses[-1] < losses[0]
         return float(np.mean(losses[-10:]))
