@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from experiments import sweep
-from sparsecomm_jax import costmodel
+from sparsecomm_jax.comm import costmodel
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

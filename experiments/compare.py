@@ -28,8 +28,8 @@ BASELINE = "dense_pmap"
 
 def default_strategies() -> list[str]:
     """``dense_pmap`` first, then every table strategy and every top-k aggregator."""
+    from sparsecomm_jax import STRATEGIES
     from sparsecomm_jax.aggregators import AGGREGATORS
-    from sparsecomm_jax.train import STRATEGIES
 
     sparse = [a for a in AGGREGATORS if a != "dense"]
     return [BASELINE, *(s for s in STRATEGIES if s != BASELINE), *sparse]

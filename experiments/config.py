@@ -20,12 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 from models import MODELS, config_fields
-from sparsecomm_jax.rowgrad import COMM_DTYPES
-from sparsecomm_jax.sparsify import SELECTORS, check_density
-from sparsecomm_jax.train import NONFINITE, parse_strategy, strategy_names
+from sparsecomm_jax import parse_strategy, strategy_names
+from sparsecomm_jax.comm.wire import WIRE_DTYPES
+from sparsecomm_jax.strategies.build import NONFINITE
+from sparsecomm_jax.topk.selectors import SELECTORS, check_density
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
-TABLE_UPDATES = ("auto", "sparse", "dense")
+TABLE_UPDATES = ("auto", "rows", "dense")
 MAX_SEED = 2**32 - 1
 
 # ----------------------------------------------------------------- value checks
@@ -102,7 +103,7 @@ class RunConfig:
     table_update: str = _field(
         "auto",
         "embedding tables: auto (row-sparse where the "
-        "strategy and optimizer allow), sparse (only the rows a batch "
+        "strategy and optimizer allow), rows (only the rows a batch "
         "reads) or dense (a V x D gradient)",
         choices=TABLE_UPDATES,
     )
@@ -110,7 +111,7 @@ class RunConfig:
         "float32",
         "dtype on the wire of the embedding rows and the "
         "dense all-reduce (bfloat16 halves the bytes; sums in float32)",
-        choices=sorted(COMM_DTYPES),
+        choices=sorted(WIRE_DTYPES),
     )
     lr: float = _field(1e-3, "learning rate (finite, > 0)", finite_at_least(0, strict=True))
     batch: int = _field(
@@ -154,7 +155,7 @@ class RunConfig:
         "top-k selection: auto (exact, the fastest for the "
         "platform and size), exact (lax.top_k), radix (same result, no "
         "sort) or threshold (sampled, approximate)",
-        choices=SELECTORS,
+        choices=tuple(SELECTORS),
     )
     bucket_mb: str = _field(
         "64",
@@ -190,6 +191,11 @@ class RunConfig:
         at_least(0),
     )
     overwrite: bool = _field(False, "replace another run's checkpoints in --checkpoint-dir")
+    overlap: bool = _field(
+        False,
+        "embrace_2d across steps: step t's late exchange and table update beside step "
+        "t+1's compute (two programs on two host threads; no checkpoints or logs)",
+    )
     calibrate: bool = _field(
         False,
         "after training, fit the link's alpha and beta (costmodel) and add them to the result",
@@ -257,6 +263,7 @@ NOT_TRAJECTORY = frozenset(
         "resume_step",
         "overwrite",
         "calibrate",
+        "overlap",
         "out",
         "eval_every",
         "eval_batches",

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from experiments import sweep
-from sparsecomm_jax import costmodel
+from sparsecomm_jax.comm import costmodel
 
 STRATEGIES = ("topk_allgather", "topk_a2a", "adaptive")
 

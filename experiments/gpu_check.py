@@ -28,9 +28,9 @@ from experiments.config import RunConfig
 from experiments.selection_cost import selector_times
 from experiments.train import build, start_devices
 from models import MODELS
-from sparsecomm_jax import sparsify
-from sparsecomm_jax.costmodel import median_seconds
-from sparsecomm_jax.train import loss_value
+from sparsecomm_jax import loss_value
+from sparsecomm_jax.comm.costmodel import median_seconds
+from sparsecomm_jax.topk import selectors
 
 # One-device model sizes: mid-size on an accelerator, tiny with --small.
 FULL_SIZES: dict[str, dict[str, Any]] = {
@@ -45,15 +45,15 @@ SMALL_SIZES = dict(vocab=200, dim=16, hidden=16, heads=2, seq_len=8, batch=4, wi
 
 
 def scatter_add_times(size: int, density: float, workers: int = 8) -> dict[str, float]:
-    """Seconds of ``sparsify.densify`` (scatter-add) of k and of ``workers * k`` pairs."""
-    k = sparsify.num_selected(density, size)
+    """Seconds of ``topk.selectors.densify`` (scatter-add) of k and of ``workers * k`` pairs."""
+    k = selectors.num_selected(density, size)
     rng = np.random.default_rng(0)
     out = {}
     for name, n in (("k", k), (f"{workers}k", workers * k)):
         values = jnp.asarray(rng.normal(size=n).astype(np.float32))
         indices = jnp.asarray(rng.integers(0, size, n).astype(np.int32))
         out[name] = median_seconds(
-            jax.jit(lambda v, i: sparsify.densify(v, i, size)), values, indices
+            jax.jit(lambda v, i: selectors.densify(v, i, size)), values, indices
         )
     return out
 
@@ -121,7 +121,7 @@ def run_check(small: bool, models: list[str], trace_dir: Path) -> dict[str, Any]
         "jax": jax.__version__,
         "size": size,
         "density": 0.01,
-        "selectors_s": selector_times(size, 0.01, shards=8),
+        "selectors_s": selector_times(size, 0.01, num_shards=8),
         "scatter_add_s": scatter_add_times(size, 0.01),
         "models": [
             guarded(model_step, m, sizes[m], trace_dir if i == 0 else None)

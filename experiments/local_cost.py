@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, runtime, sparsify
-from sparsecomm_jax.costmodel import median_seconds
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.comm.costmodel import median_seconds
+from sparsecomm_jax.topk import selectors
 
 
 def aggregation_step(density: float, selector: str):
@@ -39,7 +40,7 @@ def aggregation_step(density: float, selector: str):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
 
 
-def measure(size: int, densities, selectors, repeats: int = 5) -> dict:
+def measure(size: int, densities, chosen, repeats: int = 5) -> dict:
     """``{"size", "pass_s", "rows": [{density, selector, pass_s, select_passes,
     aggregate_passes}]}``; each row against the pass timed just before it."""
     rng = np.random.default_rng(0)
@@ -49,9 +50,10 @@ def measure(size: int, densities, selectors, repeats: int = 5) -> dict:
     passes = []
     rows = []
     for density in densities:
-        k = sparsify.num_selected(density, size)
-        for selector in selectors:
-            select = jax.jit(lambda v, s=selector, k=k: sparsify.select(v, k, s))
+        k = selectors.num_selected(density, size)
+        for selector in chosen:
+            sel = selectors.get(selector)
+            select = jax.jit(lambda v, s=sel, k=k: selectors.select(s, v, k))
             step = aggregation_step(density, selector)
             # a pass timed next to each figure: a shared host's load drifts
             passes.append(median_seconds(one_pass, x, repeats=repeats))
@@ -72,16 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=8 * 2**20, help="vector length d")
     parser.add_argument("--densities", default="0.01,0.2", help="comma-separated")
     parser.add_argument(
-        "--selectors", default="auto", help=f"comma-separated, of {','.join(sparsify.SELECTORS)}"
+        "--selectors", default="auto", help=f"comma-separated, of {','.join(selectors.SELECTORS)}"
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default="runs/local_cost")
     args = parser.parse_args(argv)
-    selectors = args.selectors.split(",")
-    for s in selectors:
-        sparsify.check_selector(s)
+    chosen = args.selectors.split(",")
+    for s in chosen:
+        selectors.get(s)  # ValueError for an unknown name
     densities = [float(v) for v in args.densities.split(",")]
-    result = measure(args.size, densities, selectors, args.repeats)
+    result = measure(args.size, densities, chosen, args.repeats)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "local_cost.json").write_text(json.dumps(result, indent=1))

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from experiments import sweep
-from sparsecomm_jax import costmodel
+from sparsecomm_jax.comm import costmodel
 
 # name: (vocab V, width D, dense parameters outside the tables, tables, tokens/GPU/step,
 #        lookups per table per step); published sizes, tokens as in the papers' batches.

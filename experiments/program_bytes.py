@@ -15,7 +15,7 @@ import sys
 
 
 def _summary(text: str) -> dict:
-    from sparsecomm_jax import hlo
+    from sparsecomm_jax.comm import hlo
 
     sent, count = collections.Counter(), collections.Counter()
     for c in hlo.parse_collectives(text):
@@ -36,18 +36,18 @@ def measure(args) -> dict:
     import jax
     import optax
 
+    import sparsecomm_jax as sc
     from experiments.timeline import _workload
-    from sparsecomm_jax import overlap, rowwise, train
-    from sparsecomm_jax.hlo import compiled_text as hlo_text
+    from sparsecomm_jax.comm.hlo import compiled_text as hlo_text
 
     w, mesh = _workload(args), runtime.data_mesh(args.devices)
-    params, kw = w.init(jax.random.key(0)), dict(table_optimizer=rowwise.sgd(0.5))
+    params, kw = w.init(jax.random.key(0)), dict(table_update="rows")
     common = dict(replicated_keys=w.replicated_keys, embedding_paths=w.embedding_paths, **kw)
-    ts = train.make_train_step(w.loss, optax.sgd(0.5), mesh, params, "embrace", **common)
+    ts = sc.make_train_step(w.loss, optax.sgd(0.5), mesh, params, "embrace", **common)
     out = {
-        "embrace": _summary(hlo_text(ts.step, ts.state, train.place_for_step(ts, w.batch_at, 1, 5)))
+        "embrace": _summary(hlo_text(ts.step, ts.state, sc.place_for_step(ts, w.batch_at, 1, 5)))
     }
-    ov = overlap.make_overlapped(w.loss, optax.sgd(0.5), mesh, params, **common)
+    ov = sc.make_overlapped(w.loss, optax.sgd(0.5), mesh, params, **common)
     p, st = ov.programs, ov.state
     batch = ov.place(*(w.batch_at(s) for s in range(1, 5)))
     grads = p.compute(st.params, p.fetch(st.params, batch.data), batch.data)

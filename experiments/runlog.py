@@ -25,7 +25,7 @@ import jax
 from experiments.config import RunConfig
 from models.heldout import evaluate, heldout_splits
 from models.workload import Workload
-from sparsecomm_jax import hlo
+from sparsecomm_jax.comm import hlo
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:

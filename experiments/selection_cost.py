@@ -1,5 +1,5 @@
-"""Cost of top-k selection (auto, exact, radix, sampled threshold, per-shard) against a model
-step. ``experiments.local_cost`` reports selection and the whole aggregation in passes.
+"""Cost of top-k selection (every selector, and TopKA2A's per-shard selection) against a
+model step. ``experiments.local_cost`` reports selection and the whole aggregation in passes.
 
     python -m experiments.selection_cost --size 25000000 --model resnet
 
@@ -15,39 +15,34 @@ import json
 import sys
 from pathlib import Path
 
-from sparsecomm_jax.costmodel import median_seconds
+import jax
+import numpy as np
+import optax
 
-SELECTORS = ("auto", "exact", "radix", "threshold")
+from models import get_workload
+from sparsecomm_jax.comm.costmodel import median_seconds
+from sparsecomm_jax.topk import selectors, shards
 
 
-def selector_times(size: int, density: float, shards: int) -> dict[str, float]:
-    import jax
-    import numpy as np
-
-    from sparsecomm_jax import sparsify
-
+def selector_times(size: int, density: float, num_shards: int) -> dict[str, float]:
+    """Seconds of each selector of ``selectors.SELECTORS`` on a float32[size] vector at
+    ``density``, and of TopKA2A's selection over ``num_shards`` shards with each exact
+    selector (``shards.shard_select``, residual included)."""
     x = jax.numpy.asarray(np.random.default_rng(0).normal(size=size).astype(np.float32))
-    k = sparsify.num_selected(density, size)
-    pad = -(-size // shards) * shards - size
-    xs = jax.numpy.pad(x, (0, pad))
-    k_shard = sparsify.per_shard_k(k, shards)
+    k = selectors.num_selected(density, size)
     times = {
-        s: median_seconds(jax.jit(lambda v, s=s: sparsify.select(v, k, s)), x) for s in SELECTORS
+        name: median_seconds(jax.jit(lambda v, s=sel: selectors.select(s, v, k)), x)
+        for name, sel in selectors.SELECTORS.items()
     }
-    for s in ("auto", "exact", "radix"):
-        per_shard = jax.jit(lambda v, s=s: sparsify.per_shard_topk(v, k_shard, shards, s))
-        times[f"per_shard_{s}"] = median_seconds(per_shard, xs)
+    for name, sel in selectors.SELECTORS.items():
+        if sel.exact:
+            per_shard = jax.jit(lambda v, s=sel: shards.shard_select(s, v, k, num_shards))
+            times[f"per_shard_{name}"] = median_seconds(per_shard, x)
     return times
 
 
 def model_step(model: str, **overrides) -> tuple[int, float]:
     """(gradient length, seconds of one single-device SGD step) of ``model``."""
-    import jax
-    import numpy as np
-    import optax
-
-    from models import get_workload
-
     w = get_workload(model, **overrides)
     params = w.init(jax.random.key(0))
     opt = optax.sgd(0.1)

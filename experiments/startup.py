@@ -1,11 +1,12 @@
-"""Start-up measurements: the fusion threshold of ``--bucket-mb auto`` and the local
-work ``adaptive`` prices with a calibrated link.
+"""Start-up measurements: the fusion threshold of ``--bucket-mb auto``, the link fitted
+on this cluster and the local work ``adaptive`` prices with it.
 
 Before training, ``fusion.search_threshold`` binary-searches the distinct bucket plans
 of the model's gradient leaves (``fusion.candidate_thresholds``); each evaluation builds
 the train step with that threshold and times a few steps of it on this cluster. With
 ``--strategy adaptive --link-gbit 0`` the local work of each sparse strategy is timed
-at the run's bucket sizes (``costmodel.measure_local_work``).
+at the run's bucket sizes (``topk.local_cost.measure_local_work``), and the link's alpha
+and beta fitted by timed all-reduces (``calibrated_link``).
 
 References:
     Peng et al., "TopKA2A", ICPP 2024 (binary-searched fusion threshold).
@@ -20,18 +21,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import numpy as np
+
 from experiments.config import RunConfig
+from models import get_workload
+from sparsecomm_jax import place_for_step, runtime
+from sparsecomm_jax.comm import costmodel, fusion
+from sparsecomm_jax.comm.costmodel import Link
+from sparsecomm_jax.topk import local_cost
 
 TIMED_STEPS = 3  # per evaluation; the first (warm-up) is not counted
 
 
 def leaf_sizes(config: RunConfig) -> list[int]:
     """Entries of each parameter leaf of the model, in tree order (no arrays made)."""
-    import jax
-    import numpy as np
-
-    from models import get_workload
-
     workload = get_workload(config.model, **config.model_overrides())
     params = jax.eval_shape(workload.init, jax.random.key(config.seed))
     return [int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params)]
@@ -39,8 +43,6 @@ def leaf_sizes(config: RunConfig) -> list[int]:
 
 def local_work(config: RunConfig):
     """``costmodel.LocalWork`` of the sparse strategies at this run's bucket sizes."""
-    from sparsecomm_jax import fusion
-
     sizes = leaf_sizes(config)
     plan = fusion.plan_buckets(sizes, int(float(config.bucket_mb) * 2**20))
     buckets = tuple(sorted({sum(sizes[i] for i in bucket) for bucket in plan}))
@@ -49,9 +51,7 @@ def local_work(config: RunConfig):
 
 @functools.cache  # once per process and bucket sizes
 def _measure_local_work(buckets: tuple[int, ...], density: float, devices: int):
-    from sparsecomm_jax import costmodel
-
-    return costmodel.measure_local_work(buckets, density, devices)
+    return local_cost.measure_local_work(buckets, density, devices)
 
 
 def selectable_thresholds(sizes: list[int], density: float) -> list[int]:
@@ -62,8 +62,6 @@ def selectable_thresholds(sizes: list[int], density: float) -> list[int]:
         >>> selectable_thresholds([8, 400, 8], 0.01)  # an 8-entry bucket keeps none
         [1664]
     """
-    from sparsecomm_jax import fusion
-
     candidates = fusion.candidate_thresholds(sizes)
 
     def selectable(threshold: int) -> bool:
@@ -84,10 +82,6 @@ def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> fl
     Returns:
       Seconds per step.
     """
-    import jax
-
-    from sparsecomm_jax.train import place_for_step
-
     workload, ts = build(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)))
     state, times = ts.state, []
     for step in range(TIMED_STEPS):
@@ -113,8 +107,6 @@ def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[s
     Example:
         >>> # python -m experiments.train --strategy topk_allgather --bucket-mb auto
     """
-    from sparsecomm_jax import fusion
-
     sizes = leaf_sizes(config)
     timed: dict[str, float] = {}
 
@@ -126,3 +118,22 @@ def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[s
     best, evaluations = fusion.search_threshold(cost, candidates)
     chosen = dataclasses.replace(config, bucket_mb=repr(best / 2**20))
     return chosen, {"bucket_bytes": best, "evaluations": evaluations, "step_s": timed}
+
+
+@functools.cache
+def calibrated_link(devices: int) -> dict[str, Any]:
+    """``costmodel.calibrate`` on the data mesh: alpha (s), beta (s/B), the timed points.
+    Once per process and device count: ``--link-gbit 0`` with ``--calibrate`` reuses the
+    link fitted before training."""
+    link, points = costmodel.calibrate(runtime.data_mesh(devices))
+    return {"alpha": link.alpha, "beta": link.beta, "points": points}
+
+
+def adaptive_link(config: RunConfig) -> Link:
+    """The link adaptive prices buckets with: ``--link-gbit`` and ``--link-alpha-us``,
+    or with ``--link-gbit 0`` the link calibrated on this cluster before training, with
+    the local work of each strategy measured at the run's bucket sizes."""
+    if config.link_gbit > 0:
+        return Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
+    fitted = calibrated_link(config.devices)
+    return Link(fitted["alpha"], fitted["beta"], local_work(config))

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparsecomm_jax import costmodel, hlo
+from sparsecomm_jax.comm import costmodel, hlo
 
 BASELINE = "dense_pmap"
 _UNITS = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}

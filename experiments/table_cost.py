@@ -23,7 +23,7 @@ from pathlib import Path
 
 from experiments.config import RunConfig
 from experiments.train import build, start_devices, validate
-from sparsecomm_jax.train import place_for_step
+from sparsecomm_jax import place_for_step
 
 WORKLOAD = dict(
     model="lstm_lm", dim=128, hidden=128, batch=16, seq_len=32, sampled_softmax=1024, lr=0.1

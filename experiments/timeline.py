@@ -50,23 +50,15 @@ def _workload(args):
     )
 
 
-def _table_optimizer(args):
-    """``rowwise.sgd(0.5)`` for ``--table-update sparse`` (the tables' row-sparse
-    update, as the optax SGD of the dense layers), else ``None`` (dense update)."""
-    from sparsecomm_jax import rowwise
-
-    return rowwise.sgd(0.5) if args.table_update == "sparse" else None
-
-
-def _run_step_strategy(w, name, params, mesh, steps, table_optimizer=None):
+def _run_step_strategy(w, name, params, mesh, steps, table_update="dense"):
     """``(losses, timeline)`` of a one-program-per-step strategy (after a 3-step run
     that compiles the first, middle and last steps' programs)."""
     import jax
     import optax
 
-    from sparsecomm_jax import train
+    import sparsecomm_jax as sc
 
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optax.sgd(0.5),
         mesh,
@@ -74,22 +66,22 @@ def _run_step_strategy(w, name, params, mesh, steps, table_optimizer=None):
         name,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
-        table_optimizer=table_optimizer,
+        table_update=table_update,
     )
     _steps(ts, w, 3, jax.tree.map(lambda x: x.copy(), ts.state))  # the step donates
     return _steps(ts, w, steps, ts.state)
 
 
 def _steps(ts, w, steps, state):
-    from sparsecomm_jax import train
+    import sparsecomm_jax as sc
 
     losses, timeline = [], []
     for step in range(steps):
-        batch = train.place_for_step(ts, w.batch_at, step, steps)
+        batch = sc.place_for_step(ts, w.batch_at, step, steps)
         start = time.perf_counter()
         state, loss = _ready(ts.step(state, batch))
         timeline.append(("step", step, start, time.perf_counter()))
-        losses.append(train.loss_value(loss))
+        losses.append(sc.loss_value(loss))
     return losses, timeline
 
 
@@ -99,19 +91,19 @@ def _ready(x):
     return jax.block_until_ready(x)
 
 
-def _run_overlap(w, params, mesh, steps, fused=False, table_optimizer=None):
+def _run_overlap(w, params, mesh, steps, fused=False, table_update="dense"):
     import optax
 
-    from sparsecomm_jax import overlap
+    import sparsecomm_jax as sc
 
-    ov = overlap.make_overlapped(
+    ov = sc.make_overlapped(
         w.loss,
         optax.sgd(0.5),
         mesh,
         params,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
-        table_optimizer=table_optimizer,
+        table_update=table_update,
     )
     timeline: list = []
     ov.run(ov.state, w.batch_at, 3, fused=fused)  # compiles every program
@@ -142,12 +134,12 @@ def worker(args) -> dict:
     mesh = runtime.data_mesh()
     record = {"rank": rank, "config": vars(args), "runs": {}}
     for name in args.strategies.split(","):
-        rows = _table_optimizer(args)
         if name.startswith("overlap"):
             fused = name == "overlap_fused"
-            losses, timeline = _run_overlap(w, params, mesh, args.steps, fused, rows)
+            losses, timeline = _run_overlap(w, params, mesh, args.steps, fused, args.table_update)
         else:
-            losses, timeline = _run_step_strategy(w, name, params, mesh, args.steps, rows)
+            run = _run_step_strategy
+            losses, timeline = run(w, name, params, mesh, args.steps, args.table_update)
         times = step_times(timeline, args.steps)[args.warmup :]
         record["runs"][name] = {
             "losses": losses,
@@ -236,9 +228,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=4, help="simulated devices (--local)")
     p.add_argument(
         "--table-update",
-        choices=("sparse", "dense"),
-        default="sparse",
-        help="tables updated row-sparsely (rowwise.sgd) or densely; overlap_fused needs dense",
+        choices=("rows", "dense"),
+        default="rows",
+        help="the tables' update: only the rows a step reads (SGD on them) or dense",
     )
     p.add_argument("--out", required=True, help="JSON path (rank files next to it)")
     p.add_argument("--cluster", action="store_true", help="run on the emulated cluster")

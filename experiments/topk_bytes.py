@@ -28,7 +28,8 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from sparsecomm_jax import aggregators, hlo, runtime
+    from sparsecomm_jax import aggregators, runtime
+    from sparsecomm_jax.comm import hlo
 
     mesh = runtime.data_mesh(workers)
     agg = aggregators.AGGREGATORS[kind](density, "data", bucket_bytes=None)
@@ -56,7 +57,7 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
 def formula_bytes(kind: str, density: float, size: int, workers: int) -> float:
     """Bytes per worker by the cost formulas (``costmodel.messages_and_bytes``, written
     out in docs/design.md)."""
-    from sparsecomm_jax import costmodel
+    from sparsecomm_jax.comm import costmodel
 
     return costmodel.messages_and_bytes(kind, size, density, workers)[1]
 

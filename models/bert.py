@@ -25,7 +25,7 @@ import numpy as np
 from models.blocks import Stack, transformer_params
 from models.data import _step_rng
 from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
-from sparsecomm_jax.embedding import DENSE_EMBEDDING
+from sparsecomm_jax.embedding.access import PLAIN
 
 MASK_ID = 0
 TEXT_SPECIALS = ("[MASK]", "<unk>")  # ids 0 and 1 of a text vocabulary
@@ -59,7 +59,7 @@ def init_params(cfg: BERTConfig, key: jax.Array) -> dict:
 def loss_fn(cfg: BERTConfig, params, batch, emb=None) -> jax.Array:
     """Cross-entropy at the masked positions: ``tokens`` int32[B, T] (masked),
     ``positions`` and ``labels`` int32[B, M]."""
-    emb = emb or DENSE_EMBEDDING
+    emb = emb or PLAIN
     x = embed(cfg, params, batch["tokens"], emb) + params["pos"]
     h = _stack(cfg).apply({"params": params["encoder"]}, x)
     h = jnp.take_along_axis(h, batch["positions"][..., None], axis=1)  # [B, M, D]

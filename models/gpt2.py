@@ -19,7 +19,7 @@ import jax
 
 from models.blocks import Stack, transformer_params
 from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
-from sparsecomm_jax.embedding import DENSE_EMBEDDING
+from sparsecomm_jax.embedding.access import PLAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ def init_params(cfg: GPT2Config, key: jax.Array) -> dict:
 
 def loss_fn(cfg: GPT2Config, params, batch, emb=None) -> jax.Array:
     """Next-token cross-entropy of ``batch["tokens"]``: int32[B, T+1]."""
-    emb = emb or DENSE_EMBEDDING
+    emb = emb or PLAIN
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
     x = embed(cfg, params, inputs, emb) + params["pos"]
     h = _stack(cfg).apply({"params": params["decoder"]}, x)

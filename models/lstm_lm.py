@@ -35,7 +35,7 @@ from models.workload import (
     lm_workload,
     output_params,
 )
-from sparsecomm_jax.embedding import DENSE_EMBEDDING
+from sparsecomm_jax.embedding.access import PLAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def init_params(cfg: LSTMConfig, key: jax.Array) -> dict:
 
 def loss_fn(cfg: LSTMConfig, params, batch, emb=None) -> jax.Array:
     """Mean next-token cross-entropy of ``batch["tokens"]``: int32[B, T+1]."""
-    emb = emb or DENSE_EMBEDDING
+    emb = emb or PLAIN
     core, proj = _parts(cfg)
     inputs, targets = batch["tokens"][:, :-1], batch["tokens"][:, 1:]
     h = core.apply({"params": params["lstm"]}, embed(cfg, params, inputs, emb))

@@ -24,7 +24,7 @@ import numpy as np
 
 from models.blocks import Stack, transformer_params
 from models.workload import embed, lm_data, lm_loss, lm_metrics, lm_workload
-from sparsecomm_jax.embedding import DENSE_EMBEDDING
+from sparsecomm_jax.embedding.access import PLAIN
 
 BOS_ID = 0
 
@@ -59,7 +59,7 @@ def init_params(cfg: TransformerConfig, key: jax.Array) -> dict:
 
 def loss_fn(cfg: TransformerConfig, params, batch, emb=None) -> jax.Array:
     """Teacher-forced cross-entropy: ``src`` int32[B, T], ``tgt`` int32[B, T+1]."""
-    emb = emb or DENSE_EMBEDDING
+    emb = emb or PLAIN
     enc, dec = _stacks(cfg)
     memory = enc.apply(
         {"params": params["encoder"]}, embed(cfg, params, batch["src"], emb) + params["pos"]

@@ -1,8 +1,75 @@
 """sparsecomm_jax: sparse communication for data-parallel training in JAX.
 
-Modules: ``runtime`` (meshes, simulated devices, multi-process), ``launch`` (the
-multi-process launcher), ``hlo`` (collectives and bytes of a compiled program),
-``train`` (``make_train_step`` for every strategy).
+The front door: ``make_train_step`` builds any strategy's step (``strategy_names()``
+lists them; ``"embrace"``, ``"topk_a2a"``, ``"embrace+topk_a2a"``, ...), and the pieces a
+hand-written ``shard_map`` step uses: the aggregators (``topk_a2a(0.01)``,
+``per_worker``, ``vary``), the row-sparse table update (``ROWS``, ``lazy_adam``), flax
+layers whose tables a strategy can shard (``nn.Embed``) and the devices (``runtime``).
+The concepts live in subpackages: ``comm``, ``topk``, ``embedding``, ``step``,
+``schedule``, ``strategies``; the tools beside them: ``runtime``, ``launch``,
+``checkpoint``.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import sparsecomm_jax as sc
+    >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> ts = sc.make_train_step(loss, optax.sgd(0.1), sc.runtime.data_mesh(),
+    ...                         {"w": jnp.zeros((3, 1))}, "dense")
 """
 
-__version__ = "0.1.0"
+import importlib
+
+__version__ = "0.2.0"
+
+# The public API, name -> the module that defines it. Loaded on first use (PEP 562), so
+# that ``python -m sparsecomm_jax.launch`` starts without importing JAX.
+_EXPORTS = {
+    "aggregators": "sparsecomm_jax.aggregators",
+    "nn": "sparsecomm_jax.nn",
+    "runtime": "sparsecomm_jax.runtime",
+    "row_optimizers": "sparsecomm_jax.embedding.row_optimizers",
+    **dict.fromkeys(
+        (
+            "AGGREGATORS",
+            "Aggregator",
+            "adaptive",
+            "dense_allreduce",
+            "flat_allreduce",
+            "gtopk",
+            "per_worker",
+            "state_spec",
+            "topk_a2a",
+            "topk_allgather",
+            "vary",
+        ),
+        "sparsecomm_jax.aggregators",
+    ),
+    **dict.fromkeys(
+        ("RowGrad", "lazy_adam", "segment_rows"), "sparsecomm_jax.embedding.row_optimizers"
+    ),
+    **dict.fromkeys(("DENSE", "ROWS", "TableUpdate"), "sparsecomm_jax.embedding.update"),
+    **dict.fromkeys(("first_replica", "loss_value"), "sparsecomm_jax.step.placement"),
+    **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
+    **dict.fromkeys(("make_train_step", "place_for_step"), "sparsecomm_jax.strategies.build"),
+    "make_overlapped": "sparsecomm_jax.strategies.overlapped",
+    **dict.fromkeys(
+        ("STRATEGIES", "Strategy", "StrategyName", "parse_strategy", "strategy_names"),
+        "sparsecomm_jax.strategies.registry",
+    ),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The public name ``name``, imported from its module on first use."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'sparsecomm_jax' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    value = module if module.__name__.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

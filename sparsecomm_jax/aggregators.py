@@ -11,8 +11,8 @@ per worker: ``per_worker(agg, P)`` holds it with a leading worker axis, passed w
 
 Error-feedback aggregators (``topk_allgather``, ``topk_a2a``, ``gtopk``) keep a
 ``residual`` per worker shaped like the gradients: ``acc = grad + residual``; what is not
-sent stays in ``residual``. Leaves are fused into flat buckets (``fusion``), one
-collective per bucket. Conservation holds by construction, for any input:
+sent stays in ``residual``. Leaves are fused into flat buckets, one
+collective per bucket (``comm.fusion``). Conservation holds by construction, for any input:
 ``P * mean + sum_p residual_new_p == sum_p (grad_p + residual_old_p)``.
 
 Example:
@@ -37,7 +37,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import collectives, costmodel, fusion, sparsify
+from sparsecomm_jax.comm import costmodel, fusion, wire
+from sparsecomm_jax.comm.vma import check_per_worker, vary
+from sparsecomm_jax.topk import collectives, selectors, shards
+from sparsecomm_jax.topk.selectors import Selector
+
+__all__ = [
+    "AGGREGATORS",
+    "Aggregator",
+    "EmptyState",
+    "ErrorFeedbackState",
+    "adaptive",
+    "dense_allreduce",
+    "flat_allreduce",
+    "gtopk",
+    "per_worker",
+    "state_spec",
+    "topk_a2a",
+    "topk_allgather",
+    "vary",  # from comm.vma: each worker's own gradient inside a check_vma shard_map
+]
 
 PyTree = Any
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -76,6 +95,38 @@ def dense_allreduce(axis_name: str = "data") -> Aggregator:
     return Aggregator(init=lambda params: EmptyState(), update=update)
 
 
+def flat_allreduce(axis_name: str = "data", comm_dtype: str = "float32") -> Aggregator:
+    """Mean of the gradients as one flat buffer: an all-to-all of 1/P slices, a float32
+    sum, an all-gather of the sums (``comm.wire.psum``).
+
+    The bytes of the ring all-reduce in ``comm_dtype`` (``"bfloat16"``: half of them,
+    summed in float32 at each receiver), as two collectives of one operand each: over
+    gloo (CPU) an all-reduce of many leaves runs one ring per leaf, each paying the
+    link's round trips.
+
+    Args:
+      axis_name: the data-parallel mesh axis.
+      comm_dtype: the dtype on the wire, a key of ``comm.wire.WIRE_DTYPES``.
+
+    Returns:
+      An ``Aggregator`` with empty state.
+    """
+    dtype = wire.wire_dtype(comm_dtype)
+
+    def update(grads, state):
+        check_per_worker(grads, axis_name)
+        leaves, treedef = jax.tree.flatten(grads)
+        if not leaves:
+            return grads, state
+        bucket = list(range(len(leaves)))
+        flat = fusion.pack([x.astype(jnp.float32) for x in leaves], bucket)  # float[d]
+        mean = wire.psum(flat, axis_name, dtype, scatter=True) / jax.lax.axis_size(axis_name)
+        out = fusion.unpack(mean, leaves, bucket)
+        return treedef.unflatten([out[i] for i in bucket]), state
+
+    return Aggregator(init=lambda params: EmptyState(), update=update)
+
+
 class ErrorFeedbackState(NamedTuple):
     """Per-worker state of the top-k aggregators.
 
@@ -92,45 +143,6 @@ def check_float_grads(grads: PyTree) -> None:
         if not jnp.issubdtype(g.dtype, jnp.floating):
             name = jax.tree_util.keystr(path)
             raise ValueError(f"gradient {name} has dtype {g.dtype}; top-k needs floats")
-
-
-def check_per_worker(grads: PyTree, axis_name: str) -> None:
-    """``ValueError`` when, inside a ``check_vma`` ``shard_map``, a gradient is typed
-    replicated over ``axis_name``: ``jax.grad`` has then already summed it over the
-    workers (the gradient of a ``P()`` input), and averaging it again would be wrong."""
-    if not collectives.vma_checked(axis_name):
-        return  # check_vma=False or pmap: nothing is typed
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        if axis_name not in collectives.varying_axes(g):
-            raise ValueError(
-                f"gradient {jax.tree_util.keystr(path)} is replicated over {axis_name!r}, so "
-                "jax.grad already summed it over the workers; differentiate with respect to "
-                f"aggregators.vary(params, {axis_name!r}) to get each worker's own gradient"
-            )
-
-
-def vary(tree: PyTree, axis_name: str = "data") -> PyTree:
-    """``tree`` typed as varying over ``axis_name`` (inside ``shard_map``).
-
-    Under ``check_vma`` (``jax.shard_map``'s default) the gradient of a replicated
-    (``P()``) input is summed over the workers by ``jax.grad`` itself. Differentiating
-    with respect to ``vary(params)`` instead gives each worker its own gradient, which an
-    aggregator then reduces. Without ``check_vma`` (or under ``pmap``) returns ``tree``.
-
-    Example:
-        >>> # in a shard_map body:
-        >>> # grads = jax.grad(loss)(aggregators.vary(params), batch)
-        >>> # mean, agg_state = agg.update(grads, agg_state)
-    """
-    if not collectives.vma_checked(axis_name):
-        return tree
-
-    def cast(x):
-        if axis_name in collectives.varying_axes(x):
-            return x
-        return jax.lax.pcast(x, axis_name, to="varying")
-
-    return jax.tree.map(cast, tree)
 
 
 def per_worker(agg: Aggregator, num_workers: int) -> Aggregator:
@@ -174,9 +186,9 @@ def state_spec(axis_name: str = "data") -> P:
     return P(axis_name)
 
 
-def _check(density: float, selector: str) -> None:
-    sparsify.check_density(density)
-    sparsify.check_selector(selector)
+def _checked(density: float, selector: str | Selector) -> Selector:
+    selectors.check_density(density)
+    return selectors.get(selector)
 
 
 def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
@@ -220,43 +232,45 @@ def _on_flat(exchange: Callable) -> Callable:
     return on_parts
 
 
-def allgather_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
+def allgather_exchange(
+    density: float, axis_name: str, selector: Selector = selectors.AUTO
+) -> Callable:
     """``parts -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
 
     def exchange(parts):
         d = sum(p.shape[0] for p in parts)
-        k = sparsify.num_selected(density, d)
-        values, indices, kept = sparsify.select_with_residual_parts(parts, k, selector)
+        k = selectors.num_selected(density, d)
+        values, indices, kept = selectors.select_parts(selector, parts, k)
         return collectives.topk_allgather(values, indices, d, axis_name), kept
 
     return exchange
 
 
-def a2a_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
+def a2a_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO) -> Callable:
     """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
-    the P shards by their real entries (``sparsify.shard_slots``)."""
+    the P shards by their real entries (``topk.shards.shard_slots``)."""
 
     def exchange(parts):
         num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
-        k = sparsify.num_selected(density, d)
-        values, local, kept = sparsify.shard_topk_with_residual_parts(parts, k, num, selector)
+        k = selectors.num_selected(density, d)
+        values, local, kept = shards.shard_select_parts(selector, parts, k, num)
         size = num * -(-d // num)  # the shards of ceil(d/P), padding included
         total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
-        return sparsify.from_shards(total.reshape(num, -1), d), kept
+        return shards.from_shards(total.reshape(num, -1), d), kept
 
     return exchange
 
 
-def gtopk_exchange(density: float, axis_name: str, selector: str = "auto") -> Callable:
+def gtopk_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO) -> Callable:
     """``parts -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
     worker's first k, the merges re-select exactly."""
 
     def exchange(parts):
         d = sum(p.shape[0] for p in parts)
-        k = sparsify.num_selected(density, d)  # collectives.gtopk_lists checks P
-        values, indices, kept = sparsify.select_with_residual_parts(parts, k, selector)
+        k = selectors.num_selected(density, d)  # collectives.gtopk_lists checks P
+        values, indices, kept = selectors.select_parts(selector, parts, k)
         values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
-        return sparsify.densify(values, indices, d), sparsify.add_to_parts(kept, left_v, left_i)
+        return selectors.densify(values, indices, d), selectors.add_to_parts(kept, left_v, left_i)
 
     return exchange
 
@@ -269,7 +283,7 @@ def dense_exchange(axis_name: str) -> Callable:
 def topk_allgather(
     density: float,
     axis_name: str = "data",
-    selector: str = "auto",
+    selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Top-k with error feedback; pairs exchanged by all-gather (the common baseline).
@@ -277,14 +291,15 @@ def topk_allgather(
     Args:
       density: fraction of each bucket sent, in (0, 1].
       axis_name: the data-parallel mesh axis.
-      selector: one of ``sparsify.SELECTORS``; the default ``"auto"`` is exact and the
-        fastest on the platform, ``"exact"`` is ``lax.top_k`` (the reference).
+      selector: a ``topk.selectors.Selector`` or its name in ``SELECTORS``; the default
+        ``"auto"`` is exact and the fastest on the platform, ``"exact"`` is
+        ``lax.top_k`` (the reference).
       bucket_bytes: fusion threshold (``None``: one bucket).
 
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check(density, selector)
+    selector = _checked(density, selector)
     exchange = allgather_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes)
 
@@ -292,11 +307,11 @@ def topk_allgather(
 def topk_a2a(
     density: float,
     axis_name: str = "data",
-    selector: str = "auto",
+    selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """TopKA2A: k = round(density * d) entries per bucket, as ``topk_allgather``, split
-    over P contiguous shards by their real entries (``sparsify.shard_slots``); one
+    over P contiguous shards by their real entries (``topk.shards.shard_slots``); one
     all-to-all of ceil(k/P) pairs per shard, local sum, tiled all-gather.
 
     Args: as ``topk_allgather``.
@@ -304,7 +319,7 @@ def topk_a2a(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check(density, selector)
+    selector = _checked(density, selector)
     exchange = a2a_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes)
 
@@ -312,7 +327,7 @@ def topk_a2a(
 def gtopk(
     density: float,
     axis_name: str = "data",
-    selector: str = "auto",
+    selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """gTop-k: log2(P) pairwise merge rounds; entries a merge drops go back to the
@@ -327,7 +342,7 @@ def gtopk(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check(density, selector)
+    selector = _checked(density, selector)
     exchange = gtopk_exchange(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes)
 
@@ -336,7 +351,7 @@ def adaptive(
     density: float,
     axis_name: str = "data",
     link: costmodel.Link | None = None,
-    selector: str = "auto",
+    selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
     """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the
@@ -354,7 +369,7 @@ def adaptive(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    _check(density, selector)
+    selector = _checked(density, selector)
     link = link or costmodel.Link.from_bandwidth(10.0)
     builders = {
         "dense": lambda: dense_exchange(axis_name),

@@ -41,8 +41,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sparsecomm_jax.placement import first_replica
-from sparsecomm_jax.step import TrainState, TrainStep
+from sparsecomm_jax.step.placement import first_replica
+from sparsecomm_jax.step.state import TrainState, TrainStep
 
 RUN_FILE = "checkpoint_run.json"
 LOCK_FILE = ".lock"

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from sparsecomm_jax.embedding import DENSE_EMBEDDING, EmbeddingOps
+from sparsecomm_jax.embedding.access import PLAIN, EmbeddingOps
 
 PyTree = Any
 TABLE_NAME = "embedding"  # the parameter name of flax.linen.Embed and of Embed
@@ -65,7 +65,7 @@ def use_ops(emb: EmbeddingOps | None) -> Iterator[None]:
         ...         logits = model.apply(params, batch["tokens"])
         ...     return cross_entropy(logits, batch["labels"])
     """
-    token = _OPS.set(emb if emb is not None else DENSE_EMBEDDING)
+    token = _OPS.set(emb if emb is not None else PLAIN)
     try:
         with linen.intercept_methods(_serve_flax_embed):
             yield
@@ -121,7 +121,7 @@ def _check_table(module: linen.Embed, shape: tuple[int, ...]) -> None:
     full = (module.num_embeddings, module.features)
     if shape == full:
         return
-    sharded = current_ops() not in (None, DENSE_EMBEDDING)
+    sharded = current_ops() not in (None, PLAIN)
     if sharded and _is_shard_of(shape, *full):
         return
     where = "/".join(module.scope.path) if module.scope is not None else "?"
@@ -147,14 +147,14 @@ def _table(module: linen.Embed) -> jax.Array:
 def _lookup(module: linen.Embed, table: jax.Array, inputs: jax.Array, shared=False) -> jax.Array:
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
         raise ValueError("Input type must be an integer or unsigned integer.")
-    ops = current_ops() or DENSE_EMBEDDING
+    ops = current_ops() or PLAIN
     rows = (ops.lookup_shared if shared else ops.lookup)(table, inputs)  # [*ids, D]
     return rows.astype(module.dtype or table.dtype)
 
 
 def _attend(module: linen.Embed, table: jax.Array, query: jax.Array) -> jax.Array:
     dtype = module.dtype or jnp.result_type(query, table)
-    logits = (current_ops() or DENSE_EMBEDDING).attend(table, query.astype(dtype))
+    logits = (current_ops() or PLAIN).attend(table, query.astype(dtype))
     return logits.astype(dtype)  # [..., V]
 
 

@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import optax
 
-from sparsecomm_jax import runtime, train
+import sparsecomm_jax as sc
+from sparsecomm_jax import runtime
 
 
 def reference_run(workload, optimizer, params, steps):
@@ -27,7 +28,7 @@ def reference_run(workload, optimizer, params, steps):
 def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwargs):
     """``steps`` steps of ``strategy``; returns (losses, host params, TrainStep)."""
     mesh = runtime.data_mesh(devices)
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         workload.loss,
         optimizer,
         mesh,
@@ -41,13 +42,13 @@ def strategy_run(workload, optimizer, params, steps, strategy, devices=8, **kwar
     state, losses = ts.state, []
     for step in range(steps):
         state, loss = ts.step(state, place(ts, workload, step, steps))
-        losses.append(train.loss_value(loss))
+        losses.append(sc.loss_value(loss))
     return losses, ts.host_params(state), ts
 
 
 def place(ts, workload, step, steps):
-    """The placed batch of ``step`` (see ``train.place_for_step``)."""
-    return train.place_for_step(ts, workload.batch_at, step, steps)
+    """The placed batch of ``step`` (see ``place_for_step``)."""
+    return sc.place_for_step(ts, workload.batch_at, step, steps)
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-5):

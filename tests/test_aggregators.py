@@ -8,7 +8,9 @@ import pytest
 from helpers import a2a_sent
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, collectives, costmodel, hlo, runtime, sparsify
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.comm import costmodel, hlo
+from sparsecomm_jax.topk import collectives, selectors
 
 N = 8
 LOSSY = ("topk_allgather", "topk_a2a", "gtopk")
@@ -311,7 +313,7 @@ def test_host_merge_topk_is_the_lax_merge(kind):
     lists[2] = lists[2].at[5].set(-lists[0][5]).at[5 + 1].set(lists[0][6])  # cancel / add
     lists[3] = lists[3].at[5].set(lists[1][5]).at[6].set(lists[1][6])
     host, ref = _HOST_MERGE(*lists), _LAX_MERGE(*lists)  # compiled once for every kind
-    dense = lambda v, i: np.asarray(sparsify.densify(v, i, d))  # noqa: E731
+    dense = lambda v, i: np.asarray(selectors.densify(v, i, d))  # noqa: E731
     for got, want in ((host[:2], ref[:2]), (host[2:], ref[2:])):
         np.testing.assert_array_equal(dense(*got), dense(*want))
     assert np.all(np.diff(np.asarray(host[1])[np.asarray(host[0]) != 0]) > 0)  # index order

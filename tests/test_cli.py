@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+import sparsecomm_jax as sc
 from experiments import train as cli
 from experiments.config import RunConfig
-from experiments.train import adaptive_link, main, train_and_evaluate
+from experiments.startup import adaptive_link
+from experiments.train import main, train_and_evaluate
 from models import MODELS
-from sparsecomm_jax import train
-from sparsecomm_jax.sparsify import SELECTORS
+from sparsecomm_jax.strategies.build import NONFINITE
+from sparsecomm_jax.topk.selectors import SELECTORS
 
 SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)
 
@@ -145,12 +147,12 @@ def test_every_flag_has_help_and_fixed_sets_have_choices():
     for action in parser._actions:
         assert action.help and action.help.strip(), f"{action.option_strings} has no help"
     choices = {a.dest: a.choices for a in parser._actions if a.choices is not None}
-    assert list(choices["strategy"]) == train.strategy_names()
+    assert list(choices["strategy"]) == sc.strategy_names()
     assert sorted(choices["model"]) == sorted(MODELS)
     assert set(choices["selector"]) == set(SELECTORS)
-    assert set(choices["nonfinite"]) == set(train.NONFINITE)
+    assert set(choices["nonfinite"]) == set(NONFINITE)
     assert set(choices["optimizer"]) == {"sgd", "momentum", "adam", "adagrad", "lazy_adam"}
-    assert set(choices["table_update"]) == {"auto", "sparse", "dense"}
+    assert set(choices["table_update"]) == {"auto", "rows", "dense"}
     assert set(choices["comm_dtype"]) == {"float32", "bfloat16"}
     text = parser.format_help()
     assert "--max-skipped" in text and "--resume-step" in text and "--overwrite" in text

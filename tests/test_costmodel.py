@@ -6,7 +6,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, costmodel, hlo, runtime
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.comm import costmodel, hlo
+from sparsecomm_jax.topk import local_cost
 
 N = 8
 
@@ -130,7 +132,7 @@ def test_local_work_turns_the_choice_to_the_shorter_step():
     stand_in = {"topk_allgather": 0.005, "topk_a2a": 0.05}
     timer = lambda fn, x: stand_in[calls.pop(0)]  # noqa: E731
     calls = [s for s in ("topk_allgather", "topk_a2a") for _ in range(2)]
-    local = costmodel.measure_local_work([size, size // 2], density, workers, timer)
+    local = local_cost.measure_local_work([size, size // 2], density, workers, timer)
     assert local.seconds("topk_a2a", size) == pytest.approx(0.05)
     assert local.seconds("dense", size) == 0.0
     link = costmodel.Link(alpha=50e-6, beta=8 / 1e9)  # 1 Gbit/s
@@ -145,7 +147,7 @@ def test_local_work_turns_the_choice_to_the_shorter_step():
 def test_local_work_fn_is_the_exchange_without_collectives(strategy):
     size, workers, density = 400, 4, 0.05
     x = np.random.default_rng(1).normal(size=size).astype(np.float32)
-    total, kept = costmodel.local_work_fn(strategy, size, density, workers)(x)
+    total, kept = local_cost.local_work_fn(strategy, size, density, workers)(x)
     k = 20
     if strategy == "topk_allgather":
         top = np.argsort(-np.abs(x), kind="stable")[:k]
@@ -161,7 +163,7 @@ def test_local_work_fn_is_the_exchange_without_collectives(strategy):
         np.testing.assert_allclose(np.asarray(total), sent.sum(0), rtol=1e-6)
         sent = sent.reshape(-1)
     np.testing.assert_array_equal(np.asarray(kept), x - sent)
-    assert costmodel.local_work_fn("dense", size, density, workers) is None
+    assert local_cost.local_work_fn("dense", size, density, workers) is None
 
 
 def test_adaptive_prices_local_work():

@@ -9,20 +9,25 @@ import pytest
 from helpers import strategy_run
 from jax.sharding import PartitionSpec as P
 
+import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import embedding, hlo, runtime, train
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.embedding import column, row
+
+LAYOUTS = {"column": column.COLUMN, "row": row.ROW}
 
 N = 8
 
 
 def test_bucket_plan_hand_example():
-    send, pos = embedding.bucket_plan(jnp.array([5, 1, 5, 2]), vocab=8, num_workers=2, capacity=2)
+    send, pos = row.bucket_plan(jnp.array([5, 1, 5, 2]), vocab=8, num_workers=2, capacity=2)
     np.testing.assert_array_equal(send, [[1, 2], [5, -1]])
     np.testing.assert_array_equal(pos, [2, 0, 2, 1])
 
 
 def test_rowwise_capacity_hand_example():
-    need = embedding.rowwise_capacity([np.array([1, 1, 2, 5]), np.array([6, 7, 7])], 8, 2)
+    need = row.bucket_slots([np.array([1, 1, 2, 5]), np.array([6, 7, 7])], 8, 2)
     assert need == 2
 
 
@@ -43,10 +48,10 @@ def test_lookup_matches_blocks_reference(layout):
     ids = rng.integers(0, v, size=(N * 3, 5)).astype(np.int32)
     ids[:, 0] = ids[:, 1]  # duplicates within a worker
     if layout == "column":
-        fn = lambda t, i: embedding.column_lookup(t, i, "data")  # noqa: E731
+        fn = lambda t, i: column.fetch_rows(t, i, "data")  # noqa: E731
     else:
-        fn = lambda t, i: embedding.row_lookup(t, i, "data", capacity=15)  # noqa: E731
-    got = _run_lookup(fn, table, ids, embedding.table_spec(layout, "data"))
+        fn = lambda t, i: row.fetch_one(t, i, "data", capacity=15)[0]  # noqa: E731
+    got = _run_lookup(fn, table, ids, LAYOUTS[layout].spec("data"))
     # reference: each worker's block of ids, looked up in the whole table
     blocks = [table[block] for block in np.split(ids, N)]
     np.testing.assert_array_equal(got, np.concatenate(blocks))
@@ -58,21 +63,26 @@ def test_shared_lookup_and_attend(layout):
     table = rng.normal(size=(32, 8)).astype(np.float32)
     shared = rng.integers(0, 32, size=(6,)).astype(np.int32)
     mesh = runtime.data_mesh(N)
-    ops = embedding.column_ops("data") if layout == "column" else embedding.row_ops("data", 4)
+    if layout == "column":
+        lookup_shared = column.fetch_shared_rows
+    else:
+        lookup_shared = lambda t, ids, axis: row.fetch_shared_one(t, ids, axis)[0]  # noqa: E731
     h = rng.normal(size=(N * 2, 8)).astype(np.float32)
 
     def body(t, x):
-        return ops.lookup_shared(t, jnp.asarray(shared))[None], ops.attend(t, x)
+        rows = lookup_shared(t, jnp.asarray(shared), "data")
+        return rows[None], LAYOUTS[layout].attend(t, x, "data")
 
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(embedding.table_spec(layout, "data"), P("data")),
+        in_specs=(LAYOUTS[layout].spec("data"), P("data")),
         out_specs=(P("data"), P("data")),
         check_vma=False,
     )
     rows, logits = jax.jit(fn)(
-        embedding.shard_table(table, mesh, layout, "data"), runtime.put_global(h, mesh, P("data"))
+        runtime.put_global(table, mesh, LAYOUTS[layout].spec("data")),
+        runtime.put_global(h, mesh, P("data")),
     )
     for w in range(N):
         np.testing.assert_array_equal(np.asarray(rows)[w], table[shared])
@@ -83,7 +93,7 @@ def test_shard_and_gather_table_roundtrip():
     table = np.random.default_rng(2).normal(size=(16, 8)).astype(np.float32)
     mesh = runtime.data_mesh(N)
     for layout, shard_shape in (("column", (16, 1)), ("row", (2, 8))):
-        sharded = embedding.shard_table(table, mesh, layout, "data")
+        sharded = runtime.put_global(table, mesh, LAYOUTS[layout].spec("data"))
         assert sharded.addressable_shards[0].data.shape == shard_shape
         np.testing.assert_array_equal(runtime.to_host(sharded), table)
 
@@ -100,7 +110,7 @@ def _lm(batch, **kw):
 
 
 def _make(strategy, w, devices=N, **kw):
-    return train.make_train_step(
+    return sc.make_train_step(
         w.loss,
         optax.sgd(0.1),
         runtime.data_mesh(devices),
@@ -118,17 +128,33 @@ def _program(strategy, devices, batch):
     return ts, hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
 
 
+def _dense_mean_bytes(ts, workers):
+    """Bytes of the dense layers' mean: one flat buffer, an all-to-all and an all-gather
+    of it (``aggregators.flat_allreduce``), padded to a multiple of P."""
+    params = ts.host_params(ts.state)
+    size = sum(
+        x.size for k in params if k not in ("embed", "softmax") for x in jax.tree.leaves(params[k])
+    )
+    padded = -(-size // workers) * workers
+    return 2 * (workers - 1) / workers * padded * 4
+
+
 def test_embrace_program_bytes():
+    """One all-gather of the ids of every lookup, one all-to-all of each worker's distinct
+    rows each way (every table, the shared negatives too), the dense layers' mean."""
     ts, colls = _program("embrace", N, batch=4 * N)
-    n = 4 * T  # tokens per worker
-    kinds = {c.kind for c in colls}
-    assert "all-to-all" in kinds
+    w = _lm(4 * N)
+    n = 4 * T  # tokens per worker and lookup
     assert not [c for c in colls if c.kind == "all-reduce" and c.result_bytes >= V * D * 4]
-    a2a = hlo.total_bytes(colls, ["all-to-all"])
     ids = sum(c.bytes_sent for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32")
-    lookups = 2  # input tokens (embed) and target tokens (softmax)
-    expected = lookups * (2 * (N - 1) / N * n * D * 4 + (N - 1) * n * 4)
-    assert a2a + ids == pytest.approx(expected, rel=0.05)
+    assert ids == (N - 1) * 2 * n * 4  # inputs and targets, once
+    caps = ts.place_batch(w.batch_at(0)).capacity  # distinct rows per table, with headroom
+    slots = [min(caps[0], n), min(caps[1], n + NEG)]  # never more than the reads per worker
+    rows = 2 * (N - 1) / N * N * sum(slots) * (D // N) * 4
+    a2a_and_gather = hlo.total_bytes(colls, ["all-to-all", "all-gather"]) - ids
+    assert a2a_and_gather == pytest.approx(rows + _dense_mean_bytes(ts, N), rel=1e-3)
+    per_position = 2 * (2 * (N - 1) / N * n * D * 4) + 2 * (N - 1) / N * NEG * D * 4
+    assert rows <= per_position  # each distinct row once: never more than every position
     # the table never travels whole, and each worker holds V x D/P of it
     assert ts.state.params["embed"]["embedding"].addressable_shards[0].data.shape == (V, D // N)
 
@@ -138,8 +164,9 @@ def test_bytes_scale_with_workers():
     per_worker = 4
 
     def table_bytes(strategy, p):
-        _, colls = _program(strategy, p, batch=per_worker * p)
-        return hlo.total_bytes(colls, ["all-to-all", "all-gather", "reduce-scatter"])
+        ts, colls = _program(strategy, p, batch=per_worker * p)
+        sent = hlo.total_bytes(colls, ["all-to-all", "all-gather", "reduce-scatter"])
+        return sent - _dense_mean_bytes(ts, p)
 
     sparse = [table_bytes("sparse_allgather", p) for p in (2, 8)]
     embrace = [table_bytes("embrace", p) for p in (2, 8)]
@@ -190,19 +217,21 @@ def test_capacity_too_small_and_auto_growth():
     w = get_workload("lstm_lm", vocab=512, dim=16, hidden=8, seq_len=8, batch=16)
     with pytest.raises(ValueError, match="capacity=1 is too small"):
         _make("embrace_rowwise", w, capacity=1).place_batch(w.batch_at(0))
-    # auto: worker 0 asks owner 0 (rows 0-63) for 18 distinct ids -> 32 slots
+    # auto, per table: the input table is read by tokens[:, :-1] (the output table only by
+    # the full softmax, no slots); worker 0 asks owner 0 (rows 0-63) for the 16 distinct
+    # ids 0-7 and 9-16 -> 16 slots
     calm = {"tokens": np.zeros((16, 9), np.int32)}
     wild = {"tokens": np.arange(16 * 9, dtype=np.int32).reshape(16, 9)}
     ts = _make("embrace_rowwise", w)
-    assert ts.place_batch(calm).capacity == 8
-    assert ts.place_batch(wild).capacity == 32
-    assert ts.place_batch(calm).capacity == 32  # never shrinks: no recompiles
+    assert ts.place_batch(calm).capacity == (8, 0)
+    assert ts.place_batch(wild).capacity == (16, 0)
+    assert ts.place_batch(calm).capacity == (16, 0)  # never shrinks: no recompiles
 
 
 def test_embedding_strategy_needs_tables():
     w = get_workload("lstm_lm", vocab=64, dim=16, hidden=8, seq_len=4, batch=8)
     with pytest.raises(ValueError, match="needs embedding tables"):
-        train.make_train_step(
+        sc.make_train_step(
             w.loss, optax.sgd(0.1), runtime.data_mesh(N), w.init(jax.random.key(0)), "embrace"
         )
     with pytest.raises(ValueError, match="not in the parameters"):

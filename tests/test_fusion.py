@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsecomm_jax import fusion
+from sparsecomm_jax.comm import fusion
 
 
 def test_plan_buckets_hand_examples():

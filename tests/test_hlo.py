@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import hlo, runtime
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
 
 N = 8
 

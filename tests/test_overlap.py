@@ -1,6 +1,9 @@
-"""Horizontal scheduling across steps (``overlap``): exactly ``embrace`` every step, on
-tied tables, with Adam, after a skipped step; the late program runs beside the next
+"""Horizontal scheduling across steps (``make_overlapped``): exactly ``embrace`` every step,
+on tied tables, with Adam and with the row-sparse update, after a skipped step, in two
+programs or one; the late program runs beside the next
 step's compute; many steps on 2 processes under the launcher end without deadlock."""
+
+import types
 
 import jax
 import numpy as np
@@ -9,11 +12,13 @@ import pytest
 from helpers import assert_trees_close
 from test_pipeline_exact import _poisoned, _run, _workload
 
-from sparsecomm_jax import overlap, rowwise, runtime
+import sparsecomm_jax as sc
+from sparsecomm_jax import runtime
+from sparsecomm_jax.schedule import overlap, priority
 
 
 def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False, **kw):
-    ov = overlap.make_overlapped(
+    ov = sc.make_overlapped(
         w.loss,
         optimizer,
         runtime.data_mesh(devices),
@@ -29,15 +34,20 @@ def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=Fal
 
 @pytest.mark.parametrize(
     "name, opt, poison, fused",
-    [("gpt2", "rows", 1, False), ("lstm_lm", "adam", 1, False), ("gpt2", "adam", 2, True)],
+    [
+        ("gpt2", "rows", 1, False),
+        ("lstm_lm", "adam", 1, False),
+        ("gpt2", "adam", 2, True),
+        ("lstm_lm", "rows", None, True),  # the one-program form with the row-sparse update
+    ],
 )
 def test_overlapped_equals_embrace(name, opt, poison, fused):
-    """``rows``: SGD with the row-sparse table update (``rowwise.sgd``) in both."""
+    """``rows``: SGD with the row-sparse table update (``table_update="rows"``) in both."""
     w = _workload(name, seed=4)
     if poison is not None:
         w = _poisoned(w, poison)
     optimizer = optax.sgd(0.5) if opt in ("sgd", "rows") else optax.adam(1e-2, eps=1e-3)
-    kw = {"table_optimizer": rowwise.sgd(0.5)} if opt == "rows" else {}
+    kw = {"table_update": "rows"} if opt == "rows" else {}
     params = w.init(jax.random.key(0))
     ref_losses, ref = _run(w, "embrace", 4, params, optimizer=optimizer, **kw)
     timeline = []
@@ -54,9 +64,9 @@ def test_overlapped_equals_embrace(name, opt, poison, fused):
 def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
     """Capacity 1: the device flags the spill, the driver fetches batch t+1's rows
     again after the full update and recomputes: still exactly embrace."""
-    from sparsecomm_jax import schedule
-
-    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    monkeypatch.setattr(
+        priority, "first_chunk_need", lambda reads, tables, workers: {t.index: 1 for t in tables}
+    )
     w = _workload("gpt2", seed=5)
     params = w.init(jax.random.key(0))
     ref_losses, ref = _run(w, "embrace", 3, params, optimizer=optax.sgd(0.5))
@@ -117,11 +127,14 @@ def test_many_overlapped_steps_on_processes(tmp_path, nproc):
 
 
 def test_optimizer_halves_merge_to_one_update():
-    """Adam on the dense leaves (``dense_update``) then on the table leaves from the
-    old count (``with_other`` + ``pick``) equals one Adam step on everything."""
+    """Adam on the dense leaves (``dense_half``: the row view of no table rows) then on
+    the table from the old count (``with_other`` + ``pick``) equals one Adam step on
+    everything."""
     import jax.numpy as jnp
 
-    from sparsecomm_jax import optsplit, step
+    from sparsecomm_jax.embedding import column, row_optimizers, update
+    from sparsecomm_jax.embedding.tables import find_tables
+    from sparsecomm_jax.step.state import StepContext, TrainState
 
     rng = np.random.default_rng(0)
     params = {
@@ -130,21 +143,42 @@ def test_optimizer_halves_merge_to_one_update():
     }
     grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), jnp.float32), params)
     opt, mask = optax.adam(0.1), {"embed": True, "w": False}
-    ctx = step.StepContext(
-        None, opt, None, params, "data", (), mask, (6,), None, None, None, "skip"
+    tables = find_tables(params, mask, column.COLUMN)
+    ctx = StepContext(
+        None,
+        opt,
+        None,
+        params,
+        "data",
+        (),
+        tables,
+        mask,
+        (6,),
+        None,
+        None,
+        None,
+        "skip",
+        update.DENSE,
+        jnp.float32,
     )
-    state = step.TrainState(params, opt.init(params), ())
-    kinds = optsplit.opt_kinds(ctx, state.opt_state)
-    dense = optsplit.dense_update(ctx, state, {"embed": None, "w": grads["w"]}, jnp.array(True))
+    state = TrainState(params, opt.init(params), ())
+    kinds = overlap.split_roles(ctx, state.opt_state)
+    view = types.SimpleNamespace(  # one device: rows read and written in place
+        roles=row_optimizers.state_roles(opt, state.opt_state, params),
+        take=lambda i, x, ids: row_optimizers.take_rows(x, ids),
+        put=lambda i, x, ids, rows: row_optimizers.put_rows(x, ids, rows),
+    )
+    mean = {"embed": None, "w": grads["w"]}
+    dense = overlap.dense_half(ctx, state, mean, jnp.array(True), view)
     leaves = jax.tree.leaves(state.opt_state)
-    other = [x for k, x in zip(kinds, leaves, strict=True) if k == optsplit.OTHER]
-    opt_in = optsplit.with_other(kinds, dense.opt_state, other)
-    tables, opt_t = step.apply_optimizer(
-        opt, {"embed": grads["embed"], "w": jnp.zeros(3)}, opt_in, dense.params
+    other = [x for k, x in zip(kinds, leaves, strict=True) if k == "other"]
+    opt_in = overlap.with_other(kinds, dense.opt_state, other)
+    tables_new, opt_t = update.dense_apply(
+        opt, dense.params, opt_in, {"embed": grads["embed"], "w": jnp.zeros(3)}
     )
-    merged_opt = optsplit.pick(kinds, (optsplit.TABLE,), opt_t, dense.opt_state)
-    merged = {"embed": tables["embed"], "w": dense.params["w"]}
-    ref_params, ref_opt = step.apply_optimizer(opt, grads, state.opt_state, params)
+    merged_opt = overlap.pick(kinds, "table", opt_t, dense.opt_state)
+    merged = {"embed": tables_new["embed"], "w": dense.params["w"]}
+    ref_params, ref_opt = update.dense_apply(opt, params, state.opt_state, grads)
     assert_trees_close(merged, ref_params, rtol=1e-6, atol=1e-7)
     assert_trees_close(merged_opt, ref_opt, rtol=1e-6, atol=1e-7)
 
@@ -154,10 +188,10 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     compute) do not wait for step t-1's late all-to-alls: a scheduler may overlap them."""
     from test_pipeline_exact import _alternating
 
-    from sparsecomm_jax import hlo, schedule
+    from sparsecomm_jax.comm import hlo
 
     w = _alternating()
-    ov = overlap.make_overlapped(
+    ov = sc.make_overlapped(
         w.loss,
         optax.sgd(0.5),
         runtime.data_mesh(4),
@@ -173,29 +207,14 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     )
     text = hlo.compiled_text(progs.fused, state, pend, rows, b1, b0.capacity)
     instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
-    low = {c.name for c in colls if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
+    low = {c.name for c in colls if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
     first = [
         c
         for c in colls
-        if schedule.SCOPE_HIGH in c.op_name
+        if priority.SCOPE_HIGH in c.op_name
         and c.opcode == "all-to-all"
-        and schedule.SCOPE_NEXT not in c.op_name
+        and priority.SCOPE_NEXT not in c.op_name
     ]
     assert low and first
     for c in first:
         assert not hlo.ancestors(instrs, c.name) & low
-
-
-def test_one_program_form_refuses_row_updates_clearly():
-    w = _workload("gpt2", seed=1)
-    ov = overlap.make_overlapped(
-        w.loss,
-        optax.sgd(0.5),
-        runtime.data_mesh(4),
-        w.init(jax.random.key(0)),
-        replicated_keys=w.replicated_keys,
-        embedding_paths=w.embedding_paths,
-        table_optimizer=rowwise.sgd(0.5),
-    )
-    with pytest.raises(ValueError, match="fused=True.*table_optimizer=None"):
-        ov.run(ov.state, w.batch_at, 2, fused=True)

@@ -11,8 +11,10 @@ import optax
 import pytest
 from helpers import assert_trees_close, reference_run
 
+import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import rowwise, runtime, train
+from sparsecomm_jax import runtime
+from sparsecomm_jax.schedule import priority
 
 TIED = {
     "lstm_lm": dict(tie_embeddings=True, hidden=8),
@@ -52,7 +54,7 @@ def _poisoned(w, bad_step):
 
 def _run(w, strategy, steps, params, devices=4, optimizer=None, **kw):
     """Losses of every step and the final host parameters, as a user drives them."""
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optimizer or optax.sgd(0.5),
         runtime.data_mesh(devices),
@@ -65,8 +67,8 @@ def _run(w, strategy, steps, params, devices=4, optimizer=None, **kw):
     )
     state, losses = ts.state, []
     for step in range(steps):
-        state, loss = ts.step(state, train.place_for_step(ts, w.batch_at, step, steps))
-        losses.append(train.loss_value(loss))
+        state, loss = ts.step(state, sc.place_for_step(ts, w.batch_at, step, steps))
+        losses.append(sc.loss_value(loss))
     return np.array(losses), ts.host_params(state)
 
 
@@ -95,21 +97,22 @@ def test_step_after_a_skipped_step(name):
     assert np.isnan(losses[1]) and np.isfinite(losses[[0, 2, 3]]).all()
 
 
+def _one_per_table(reads, tables, workers):
+    """A first chunk of one position per table (``priority.first_chunk_need``)."""
+    return {t.index: 1 for t in tables} if len(reads) > 1 else {}
+
+
 def test_guard_when_the_first_chunk_is_too_small(monkeypatch):
     """The host under-sizes the first chunk (capacity 1): rows batch t+1 reads spill
     into the late chunk, the device sees it and fetches them after the full update."""
-    from sparsecomm_jax import schedule
-
-    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    monkeypatch.setattr(priority, "first_chunk_need", _one_per_table)
     _assert_same_run(_workload("gpt2", seed=2), steps=3)
 
 
 def test_guard_with_row_updates(monkeypatch):
     """The same spill with the row-sparse update (the early rows of batch 1 miss part of
     their gradient, so they must be fetched again): equal to single-device Adagrad."""
-    from sparsecomm_jax import schedule
-
-    monkeypatch.setattr(schedule, "first_chunk_need", lambda *a: 1)
+    monkeypatch.setattr(priority, "first_chunk_need", _one_per_table)
     w = _workload("gpt2", seed=2)
     params = w.init(jax.random.key(2))
     ref_losses, ref = reference_run(w, optax.adagrad(0.3), params, 2)
@@ -119,7 +122,7 @@ def test_guard_with_row_updates(monkeypatch):
         2,
         params,
         optimizer=optax.adagrad(0.3),
-        table_optimizer=rowwise.adagrad(0.3),
+        table_update="rows",
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
@@ -127,7 +130,7 @@ def test_guard_with_row_updates(monkeypatch):
 
 def test_fixed_capacity_too_small_is_refused():
     w = _workload("gpt2")
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optax.sgd(0.1),
         runtime.data_mesh(4),
@@ -138,7 +141,7 @@ def test_fixed_capacity_too_small_is_refused():
         capacity=1,
     )
     with pytest.raises(ValueError, match="capacity=1 is too small"):
-        train.place_for_step(ts, w.batch_at, 0, 2)
+        sc.place_for_step(ts, w.batch_at, 0, 2)
 
 
 def test_loss_scale_poison_is_finite_elsewhere():
@@ -164,12 +167,12 @@ def _alternating():
 def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
     """A latency-free link cuts the late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's
     rows before t+3's, ...): still exactly embrace, one all-to-all per late chunk."""
-    from sparsecomm_jax import costmodel, hlo, pipeline, schedule
+    from sparsecomm_jax.comm import costmodel, hlo
 
-    monkeypatch.setattr(pipeline, "LINK", costmodel.Link(0.0, 1e-9))
+    monkeypatch.setattr(priority, "LINK", costmodel.Link(0.0, 1e-9))
     w = _alternating()
     _assert_same_run(w, steps=4)
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optax.sgd(0.5),
         runtime.data_mesh(4),
@@ -178,13 +181,13 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
     )
-    batch = train.place_for_step(ts, w.batch_at, 0, 5)
+    batch = sc.place_for_step(ts, w.batch_at, 0, 5)
     text = hlo.compiled_text(ts.step, ts.state, batch)
     low = [
         c
         for c in hlo.scheduled_collectives(text)
-        if schedule.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
+        if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
     ]
     n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
-    late = pipeline.late_capacities(n, batch.capacity, 8, 4)[1:]
-    assert len(low) == len(late) == pipeline.MAX_LATE_CHUNKS
+    late = priority.late_capacities(n, batch.capacity[0], 8, 4)[1:]
+    assert len(low) == len(late) == priority.MAX_LATE_CHUNKS

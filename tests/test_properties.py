@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, collectives, embedding, runtime, sparsify
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.embedding import column, row
+from sparsecomm_jax.topk import collectives, selectors, shards
 
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 WORKERS = st.sampled_from([2, 4, 8])
@@ -96,9 +98,9 @@ def test_topk_a2a_collective_matches_numpy(data, k):
     d, k = g.shape[1], min(k, g.shape[1])  # d not always a multiple of P
 
     def fn(x):
-        values, local, _ = sparsify.shard_topk_with_residual(x, k, workers)
+        values, local, _ = shards.shard_select(selectors.AUTO, x, k, workers)
         total = collectives.topk_a2a(values, local, workers * -(-d // workers), "data")
-        return sparsify.from_shards(total.reshape(workers, -1), d)[None]
+        return shards.from_shards(total.reshape(workers, -1), d)[None]
 
     got = _per_worker(fn, workers, g)
     ref = sum(a2a_sent(x, k, workers) for x in g)
@@ -112,7 +114,7 @@ def test_topk_allgather_collective_matches_numpy(data, k):
     k = min(k, g.shape[1])
 
     def fn(x):
-        values, idx = sparsify.exact_topk(x, k)
+        values, idx = selectors.exact_topk(x, k)
         return collectives.topk_allgather(values, idx, x.shape[0], "data")[None]
 
     got = _per_worker(fn, workers, g)
@@ -136,15 +138,15 @@ def test_sharded_lookups_match_numpy(workers, rows, width, tokens, seed, layout)
     ids[:, -1] = ids[:, 0]  # repeats within a worker
     mesh = runtime.data_mesh(workers)
     if layout == "column":
-        fn = lambda t, i: embedding.column_lookup(t, i[0], "data")[None]  # noqa: E731
+        fn = lambda t, i: column.fetch_rows(t, i[0], "data")[None]  # noqa: E731
     else:
-        fn = lambda t, i: embedding.row_lookup(t, i[0], "data", tokens)[None]  # noqa: E731
-    spec = embedding.table_spec(layout, "data")
+        fn = lambda t, i: row.fetch_one(t, i[0], "data", tokens)[0][None]  # noqa: E731
+    spec = {"column": column.COLUMN, "row": row.ROW}[layout].spec("data")
     body = jax.shard_map(
         fn, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data"), check_vma=False
     )
     got = jax.jit(body)(
-        embedding.shard_table(table, mesh, layout, "data"), runtime.put_global(ids, mesh, P("data"))
+        runtime.put_global(table, mesh, spec), runtime.put_global(ids, mesh, P("data"))
     )
     np.testing.assert_array_equal(np.asarray(got), table[ids])
 
@@ -156,8 +158,8 @@ def test_sharded_lookups_match_numpy(workers, rows, width, tokens, seed, layout)
 def test_bucket_plan_places_every_id(workers, rows, n, seed):
     vocab = rows * workers
     ids = np.random.default_rng(seed).integers(0, vocab, n).astype(np.int32)
-    capacity = embedding.rowwise_capacity([ids], vocab, workers)
-    plan = jax.jit(embedding.bucket_plan, static_argnums=(1, 2, 3))  # one program per draw
+    capacity = row.bucket_slots([ids], vocab, workers)
+    plan = jax.jit(row.bucket_plan, static_argnums=(1, 2, 3))  # one program per draw
     send, pos = plan(jnp.asarray(ids), vocab, workers, capacity)
     flat = np.asarray(send).reshape(-1)
     np.testing.assert_array_equal(flat[np.asarray(pos)], ids)  # each token finds its id

@@ -9,8 +9,9 @@ import optax
 import pytest
 from helpers import assert_trees_close, strategy_run
 
+import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import train
+from sparsecomm_jax.comm import hlo
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -23,23 +24,23 @@ def readme_block(heading: str) -> str:
 
 
 def test_names_derive_from_the_registry():
-    names = train.strategy_names()
-    for s in train.STRATEGIES.values():
+    names = sc.strategy_names()
+    for s in sc.STRATEGIES.values():
         assert s.name in names
         if s.needs_tables and s.combines:
             assert f"{s.name}+topk_a2a" in names
         if not s.combines:
             with pytest.raises(ValueError, match="cannot be combined"):
-                train.parse_strategy(f"{s.name}+topk_a2a")
-    assert train.parse_strategy("topk_a2a") == ("dense", "topk_a2a")
+                sc.parse_strategy(f"{s.name}+topk_a2a")
+    assert sc.parse_strategy("topk_a2a") == ("dense", "topk_a2a")
     with pytest.raises(ValueError, match="unknown strategy"):
-        train.parse_strategy("embrace+nope")
+        sc.parse_strategy("embrace+nope")
 
 
 def test_readme_example_strategy_trains_like_embrace(monkeypatch):
-    monkeypatch.setattr(train, "STRATEGIES", dict(train.STRATEGIES))
+    monkeypatch.setitem(sc.STRATEGIES, "clipped_embrace", None)  # removed after the test
     exec(readme_block("## Adding a strategy"), {})
-    assert "clipped_embrace+topk_a2a" in train.strategy_names()
+    assert "clipped_embrace+topk_a2a" in sc.strategy_names()
     w = get_workload("lstm_lm", seed=2, vocab=64, dim=16, hidden=16, seq_len=4, batch=8)
     params = w.init(jax.random.key(2))
     # small gradients: the clip at 1 never bites, so the run must equal embrace's
@@ -47,3 +48,27 @@ def test_readme_example_strategy_trains_like_embrace(monkeypatch):
     got, got_params, _ = strategy_run(w, optax.sgd(0.1), params, 2, "clipped_embrace")
     assert got == pytest.approx(ref, rel=1e-6)
     assert_trees_close(got_params, ref_params, rtol=1e-6, atol=1e-7)
+
+
+def test_readme_example_layout_trains_like_embrace_and_sends_more(monkeypatch):
+    """The README's layout (one exchange per read, no de-duplication), from its text:
+    the same losses and parameters as embrace with both table updates, more bytes."""
+    monkeypatch.setitem(sc.STRATEGIES, "embrace_each_read", None)  # removed after the test
+    exec(readme_block("## Adding a table layout"), {})
+    w = get_workload(
+        "lstm_lm", seed=3, vocab=64, dim=16, hidden=16, seq_len=8, batch=64, sampled_softmax=8
+    )
+    params = w.init(jax.random.key(3))
+    for update in ("dense", "rows"):
+        ref, ref_params, ts_ref = strategy_run(
+            w, optax.sgd(0.1), params, 2, "embrace", table_update=update
+        )
+        got, got_params, ts = strategy_run(
+            w, optax.sgd(0.1), params, 2, "embrace_each_read", table_update=update
+        )
+        assert got == pytest.approx(ref, rel=1e-5)
+        assert_trees_close(got_params, ref_params, rtol=1e-5, atol=1e-6)
+    batch_ref, batch = ts_ref.place_batch(w.batch_at(0)), ts.place_batch(w.batch_at(0))
+    sent_ref = hlo.total_bytes(hlo.collectives(ts_ref.step, ts_ref.state, batch_ref))
+    sent = hlo.total_bytes(hlo.collectives(ts.step, ts.state, batch))
+    assert sent > sent_ref  # ids repeat (Zipf tokens, shared negatives): each travels here

@@ -17,11 +17,12 @@ import pytest
 from conftest import REPO
 from helpers import place
 
+import sparsecomm_jax as sc
 from experiments import train as cli
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
 from models import get_workload
-from sparsecomm_jax import checkpoint, runtime, train
+from sparsecomm_jax import checkpoint, runtime
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16, warmup=0)
 RESUMABLE = [
@@ -56,7 +57,7 @@ def test_final_parameters_equal_after_resume(tmp_path):
     params = w.init(jax.random.key(0))
 
     def build():
-        return train.make_train_step(
+        return sc.make_train_step(
             w.loss,
             optax.adam(1e-2),
             runtime.data_mesh(8),
@@ -293,9 +294,10 @@ from sparsecomm_jax import runtime
 runtime.simulate_cpu_devices(2)
 import jax, optax
 from models import get_workload
-from sparsecomm_jax import checkpoint, train
+import sparsecomm_jax as sc
+from sparsecomm_jax import checkpoint
 w = get_workload("lstm_lm", vocab=64, dim=8, hidden=8, seq_len=4, batch=4)
-ts = train.make_train_step(w.loss, optax.sgd(0.1), runtime.data_mesh(2),
+ts = sc.make_train_step(w.loss, optax.sgd(0.1), runtime.data_mesh(2),
                            w.init(jax.random.key(0)), "dense")
 folder = Path(sys.argv[1])
 ckpt = checkpoint.Checkpointer(folder)
@@ -401,7 +403,7 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy):
     w = get_workload("lstm_lm", **{k: v for k, v in SMALL.items() if k != "warmup"})
     bad = _poisoned(w, bad_steps=1)
     params = w.init(jax.random.key(0))
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         bad.loss,
         optax.adam(1e-2),
         runtime.data_mesh(8),
@@ -414,7 +416,7 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy):
     state, _ = ts.step(ts.state, place(ts, bad, 0, 4))
     before = jax.tree.map(np.asarray, (ts.host_params(state), state.agg_state))
     after_state, loss = ts.step(state, place(ts, bad, 1, 4))
-    assert np.isnan(train.loss_value(loss))
+    assert np.isnan(sc.loss_value(loss))
     after = jax.tree.map(np.asarray, (ts.host_params(after_state), after_state.agg_state))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a, b)  # parameters, tables, residuals untouched

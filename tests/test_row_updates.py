@@ -1,10 +1,8 @@
-"""Row-sparse table updates in training: every lossless table strategy (``embrace_2d``
-too) with the row-wise SGD and Adagrad equals single-device dense training (tied and
-untied tables, sampled and full softmax); lazy Adam equals a single-device reference;
-non-finite rows skip the step; the bfloat16 wire halves the bytes; embrace sends each
-distinct row once; bad input fails before compiling."""
-
-import types
+"""Row-sparse table updates in training (``table_update="rows"``): every lossless table
+strategy (``embrace_2d`` too) with SGD and Adagrad on the touched rows equals
+single-device dense training (tied and untied tables, sampled and full softmax); lazy
+Adam equals a numpy reference; non-finite rows skip the step; the bfloat16 wire halves
+the bytes; embrace sends each distinct row once; bad input fails before compiling."""
 
 import jax
 import jax.numpy as jnp
@@ -13,16 +11,20 @@ import optax
 import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
+import sparsecomm_jax as sc
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate, validate
 from models import get_workload
-from sparsecomm_jax import colfetch, hlo, placement, rowwise, runtime, train
+from sparsecomm_jax import row_optimizers, runtime
+from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_eighth
+from sparsecomm_jax.step import placement
 
 STEPS = 3
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
-OPTIMIZERS = {  # (dense optax reference, row-wise table update)
-    "sgd": (lambda: optax.sgd(0.5), lambda: rowwise.sgd(0.5)),
-    "adagrad": (lambda: optax.adagrad(0.3), lambda: rowwise.adagrad(0.3)),
+OPTIMIZERS = {  # the optax optimizer: dense in the reference, on the rows in the strategy
+    "sgd": lambda: optax.sgd(0.5),
+    "adagrad": lambda: optax.adagrad(0.3),
 }
 ALL = ("embrace", "embrace_rowwise", "sparse_allgather", "embrace_2d")  # 2d: no emb.attend
 CASES = [  # model, its variant, optimizer, strategies (every strategy on several models)
@@ -39,35 +41,54 @@ def test_row_updates_match_single_device(model, variant, opt, strategies):
     """Adam with the dense update is checked for every strategy in test_equivalence."""
     w = get_workload(model, seed=2, **SMALL, **variant)
     params = w.init(jax.random.key(2))
-    dense, rows = OPTIMIZERS[opt]
-    ref_losses, ref_params = reference_run(w, dense(), params, STEPS)
+    optimizer = OPTIMIZERS[opt]
+    ref_losses, ref_params = reference_run(w, optimizer(), params, STEPS)
     for strategy in strategies:
-        losses, got, ts = strategy_run(w, dense(), params, STEPS, strategy, table_optimizer=rows())
-        assert isinstance(ts.state.opt_state, rowwise.TableOptState), strategy
+        losses, got, ts = strategy_run(w, optimizer(), params, STEPS, strategy, table_update="rows")
+        assert ts.table_update == "rows", strategy
         assert losses == pytest.approx(ref_losses, rel=1e-5), strategy
         assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
 
 
-def _lazy_adam_reference(w, params, steps, lr):
-    """One device: the dense autodiff gradient, restricted to the rows each table reads
-    (lstm_lm, untied: ``embed`` the inputs, ``softmax`` the targets and negatives)."""
-    mask = train.table_mask(params, w.embedding_paths)
-    opt, rows = optax.adam(lr, eps=1e-3), rowwise.lazy_adam(lr, eps=1e-3)
-    state = rowwise.init_tables(opt, rows, params, mask)
+def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999):
+    """One device, numpy: Adam on the dense autodiff gradient, where a table's row moves
+    (and its moments and step count advance) only on steps that read it (lstm_lm,
+    untied: ``embed`` the inputs, ``softmax`` the targets and negatives); every other
+    parameter is read every step."""
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    mu, nu = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
+    count = jax.tree.map(lambda x: np.zeros(x.shape[:1], np.int64), params)
     losses = []
     for step in range(steps):
         batch = w.batch_at(step)
-        loss, grads = jax.value_and_grad(w.loss)(params, batch)
+        tree = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        loss, grads = jax.value_and_grad(w.loss)(tree, batch)
         tokens = batch["tokens"]
         read = {"embed": [tokens[:, :-1]], "softmax": [tokens[:, 1:], batch["negatives"]]}
-        row_grads = []
-        for name in ("embed", "softmax"):  # leaf order
-            ids = np.unique(np.concatenate([np.ravel(x) for x in read[name]]))
-            table = grads[name]["embedding"]
-            row_grads.append(rowwise.RowGrad(jnp.asarray(ids), table[ids]))
-        params, state = rowwise.apply_tables(opt, rows, grads, row_grads, state, params, mask)
+        for path, g in jax.tree_util.tree_leaves_with_path(grads):
+            name = path[0].key
+            rows = (
+                np.unique(np.concatenate([np.ravel(x) for x in read[name]]))
+                if name in read
+                else slice(None)
+            )
+            p, m, v, c = (_at(t, path) for t in (params, mu, nu, count))
+            g = np.asarray(g, np.float64)[rows]
+            m[rows] = b1 * m[rows] + (1 - b1) * g
+            v[rows] = b2 * v[rows] + (1 - b2) * g * g
+            c[rows] += 1
+            t = c[rows].reshape(-1, *([1] * (g.ndim - 1))) if g.ndim else c[rows]
+            m_hat, v_hat = m[rows] / (1 - b1**t), v[rows] / (1 - b2**t)
+            p[rows] -= lr * m_hat / (np.sqrt(v_hat) + eps)
         losses.append(float(loss))
-    return losses, jax.tree.map(np.asarray, params)
+    return losses, params
+
+
+def _at(tree, path):
+    """The leaf of ``tree`` at ``path`` (a numpy array, changed in place)."""
+    for key in path:
+        tree = tree[key.key]
+    return tree
 
 
 @pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
@@ -77,8 +98,8 @@ def test_lazy_adam_matches_single_device_reference(strategy):
     params = w.init(jax.random.key(3))
     ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
     # eps keeps Adam from amplifying float noise in near-zero gradients
-    opt, rows = optax.adam(1e-2, eps=1e-3), rowwise.lazy_adam(1e-2, eps=1e-3)
-    losses, got, _ = strategy_run(w, opt, params, STEPS, strategy, table_optimizer=rows)
+    opt = row_optimizers.lazy_adam(1e-2, eps=1e-3)  # per-row counts, Adam on dense leaves
+    losses, got, _ = strategy_run(w, opt, params, STEPS, strategy, table_update="rows")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
     untouched = np.setdiff1d(np.arange(SMALL["vocab"]), w.batch_at(0)["tokens"])
@@ -109,7 +130,7 @@ def test_nonfinite_rows_skip_the_step(strategy):
         return w.loss(params, batch, emb) + jnp.mean(batch["poison"]) * jnp.sum(rows)
 
     bad = w._replace(batch_at=batch_at, loss=loss)
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         bad.loss,
         optax.sgd(0.1),
         runtime.data_mesh(8),
@@ -117,12 +138,12 @@ def test_nonfinite_rows_skip_the_step(strategy):
         strategy,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
-        table_optimizer=rowwise.sgd(0.1),
+        table_update="rows",
     )
     state, _ = ts.step(ts.state, place(ts, bad, 0, 2))
     before = jax.tree.map(np.asarray, ts.host_params(state))
     state, loss_value = ts.step(state, place(ts, bad, 1, 2))
-    assert np.isnan(train.loss_value(loss_value))
+    assert np.isnan(sc.loss_value(loss_value))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ts.host_params(state)), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -131,7 +152,7 @@ def _row_bytes(strategy, comm_dtype):
     w = get_workload(
         "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32, sampled_softmax=16
     )
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optax.sgd(0.1),
         runtime.data_mesh(8),
@@ -139,7 +160,7 @@ def _row_bytes(strategy, comm_dtype):
         strategy,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
-        table_optimizer=rowwise.sgd(0.1),
+        table_update="rows",
         comm_dtype=comm_dtype,
     )
     colls = hlo.collectives(ts.step, ts.state, ts.place_batch(w.batch_at(0)))
@@ -148,7 +169,8 @@ def _row_bytes(strategy, comm_dtype):
 
 
 def test_bfloat16_wire_halves_the_bytes():
-    """Rows, gradient rows, negatives and the dense all-reduce (other layouts: test_rowgrad)."""
+    """Rows, gradient rows, negatives and the dense all-reduce (other layouts:
+    test_table_gradients)."""
     f32, _ = _row_bytes("embrace", "float32")
     bf16, colls = _row_bytes("embrace", "bfloat16")
     assert bf16 == pytest.approx(f32 / 2, rel=0.02)
@@ -169,25 +191,26 @@ def test_embrace_sends_each_distinct_row_once():
         max(np.unique(p[:, :-1]).size for p in parts),
         max(np.unique(np.r_[p[:, 1:].ravel(), neg]).size for p in parts),
     ]
-    caps = [colfetch.grow_by_eighth(n) for n in need]
+    caps = [grow_by_eighth(n) for n in need]
     rows = (num - 1) * sum(caps) * 16 // num * 4  # bytes of one exchange of rows
     kinds = [(c.kind, c.bytes_sent == rows) for c in colls]
     assert kinds.count(("all-to-all", True)) == 2  # rows forward, gradients back
     ids = [c for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32"]
-    assert len(ids) == 1 and len(colls) == 7  # + the dense layers' 2, loss, non-finite flag
+    # + the dense layers' mean (all-to-all, all-gather) and one all-reduce of the scalars
+    # (the loss and the finite flag, folded)
+    assert len(ids) == 1 and len(colls) == 6
     assert sum(caps) < 2 * parts[0][:, 1:].size + neg.size  # fewer rows than ids read
 
 
 def test_per_table_capacities_grow_one_by_one_and_never_shrink():
-    needs = iter([(10, 100), (12, 90), (9, 130)])
-    policy = placement.CapacityPolicy(lambda ctx, b: next(needs), "rows", colfetch.grow_by_eighth)
-    capacity = placement.capacity_fn(types.SimpleNamespace(capacity=None), policy)
-    assert [capacity({}) for _ in range(3)] == [(16, 112), (16, 112), (16, 152)]
-    fixed = placement.capacity_fn(
-        types.SimpleNamespace(capacity=64), policy._replace(need=lambda ctx, b: (10, 100))
-    )
+    policy = CapacityPolicy(None, "rows", grow_by_eighth)
+    current, sizes = {}, []
+    for need in ((10, 100), (12, 90), (9, 130)):
+        current = placement.grow_capacities(current, dict(enumerate(need)), None, policy)
+        sizes.append(tuple(current.values()))
+    assert sizes == [(16, 112), (16, 112), (16, 152)]
     with pytest.raises(ValueError, match="capacity=64 is too small: this batch needs 100"):
-        fixed({})
+        placement.grow_capacities({}, {0: 10, 1: 100}, 64, policy)
 
 
 def test_bad_input_fails_before_compiling():
@@ -195,26 +218,24 @@ def test_bad_input_fails_before_compiling():
     args = (w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)))
     kw = dict(embedding_paths=w.embedding_paths)
     with pytest.raises(ValueError, match="unknown comm_dtype 'float8'"):
-        train.make_train_step(*args, "embrace", comm_dtype="float8", **kw)
-    with pytest.raises(ValueError, match="table_optimizer"):
-        train.make_train_step(*args, "dense", table_optimizer=rowwise.sgd(0.1), **kw)
+        sc.make_train_step(*args, "embrace", comm_dtype="float8", **kw)
+    with pytest.raises(ValueError, match="table_update='rows' needs a strategy among"):
+        sc.make_train_step(*args, "dense", table_update="rows", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
-        train.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+        sc.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
-        train.make_train_step(
-            *args, "embrace_2d", comm_dtype="bfloat16", table_optimizer=rowwise.sgd(0.1), **kw
-        )
+        sc.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16", table_update="rows", **kw)
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         (dict(comm_dtype="float8"), "unknown --comm-dtype 'float8'"),
-        (dict(optimizer="momentum", table_update="sparse"), "momentum has no row-sparse"),
+        (dict(optimizer="momentum", table_update="rows"), "momentum has no row-sparse"),
         (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
         (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
         (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
-        (dict(table_update="sparse", strategy="dense"), "needs a strategy among"),
+        (dict(table_update="rows", strategy="dense"), "needs a strategy among"),
         (dict(comm_dtype="bfloat16", strategy="embrace_2d"), "not available for embrace_2d"),
     ],
 )

@@ -9,8 +9,12 @@ import optax
 import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
+import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import hlo, pipeline, rowwise, runtime, schedule, train
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.embedding import access, column, tables
+from sparsecomm_jax.schedule import priority as schedule
 
 V, B, T = 256, 16, 8
 
@@ -89,13 +93,13 @@ def test_first_and_last_steps(steps):
     losses, got, ts = strategy_run(w, optax.sgd(0.5), params, steps, "embrace_2d")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
-    assert ts.lookahead == pipeline.LOOKAHEAD
+    assert ts.lookahead == schedule.LOOKAHEAD
 
 
-def _middle_step_program(table_optimizer=None):
+def _middle_step_program(table_update="dense"):
     """The compiled program of a middle step (rows carried in, next batch given)."""
     w = _lm(_disjoint)  # disjoint halves: a real low-priority chunk exists
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         w.loss,
         optax.sgd(0.1),
         runtime.data_mesh(8),
@@ -103,15 +107,15 @@ def _middle_step_program(table_optimizer=None):
         "embrace_2d",
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
-        table_optimizer=table_optimizer,
+        table_update=table_update,
     )
     state, _ = ts.step(ts.state, place(ts, w, 0, 3))
     return hlo.compiled_text(ts.step, state, place(ts, w, 1, 3))
 
 
-@pytest.mark.parametrize("rows", [None, rowwise.sgd(0.1)], ids=["dense", "row-sparse"])
-def test_compiled_order_and_dependencies(rows):
-    text = _middle_step_program(rows)
+@pytest.mark.parametrize("update", ["dense", "rows"])
+def test_compiled_order_and_dependencies(update):
+    text = _middle_step_program(update)
     instrs = hlo.entry_instructions(text)
     colls = hlo.scheduled_collectives(text)
     order = [c.name for c in instrs]
@@ -125,7 +129,7 @@ def test_compiled_order_and_dependencies(rows):
     assert high and low and nxt
     # the shared negatives batch t+1 does not read travel late (a reduce-scatter in low)
     assert named(schedule.SCOPE_LOW, "reduce-scatter")
-    if rows is not None:  # row-sparse: the tables are updated in place, never copied
+    if update == "rows":  # row-sparse: the tables are updated in place, never copied
         assert not re.search(rf"= f32\[{V},\d+\]\S* copy\(", text)
     # horizontal: every high-priority all-to-all is issued before any low-priority one
     assert max(order.index(c.name) for c in high) < min(order.index(c.name) for c in low)
@@ -133,9 +137,9 @@ def test_compiled_order_and_dependencies(rows):
     low_names = {c.name for c in low}
     for c in nxt:
         assert not hlo.ancestors(instrs, c.name) & low_names
-    # vertical: the dense layers' all-reduce and the embedding exchange are independent
-    # (the non-finite guard's pmin reads every gradient on purpose: not the dense exchange)
-    dense = [c for c in colls if c.opcode == "all-reduce" and "pmin" not in c.op_name]
+    # vertical: the dense layers' mean and the embedding exchange are independent (the
+    # all-reduce of the loss and the finite flag reads every gradient on purpose: not here)
+    dense = [c for c in colls if schedule.SCOPE_DENSE in c.op_name]
     assert dense
     for d in dense:
         assert not hlo.ancestors(instrs, d.name) & {c.name for c in high + low}
@@ -174,7 +178,7 @@ def test_next_use_levels_against_reference(seed):
 
 @pytest.mark.parametrize("gbit, dim, workers", [(1.0, 512, 4), (0.2, 64, 2), (10.0, 8, 8)])
 def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
-    from sparsecomm_jax import costmodel
+    from sparsecomm_jax.comm import costmodel
 
     link = costmodel.Link.from_bandwidth(gbit)
     rows = schedule.late_chunk_rows(link, 4 * dim, workers, overhead=0.1)
@@ -190,16 +194,18 @@ def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
 def test_table_reads_count_every_read_of_a_tied_table():
     w = get_workload("gpt2", vocab=32, dim=8, seq_len=6, batch=8, sampled_softmax=5)
     params = w.init(jax.random.key(0))
-    mask = train.table_mask(params, w.embedding_paths)
-    reads = schedule.table_reads_fn(w.loss, params, mask, w.replicated_keys, 4)(w.batch_at(0))
+    mask = tables.table_mask(params, w.embedding_paths)
+    reads_of = access.host_reads(w.loss, params, mask, w.replicated_keys, 4)
+    reads = reads_of(w.batch_at(0))
     [(table, (look, shared))] = reads.items()
     tokens = w.batch_at(0)["tokens"].reshape(4, 2, 7)
     want = np.concatenate([tokens[:, :, :-1].reshape(4, -1), tokens[:, :, 1:].reshape(4, -1)], 1)
     np.testing.assert_array_equal(look, want)
     np.testing.assert_array_equal(shared, w.batch_at(0)["negatives"])
-    nxt = schedule.table_reads_fn(w.loss, params, mask, w.replicated_keys, 4)(w.batch_at(1))
+    nxt = reads_of(w.batch_at(1))
     every = set(np.ravel(nxt[table][0])) | set(nxt[table][1])
     need = max(int(np.isin(row, list(every)).sum()) for row in want)
-    assert schedule.first_chunk_need(reads, nxt) == need
+    found = tables.find_tables(params, mask, column.COLUMN)
+    assert schedule.first_chunk_need([reads, nxt], found, 4) == {table: need}
     per_key = max(int(np.isin(t.ravel(), list(every)).sum()) for t in tokens)
     assert need > per_key  # counting the key once under-sizes the chunk

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import startup, train
+from experiments import startup
 from experiments.config import RunConfig
 from experiments.train import build, train_and_evaluate, validate
 from models import get_workload
-from sparsecomm_jax import fusion
+from sparsecomm_jax.comm import fusion
 
 TINY = dict(
     model="lstm_lm",
@@ -80,9 +80,9 @@ def test_bad_bucket_mb(value):
 
 
 def test_calibrated_adaptive_link_carries_local_work(monkeypatch):
-    monkeypatch.setattr(train, "calibrated_link", lambda devices: {"alpha": 1e-5, "beta": 1e-9})
+    monkeypatch.setattr(startup, "calibrated_link", lambda devices: {"alpha": 1e-5, "beta": 1e-9})
     config = RunConfig(**{**TINY, "strategy": "adaptive"}, link_gbit=0.0)
-    link = train.adaptive_link(config)
+    link = startup.adaptive_link(config)
     assert set(link.local.lines) == {"topk_allgather", "topk_a2a"}
     assert all(fixed >= 0 and per >= 0 for fixed, per in link.local.lines.values())
-    assert train.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None
+    assert startup.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None

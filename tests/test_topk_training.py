@@ -9,7 +9,7 @@ from helpers import strategy_run
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
 from models import get_workload
-from sparsecomm_jax import hlo
+from sparsecomm_jax.comm import hlo
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
 

@@ -6,8 +6,10 @@ import optax
 import pytest
 from helpers import assert_trees_close, reference_run, strategy_run
 
+import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import hlo, runtime, train
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
 
 STEPS = 4
 
@@ -65,10 +67,10 @@ def test_errors_before_compiling(lm):
     workload, params = lm
     mesh = runtime.data_mesh(8)
     with pytest.raises(ValueError, match="unknown strategy"):
-        train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, "nope")
+        sc.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, "nope")
     with pytest.raises(ValueError, match="axis_name 'model' is not in the mesh"):
-        train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, axis_name="model")
-    ts = train.make_train_step(workload.loss, optax.sgd(0.1), mesh, params)
+        sc.make_train_step(workload.loss, optax.sgd(0.1), mesh, params, axis_name="model")
+    ts = sc.make_train_step(workload.loss, optax.sgd(0.1), mesh, params)
     with pytest.raises(ValueError, match="divisible by the number of devices"):
         ts.place_batch({"tokens": np.zeros((12, 9), np.int32)})
     with pytest.raises(ValueError, match="only 8 cpu devices"):
@@ -88,6 +90,6 @@ def test_arguments_of_the_wrong_kind(lm):
     ]
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
-            train.make_train_step(*args)
+            sc.make_train_step(*args)
     with pytest.raises(ValueError, match="nonfinite must be one of"):
-        train.make_train_step(workload.loss, sgd, mesh, params, nonfinite="ignore")
+        sc.make_train_step(workload.loss, sgd, mesh, params, nonfinite="ignore")

@@ -6,6 +6,8 @@ hand-written default ``jax.shard_map`` step (``check_vma`` on) with ``topk_a2a``
 import functools
 import os
 import re
+import subprocess
+import sys
 
 import flax.linen as linen
 import jax
@@ -16,7 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, nn, runtime, train
+import sparsecomm_jax as sc
+from sparsecomm_jax import aggregators, nn, runtime
+from sparsecomm_jax.embedding.access import PLAIN
 from tests.conftest import REPO
 from tests.helpers import assert_trees_close
 
@@ -86,7 +90,7 @@ def pmap_reference(tied, steps):
 
 def library_run(model, strategy, steps):
     params = init(model)
-    ts = train.make_train_step(
+    ts = sc.make_train_step(
         nn.loss_with_embeddings(make_loss(model)),
         optax.sgd(LR),
         runtime.data_mesh(N),
@@ -97,8 +101,8 @@ def library_run(model, strategy, steps):
     )
     state, losses = ts.state, []
     for s in range(steps):
-        state, loss = ts.step(state, train.place_for_step(ts, batch_at, s, steps))
-        losses.append(train.loss_value(loss))
+        state, loss = ts.step(state, sc.place_for_step(ts, batch_at, s, steps))
+        losses.append(sc.loss_value(loss))
     return losses, ts.host_params(state)
 
 
@@ -181,25 +185,46 @@ def test_a_shard_read_outside_a_step_names_the_fix():
         model.apply(params, batch_at(0)["tokens"].astype(np.float32))
 
 
+def _readme_blocks() -> list[str]:
+    """The README's python code blocks, in order."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), re.S)
+
+
 def _readme_block(marker: str) -> str:
     """The README's python code block that contains ``marker``."""
-    with open(os.path.join(REPO, "README.md")) as f:
-        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-    (block,) = [b for b in blocks if marker in b]
+    (block,) = [b for b in _readme_blocks() if marker in b]
     return block
 
 
 def test_readme_snippets_run():
-    scope = dict(globals(), P=P)
-    exec(_readme_block("nn.loss_with_embeddings(loss)"), scope)  # defines ts, loss
-    state, first = scope["ts"].step(scope["ts"].state, scope["ts"].place_batch(batch_at(0)))
-    scope.update(loss_fn=scope["loss"], opt=optax.sgd(LR), params=init(scope["model"]))
-    exec(_readme_block("aggregators.per_worker"), scope)
-    params, _, agg_state, loss = scope["step"](
-        scope["params"], scope["opt_state"], scope["agg_state"], batch_at(0)
+    """The model of "Your own model" through ``make_train_step`` and through the
+    hand-written ``shard_map`` step of "Strategies": the same first loss, and one
+    residual per worker."""
+    scope = {}
+    exec(_readme_block("from sparsecomm_jax import runtime\n\nruntime.simulate"), scope)
+    exec(_readme_block("nn.loss_with_embeddings(loss)"), scope)  # defines losses, model
+    exec(_readme_block("sc.per_worker"), scope)
+    params = scope["model"].init(jax.random.key(0), jnp.zeros((1, scope["T"]), jnp.int32))
+    state = (params, scope["opt"].init(params))
+    agg_state = scope["agg"].init(params)
+    _, _, agg_state, first = scope["step"](*state, agg_state, scope["batch_at"](0))
+    np.testing.assert_allclose(float(first), scope["losses"][0], rtol=1e-6)
+    assert agg_state.residual["params"]["embed"]["embedding"].shape == (
+        scope["N"],
+        scope["V"],
+        scope["D"],
     )
-    np.testing.assert_allclose(float(loss), train.loss_value(first), rtol=1e-6)
-    assert agg_state.residual["params"]["embed"]["embedding"].shape == (N, V, D)
+
+
+def test_readme_runs_as_one_script():
+    """Every python block of the README, in order, in a fresh process."""
+    script = "\n".join(_readme_blocks())
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rows changed: [1, 3]" in done.stdout
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
@@ -209,7 +234,7 @@ def test_embed_is_a_drop_in_for_flax_embed(dtype):
     ours, theirs = nn.Embed(V, D, dtype=dtype), linen.Embed(V, D, dtype=dtype)
     params = theirs.init(jax.random.key(0), ids)
     assert_trees_close(ours.init(jax.random.key(0), ids), params, rtol=0, atol=0)
-    for ops in (None, nn.DENSE_EMBEDDING):
+    for ops in (None, PLAIN):
         with nn.use_ops(ops):
             got, want = ours.apply(params, ids), theirs.apply(params, ids)
             assert got.dtype == want.dtype

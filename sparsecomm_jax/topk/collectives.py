@@ -6,7 +6,7 @@ vector, identical on every worker (divide by P for the mean) and typed so: under
 The collectives are ``topk_allgather`` (all-gather of the (value, index) pairs,
 scatter-add), ``topk_a2a`` (all-to-all per shard, local add, all-gather of the shards)
 and ``gtopk`` (log2 P rounds of ppermute and re-selection). Their messages and bytes
-per worker are ``costmodel.messages_and_bytes``.
+per worker are ``comm.costmodel.messages_and_bytes``.
 
 References:
     Peng et al., "TopKA2A", ICPP 2024.
@@ -19,27 +19,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax import hostkernel, sparsify
-
-
-def varying_axes(x) -> frozenset:
-    """The mesh axes over which ``x`` is typed as varying (``jax.typeof(x)``)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax >= 0.10; earlier versions: ``aval.vma``
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def vma_checked(axis_name: str) -> bool:
-    """True inside a ``shard_map`` that types values as varying or replicated over
-    ``axis_name`` (``check_vma=True``, the default); False under ``check_vma=False``
-    and ``pmap``, where nothing is typed."""
-    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
-
-
-def all_gather_replicated(x, axis_name: str):
-    """Tiled all-gather typed replicated (the same HLO all-gather as
-    ``lax.all_gather``): under ``check_vma`` a ``P()`` output of it is accepted."""
-    return jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
+from sparsecomm_jax.comm.vma import all_gather_replicated, vma_checked
+from sparsecomm_jax.topk import hostkernel
+from sparsecomm_jax.topk.selectors import densify
 
 
 def topk_allgather(values, indices, size: int, axis_name: str):
@@ -61,7 +43,7 @@ def topk_allgather(values, indices, size: int, axis_name: str):
     """
     all_values = all_gather_replicated(values, axis_name)  # float[P*k]
     all_indices = all_gather_replicated(indices, axis_name)  # int[P*k]
-    return sparsify.densify(all_values, all_indices, size)
+    return densify(all_values, all_indices, size)
 
 
 def topk_a2a(values, indices, size: int, axis_name: str):
@@ -92,7 +74,7 @@ def topk_a2a(values, indices, size: int, axis_name: str):
         )
     got_values = jax.lax.all_to_all(values, axis_name, 0, 0)  # float[P, k/P] for my shard
     got_indices = jax.lax.all_to_all(indices, axis_name, 0, 0)  # int[P, k/P]
-    mine = sparsify.densify(got_values, got_indices, size // num)  # float[d/P]
+    mine = densify(got_values, got_indices, size // num)  # float[d/P]
     return all_gather_replicated(mine, axis_name)  # float[d]
 
 
@@ -108,12 +90,11 @@ def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
       a + b as 2k entries (so ``densify(dropped)`` + ``densify(kept)`` = a + b).
     """
     args = (values_a, indices_a.astype(jnp.int32), values_b, indices_b.astype(jnp.int32))
-    if values_a.dtype != jnp.float32 or not hostkernel.available():
-        return _lax_merge_topk(*args, k)
-    return jax.lax.platform_dependent(
-        *args,
-        cpu=lambda *a: hostkernel.merge(*a, k),
-        default=lambda *a: _lax_merge_topk(*a, k),
+    return hostkernel.dispatch(
+        args,
+        lambda *a: hostkernel.merge(*a, k),
+        lambda *a: _lax_merge_topk(*a, k),
+        usable=values_a.dtype == jnp.float32,
     )
 
 
@@ -190,7 +171,7 @@ def gtopk(values, indices, size: int, k: int, axis_name: str):
       of it per worker (bytes above + 2k/P).
     """
     values, indices, left_v, left_i = gtopk_lists(values, indices, k, axis_name)
-    return sparsify.densify(values, indices, size), sparsify.densify(left_v, left_i, size)
+    return densify(values, indices, size), densify(left_v, left_i, size)
 
 
 def _replicated_list(values, indices, axis_name: str):

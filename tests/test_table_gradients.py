@@ -1,5 +1,6 @@
-"""Table gradients as rows, per layout, against dense autodiff on one device; the
-bfloat16 wire: close to float32 and half the bytes of the compiled collectives."""
+"""Table gradients through each layout (``embedding.gradients``) against dense autodiff on
+one device; the bfloat16 wire: close to float32 and half the bytes of the compiled
+collectives."""
 
 import jax
 import jax.numpy as jnp
@@ -7,14 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, hlo, rowgrad, runtime
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.comm import hlo, wire
+from sparsecomm_jax.embedding import column, gradients, replicated, row, update
+from sparsecomm_jax.embedding.access import PLAIN
+from sparsecomm_jax.embedding.tables import Table
 
 N, V, D = 8, 64, 16
-LAYOUTS = {
-    "column": lambda wire: rowgrad.column_layout("data", wire),
-    "row": lambda wire: rowgrad.row_layout("data", 6, wire),
-    "replicated": lambda wire: rowgrad.replicated_layout("data", wire),
-}
+LAYOUTS = {"column": column.COLUMN, "row": row.ROW, "replicated": replicated.REPLICATED}
+SLOTS = {0: 16}  # per table: enough for every layout's buffers here
 
 
 def _sampled_loss(params, batch, emb):
@@ -41,16 +43,17 @@ def _inputs(seed):
     return params, {"ids": ids, "neg": rng.integers(0, V, size=5).astype(np.int32)}
 
 
-def _row_step(layout_name, wire, loss=_loss):
+def _row_step(layout_name, dtype, loss=_loss):
     """shard_map: the mean table gradient, scattered back into a dense shard."""
     mesh = runtime.data_mesh(N)
-    spec = P() if layout_name == "replicated" else embedding.table_spec(layout_name, "data")
-    layout, mask = LAYOUTS[layout_name](wire), {"t": True, "w": False}
+    layout, mask = LAYOUTS[layout_name], {"t": True, "w": False}
+    spec, tables = layout.spec("data"), (Table(0, "t", V, D, layout),)
 
     def body(params, batch):
-        _, grads, rows = rowgrad.table_row_grads(loss, params, batch, mask, layout, widths={0: D})
-        g = rows[0]
-        dense = jnp.zeros(params["t"].shape).at[g.ids].add(g.rows, mode="drop")
+        _, grads, pairs = gradients.table_gradients(
+            loss, params, batch, tables, mask, SLOTS, "data", dtype
+        )
+        dense = update.dense_gradient(pairs[0], params["t"], N)  # the mean, as a shard
         return dense, grads["w"][None]  # per worker: no all-reduce in the program
 
     fn = jax.shard_map(
@@ -65,7 +68,7 @@ def _row_step(layout_name, wire, loss=_loss):
 
 def _reference(params, batch):
     def worker_loss(p, ids):
-        return _loss(p, {"ids": ids, "neg": batch["neg"]}, embedding.DENSE_EMBEDDING)
+        return _loss(p, {"ids": ids, "neg": batch["neg"]}, PLAIN)
 
     grads = [jax.grad(worker_loss)(params, ids) for ids in np.split(batch["ids"], N)]
     return jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *grads)
@@ -97,7 +100,7 @@ def _float_bytes(fn, args):
     return sum(c.bytes_sent for c in hlo.collectives(fn, *args) if c.shapes[0][0] != "s32")
 
 
-def test_wire_mean_is_pmean_with_half_the_bytes():
+def test_flat_mean_is_pmean_with_half_the_bytes():
     rng = np.random.default_rng(5)
     tree = {"a": rng.normal(size=(N * 3, 5)).astype(np.float32), "b": rng.normal(size=(N,))}
     tree["b"] = tree["b"].astype(np.float32)
@@ -114,10 +117,11 @@ def test_wire_mean_is_pmean_with_half_the_bytes():
             )
         )
 
-    from sparsecomm_jax.aggregators import dense_allreduce
-
     placed = jax.tree.map(lambda x: runtime.put_global(x, mesh, P("data")), tree)
-    ref_fn, fn = build(dense_allreduce("data")), build(rowgrad.wire_mean("data"))
+    ref_fn, fn = (
+        build(aggregators.dense_allreduce("data")),
+        build(aggregators.flat_allreduce("data", "bfloat16")),
+    )
     ref, got = ref_fn(placed), fn(placed)
     for k in tree:
         want = tree[k].reshape(N, -1, *tree[k].shape[1:]).mean(axis=0)
@@ -130,4 +134,4 @@ def test_wire_mean_is_pmean_with_half_the_bytes():
 
 def test_unknown_comm_dtype():
     with pytest.raises(ValueError, match="unknown comm_dtype 'float16'; choose one of"):
-        rowgrad.wire_dtype("float16")
+        wire.wire_dtype("float16")

@@ -1,13 +1,13 @@
 """Where state and batches live: partition specs, host-side batch checks and placement,
-and the capacity policies that size a strategy's static buffers from each batch.
+and the sizing of a step's static buffers from each batch.
 
-Planning happens here, on the host, before a step runs: which keys are sharded, how many
-slots a bucket needs, and that every token id lies in the vocabulary. The step bodies
-(``bodies``, ``pipeline``) only move data.
+Planning happens here, on the host, before a step runs: which keys are sharded, that
+every id lies in its table, how many slots each table's buffers need (each layout's
+``capacity`` policy, or the pipelined step's). The step bodies only move data.
 
 Example:
     >>> import numpy as np
-    >>> from sparsecomm_jax import placement
+    >>> from sparsecomm_jax.step import placement
     >>> placement.check_ids({"tokens": np.array([[1, 2]])}, vocab=10, id_keys=None)
 """
 
@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import embedding, rowwise, runtime
-from sparsecomm_jax.step import Batch, PyTree, StepContext, TrainState, named_tables
+from sparsecomm_jax import runtime
+from sparsecomm_jax.embedding import access
+from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
+from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
 
@@ -69,20 +70,6 @@ def check_ids(batch: Batch, vocab: int, id_keys: Sequence[str] | None) -> None:
             )
 
 
-def worker_ids(ctx: StepContext, batch: Batch) -> list[np.ndarray]:
-    """The ids each worker's slice of ``batch`` holds (replicated ids go to all)."""
-    per_worker: list[list[np.ndarray]] = [[] for _ in range(ctx.num_workers)]
-    for key, ids in id_leaves(batch, ctx.id_keys).items():
-        parts = (
-            [ids] * ctx.num_workers
-            if key in ctx.replicated_keys
-            else np.split(ids, ctx.num_workers)
-        )
-        for acc, part in zip(per_worker, parts, strict=True):
-            acc.append(part.ravel())
-    return [np.concatenate(p) if p else np.zeros(0, np.int32) for p in per_worker]
-
-
 def check_host_batch(ctx: StepContext, batch: Batch) -> None:
     """Every check a batch passes before it is placed."""
     check_batch(batch, ctx.num_workers, ctx.replicated_keys)
@@ -100,8 +87,9 @@ class PlacedBatch:
 
     Attributes:
       data: the batch (sharded keys split over the workers, replicated keys whole).
-      capacity: slots of the strategy's static buffers (0: none); static, so one
-        program is compiled per value.
+      capacity: slots of the static buffers, one entry per table in table order (0:
+        none), ``()`` when the step has none; static, so one program is compiled per
+        value.
       next: the next step's batch for pipelined strategies (``None`` otherwise and at
         the last step).
       later: the batches of steps t+2, t+3, ... a pipelined strategy's lookahead asks
@@ -109,9 +97,13 @@ class PlacedBatch:
     """
 
     data: dict = dataclasses.field(metadata=dict(static=False))
-    capacity: int = dataclasses.field(default=0, metadata=dict(static=True))
+    capacity: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     next: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
     later: tuple = dataclasses.field(default=(), metadata=dict(static=False))
+
+    def slots(self, tables) -> dict[int, int]:
+        """Table leaf index -> its slots (``tables`` in the order of ``capacity``)."""
+        return {t.index: c for t, c in zip(tables, self.capacity, strict=False)}
 
 
 def batch_specs(batch: Batch, axis_name: str, replicated_keys: Sequence[str]) -> dict:
@@ -134,48 +126,49 @@ def put_batch(ctx: StepContext, batch: Batch) -> dict:
     return {k: runtime.put_global(np.asarray(v), ctx.mesh, specs[k]) for k, v in batch.items()}
 
 
-class CapacityPolicy(NamedTuple):
-    """How many slots a strategy's static buffers need for a batch.
-
-    Attributes:
-      need: ``need(ctx, batch[, next_batch]) -> int``, the slots this batch fills.
-      what: what a slot holds, for the error when a fixed capacity is too small.
-      grow: ``grow(need) -> capacity`` when the current capacity is exceeded.
-    """
-
-    need: Callable[..., int]
-    what: str
-    grow: Callable[[int], int]
+# ------------------------------------------------------------------- capacities
 
 
-def next_power_of_two(need: int) -> int:
-    """At least 8, doubling: a run compiles a handful of programs at most."""
-    return 1 << max(3, (need - 1).bit_length())
+def layout_policies(ctx: StepContext) -> list[tuple[CapacityPolicy, tuple]]:
+    """Each capacity policy of the tables' layouts with the tables it plans."""
+    out: dict[str, tuple[CapacityPolicy, list]] = {}
+    for t in ctx.tables:
+        if t.layout.capacity is not None:
+            out.setdefault(t.layout.name, (t.layout.capacity, []))[1].append(t)
+    return [(policy, tuple(tables)) for policy, tables in out.values()]
 
 
-def grow_by_quarter(need: int) -> int:
-    """25% headroom, in multiples of 8: a buffer stays close to what it carries."""
-    return max(8, -(-int(need * 1.25) // 8) * 8)
+def capacity_fn(
+    ctx: StepContext, policies: list[tuple[CapacityPolicy, tuple]]
+) -> Callable[..., tuple[int, ...]]:
+    """``capacity(*batches) -> tuple`` (one entry per table of ``ctx.tables``): what
+    each ``policy`` needs for the tables it plans, ``ctx.capacity`` when fixed
+    (``ValueError`` when too small), else grown by the policy whenever a batch needs more
+    (never shrinks). ``batches``: the step's batch, then those it looks ahead to."""
+    current = dict.fromkeys((t.index for t in ctx.tables), 0)
+    reads_of = access.host_reads(
+        ctx.loss_fn, ctx.params, ctx.table_mask, ctx.replicated_keys, ctx.num_workers
+    )
 
-
-def capacity_fn(ctx: StepContext, policy: CapacityPolicy) -> Callable[..., int]:
-    """Capacity per batch: ``ctx.capacity`` when fixed (``ValueError`` when too small),
-    else grown by ``policy.grow`` whenever a batch needs more (never shrinks). A policy
-    whose ``need`` is a tuple (one entry per table) gets a tuple, each entry so sized."""
-    current: list = [0]
-
-    def capacity(*batches: Batch) -> int | tuple[int, ...]:
-        need = policy.need(ctx, *batches)
-        if isinstance(need, tuple):  # one capacity per table
-            fixed = ctx.capacity
-            old = current[0] or (0,) * len(need)
-            sized = [_sized(n, c, fixed, policy) for n, c in zip(need, old, strict=True)]
-            current[0] = tuple(sized)
-            return current[0]
-        current[0] = _sized(need, current[0], ctx.capacity, policy)
-        return current[0]
+    def capacity(*batches: Batch) -> tuple[int, ...]:
+        reads = [reads_of(b) for b in batches]
+        for policy, tables in policies:
+            needs = policy.need(reads, tables, ctx.num_workers)
+            current.update(grow_capacities(current, needs, ctx.capacity, policy))
+        return tuple(current[t.index] for t in ctx.tables)
 
     return capacity
+
+
+def grow_capacities(
+    current: dict[int, int], needs: dict[int, int], fixed: int | None, policy: CapacityPolicy
+) -> dict[int, int]:
+    """Each table's slots for ``needs``: ``fixed`` when given (``ValueError`` when a table
+    needs more), else grown by ``policy.grow`` past ``current`` when needed, never shrunk.
+
+    Example: current {0: 16}, needs {0: 12, 1: 100}, grow by an eighth -> {0: 16, 1: 112}.
+    """
+    return {i: _sized(need, current.get(i, 0), fixed, policy) for i, need in needs.items()}
 
 
 def _sized(need: int, current: int, fixed: int | None, policy: CapacityPolicy) -> int:
@@ -192,20 +185,20 @@ def _sized(need: int, current: int, fixed: int | None, policy: CapacityPolicy) -
 
 
 def batch_placer(
-    ctx: StepContext, policy: CapacityPolicy | None = None, lookahead: int = 0
+    ctx: StepContext, policies: list[tuple[CapacityPolicy, tuple]], lookahead: int = 0
 ) -> Callable[..., PlacedBatch]:
     """``place(batch[, next_batch, *later]) -> PlacedBatch``: checked, placed, capacity
-    sized (``later``: up to ``lookahead - 1`` batches after the next)."""
-    capacity = capacity_fn(ctx, policy) if policy else None
+    sized by ``policies`` (``later``: up to ``lookahead - 1`` batches after the next)."""
+    capacity = capacity_fn(ctx, policies) if policies else None
 
     def place(batch: Batch, next_batch: Batch | None = None, *later: Batch) -> PlacedBatch:
         data = put_batch(ctx, batch)
         if not lookahead:
-            return PlacedBatch(data, capacity(batch) if capacity else 0)
+            return PlacedBatch(data, capacity(batch) if capacity else ())
         if next_batch is None:
-            return PlacedBatch(data)
+            return PlacedBatch(data, capacity(batch) if capacity else ())
         later = tuple(put_batch(ctx, b) for b in later[: lookahead - 1])
-        need = capacity(batch, next_batch)
+        need = capacity(batch, next_batch) if capacity else ()
         return PlacedBatch(data, need, put_batch(ctx, next_batch), later)
 
     return place
@@ -214,64 +207,50 @@ def batch_placer(
 # ------------------------------------------------------------------- the state
 
 
-def param_specs(ctx: StepContext, layout: str | None) -> PyTree:
-    """``PartitionSpec`` per parameter: tables by ``layout``, the rest replicated."""
-    spec = embedding.table_spec(layout, ctx.axis_name) if layout else P()
-    return jax.tree.map(lambda m: spec if m else P(), ctx.table_mask)
+def param_specs(ctx: StepContext) -> PyTree:
+    """``PartitionSpec`` per parameter: each table by its layout, the rest replicated."""
+    leaves, treedef = jax.tree.flatten(ctx.params)
+    specs = [P()] * len(leaves)
+    for t in ctx.tables:
+        specs[t.index] = t.layout.spec(ctx.axis_name)
+    return treedef.unflatten(specs)
 
 
-def _opt_specs(ctx: StepContext, opt_state, specs) -> PyTree:
+def opt_specs(optimizer: optax.GradientTransformation, opt_state, specs: PyTree) -> PyTree:
+    """The optimizer state's specs: a leaf that lies like a parameter takes its spec
+    (cut to the leaf's rank: a per-row count of a row-wise table lies like its rows),
+    the rest is replicated."""
     return optax.tree_map_params(
-        ctx.optimizer,
-        lambda _, spec: spec,
+        optimizer,
+        lambda leaf, spec: cut_spec(spec, np.ndim(leaf)),
         opt_state,
         specs,
-        transform_non_params=lambda _: P(),
+        transform_non_params=lambda x: jax.tree.map(lambda _: P(), x),
         is_leaf=lambda x: isinstance(x, P),
     )
 
 
-def _opt_state(ctx: StepContext, host: PyTree, specs: PyTree) -> tuple[PyTree, PyTree]:
-    """The optimizer state (host) and its specs; with ``ctx.table_optimizer`` a
-    ``rowwise.TableOptState`` whose row states are sharded like their tables."""
-    if ctx.table_optimizer is None:
-        opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
-        return opt_state, _opt_specs(ctx, opt_state, specs)
-    state = rowwise.init_tables(ctx.optimizer, ctx.table_optimizer, host, ctx.table_mask)
-    state = jax.tree.map(np.asarray, state)
-    rest = jax.tree.map(lambda m: None if m else P(), ctx.table_mask)
-    flags = jax.tree.leaves(ctx.table_mask)
-    leaves = jax.tree.leaves(specs, is_leaf=_is_spec)
-    table_specs = [s for s, m in zip(leaves, flags, strict=True) if m]
-    rows = tuple(rowwise.state_specs(r, t) for r, t in zip(state.rows, table_specs, strict=True))
-    return state, rowwise.TableOptState(_opt_specs(ctx, state.dense, rest), rows)
-
-
-def _is_spec(x) -> bool:
-    return isinstance(x, P)
-
-
-def initial_agg_state(ctx: StepContext, host_params, layout: str | None):
-    """Zeros of the aggregator's state, one slice per worker: global [P, *shape]."""
-    if layout:
+def initial_agg_state(ctx: StepContext, host_params):
+    """Zeros of the aggregator's state, one slice per worker: global [P, *shape] (the
+    aggregator reduces the dense layers only when there are tables)."""
+    if ctx.tables:
         host_params = jax.tree.map(lambda x, m: None if m else x, host_params, ctx.table_mask)
     shapes = jax.eval_shape(ctx.aggregator.init, host_params)
     return jax.tree.map(lambda s: np.zeros((ctx.num_workers, *s.shape), s.dtype), shapes)
 
 
-def place_state(ctx: StepContext, layout: str | None) -> tuple[TrainState, TrainState]:
+def place_state(ctx: StepContext) -> tuple[TrainState, TrainState]:
     """The initial state on the devices, and its ``PartitionSpec`` tree (the carry of
     a pipelined step is per worker)."""
-    specs = param_specs(ctx, layout)
+    specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
-    if layout:
-        for _, name, table in named_tables(host, ctx.table_mask):
-            embedding.check_divisible(table.shape, layout, ctx.num_workers, name)
-    opt_state, opt_specs = _opt_state(ctx, host, specs)
-    agg_state = initial_agg_state(ctx, host, layout)
+    for t in ctx.tables:
+        check_divisible(t, ctx.num_workers)
+    opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
+    agg_state = initial_agg_state(ctx, host)
     state = TrainState(host, opt_state, agg_state)
     agg_specs = jax.tree.map(lambda _: P(ctx.axis_name), agg_state)
-    state_specs = TrainState(specs, opt_specs, agg_specs)
+    state_specs = TrainState(specs, opt_specs(ctx.optimizer, opt_state, specs), agg_specs)
     placed = jax.tree.map(
         lambda x, s: runtime.put_global(x, ctx.mesh, s),
         state,

@@ -1,5 +1,6 @@
-"""Row-wise optimizer transforms against the dense optax update on fresh random inputs:
-exact for SGD and Adagrad, lazy Adam equal to Adam on the rows it touches every step."""
+"""The row view of optax optimizers (``embedding.row_optimizers``) against the dense optax
+update on fresh random inputs: exact for SGD and Adagrad, lazy Adam equal to Adam on the
+rows it touches every step."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from sparsecomm_jax import rowwise
+from sparsecomm_jax.embedding import row_optimizers as ro
 
 V, D = 40, 6
 
@@ -28,7 +29,7 @@ def test_segment_rows_matches_numpy():
     rng = np.random.default_rng(0)
     ids = rng.integers(-2, V + 2, size=30).astype(np.int32)  # some out of range
     rows = rng.normal(size=(30, D)).astype(np.float32)
-    got = jax.jit(rowwise.segment_rows, static_argnums=2)(ids, rows, V)
+    got = jax.jit(ro.segment_rows, static_argnums=2)(ids, rows, V)
     valid = (ids >= 0) & (ids < V)
     uniq = np.unique(ids[valid])
     assert got.ids.shape == (30,)
@@ -47,12 +48,12 @@ def test_segment_rows_matches_numpy():
 def test_exact_transforms_equal_dense_optax(name, dense):
     rng = np.random.default_rng(1)
     table = rng.normal(size=(V, D)).astype(np.float32)
-    opt, ref_opt = rowwise.by_name(name, 0.3), dense()
+    opt, ref_opt = dense(), dense()
     state, ref_state = opt.init(jnp.asarray(table)), ref_opt.init(table)
     got, ref = jnp.asarray(table), jnp.asarray(table)
-    step = jax.jit(lambda g, s, t: rowwise.apply_rows(opt, g, s, t))
+    step = jax.jit(lambda g, s, t: ro.apply_rows(opt, g, s, t))
     for ids, rows, dense_grad in _sparse_grads(rng, steps=4):
-        got, state = step(rowwise.segment_rows(jnp.asarray(ids), jnp.asarray(rows), V), state, got)
+        got, state = step(ro.segment_rows(jnp.asarray(ids), jnp.asarray(rows), V), state, got)
         updates, ref_state = ref_opt.update(jnp.asarray(dense_grad), ref_state, ref)
         ref = optax.apply_updates(ref, updates)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-7)
@@ -61,11 +62,11 @@ def test_exact_transforms_equal_dense_optax(name, dense):
 def test_lazy_adam_is_adam_when_every_row_is_touched():
     rng = np.random.default_rng(2)
     table = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
-    opt, ref_opt = rowwise.lazy_adam(0.01), optax.adam(0.01)
+    opt, ref_opt = ro.lazy_adam(0.01), optax.adam(0.01)
     state, ref_state, got, ref = opt.init(table), ref_opt.init(table), table, table
     for _ in range(3):
         g = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
-        got, state = rowwise.apply_rows(opt, rowwise.RowGrad(jnp.arange(V), g), state, got)
+        got, state = ro.apply_rows(opt, ro.RowGrad(jnp.arange(V), g), state, got)
         updates, ref_state = ref_opt.update(g, ref_state, ref)
         ref = optax.apply_updates(ref, updates)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
@@ -76,13 +77,13 @@ def test_lazy_adam_leaves_untouched_rows_alone():
     their own gradient sequence (a row touched at steps 0 and 2 takes two Adam steps)."""
     rng = np.random.default_rng(3)
     table = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
-    opt = rowwise.lazy_adam(0.01)
+    opt = ro.lazy_adam(0.01)
     state, got = opt.init(table), table
     steps = [np.array([1, 5, 5]), np.array([7]), np.array([1, 9])]
     grads = [rng.normal(size=(len(s), D)).astype(np.float32) for s in steps]
     for ids, rows in zip(steps, grads, strict=True):
-        g = rowwise.segment_rows(jnp.asarray(ids), jnp.asarray(rows), V)
-        got, state = rowwise.apply_rows(opt, g, state, got)
+        g = ro.segment_rows(jnp.asarray(ids), jnp.asarray(rows), V)
+        got, state = ro.apply_rows(opt, g, state, got)
     untouched = np.setdiff1d(np.arange(V), [1, 5, 7, 9])
     np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(table)[untouched])
     np.testing.assert_array_equal(np.asarray(state.mu)[untouched], 0.0)
@@ -98,6 +99,24 @@ def test_lazy_adam_leaves_untouched_rows_alone():
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(row), rtol=1e-6)
 
 
-def test_optimizer_without_row_form_is_rejected():
-    with pytest.raises(ValueError, match="'momentum' has no row-sparse table update"):
-        rowwise.by_name("momentum", 0.1)
+PARAMS = {"t": jnp.zeros((10, 4)), "w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}
+BEHAVIOUR = [  # optimizer, treats rows alone, untouched rows stay (the row view is exact)
+    ("sgd", lambda: optax.sgd(0.1), True, True),
+    ("momentum", lambda: optax.sgd(0.1, momentum=0.9), True, False),
+    ("adam", lambda: optax.adam(1e-2), True, False),
+    ("adagrad", lambda: optax.adagrad(0.1), True, True),
+    ("schedule", lambda: optax.sgd(optax.linear_schedule(0.1, 0.0, 10)), True, True),
+    ("clip", lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), False, True),
+    ("clip far", lambda: optax.chain(optax.clip_by_global_norm(1e6), optax.sgd(0.1)), False, True),
+    ("adamw", lambda: optax.adamw(1e-2, weight_decay=0.1), True, False),
+    ("lamb", lambda: optax.lamb(1e-2), False, False),
+    ("lazy_adam", lambda: ro.lazy_adam(1e-2), True, False),
+]
+
+
+@pytest.mark.parametrize("name, make, alone, stay", BEHAVIOUR, ids=[b[0] for b in BEHAVIOUR])
+def test_what_an_optimizer_does_to_rows(name, make, alone, stay):
+    """The probes the pipelined step (rows alone) and the choice of the row view (rows
+    stay) rely on, against what each optimizer is known to do."""
+    assert ro.treats_rows_alone(make(), PARAMS) is alone
+    assert ro.untouched_rows_stay(make(), PARAMS) is stay

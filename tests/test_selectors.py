@@ -1,4 +1,5 @@
-"""Selectors against numpy and lax.top_k, and their argument checks."""
+"""Selectors (values of ``topk.selectors``) and TopKA2A's shard selection against numpy and
+lax.top_k, and their argument checks."""
 
 import shutil
 
@@ -11,12 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import hostkernel, runtime, sparsify
+from sparsecomm_jax import runtime
+from sparsecomm_jax.topk import hostkernel, selectors, shards
 
 
 def test_exact_topk_matches_numpy():
     x = np.random.default_rng(0).normal(size=500).astype(np.float32)
-    values, idx = sparsify.exact_topk(jnp.asarray(x), 20)
+    values, idx = selectors.exact_topk(jnp.asarray(x), 20)
     ref = np.argsort(-np.abs(x))[:20]
     assert set(np.asarray(idx).tolist()) == set(ref.tolist())
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
@@ -24,7 +26,7 @@ def test_exact_topk_matches_numpy():
 
 def test_threshold_topk_takes_large_entries_only():
     x = np.random.default_rng(1).normal(size=10_000).astype(np.float32)
-    values, idx = sparsify.threshold_topk(jnp.asarray(x), 100, sample=1000)
+    values, idx = selectors.threshold_topk(jnp.asarray(x), 100, sample=1000)
     values, idx = np.asarray(values), np.asarray(idx)
     taken = values != 0
     assert 50 <= taken.sum() <= 100  # a sampled threshold is near, not at, the true one
@@ -47,16 +49,16 @@ def test_radix_topk_selects_the_exact_entries(seed):
     ties = seed % 2  # half the cases: small integers, so the k-th magnitude is tied
     x = rng.integers(-4, 5, d) if ties else rng.normal(size=d) * 10.0 ** rng.integers(-30, 30)
     x = x.astype(np.float32)
-    values, idx = sparsify.radix_topk(jnp.asarray(x), k)
+    values, idx = selectors.radix_topk(jnp.asarray(x), k)
     assert np.asarray(idx).tolist() == _numpy_topk(x, k)  # in index order, exactly k
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
-    _, exact = sparsify.exact_topk(jnp.asarray(x), k)
+    _, exact = selectors.exact_topk(jnp.asarray(x), k)
     assert sorted(np.asarray(exact).tolist()) == np.asarray(idx).tolist()
 
 
 def test_radix_topk_with_zeros_and_signed_zeros():
     x = np.array([0.0, -0.0, 0.0, -2.0, 0.0], np.float32)
-    values, idx = sparsify.radix_topk(jnp.asarray(x), 3)
+    values, idx = selectors.radix_topk(jnp.asarray(x), 3)
     assert np.asarray(idx).tolist() == [0, 1, 3]
     assert np.asarray(values).tolist() == [0.0, 0.0, -2.0]
 
@@ -64,7 +66,9 @@ def test_radix_topk_with_zeros_and_signed_zeros():
 @pytest.mark.parametrize("selector", ["auto", "exact", "radix"])
 def test_per_shard_topk_matches_numpy(selector):
     x = np.random.default_rng(2).normal(size=64).astype(np.float32)
-    values, local = sparsify.per_shard_topk(jnp.asarray(x), 3, 4, selector)
+    values, local = selectors.select_rows(
+        selectors.get(selector), jnp.asarray(x).reshape(4, -1), 3
+    )[:2]
     for s, shard in enumerate(x.reshape(4, 16)):
         ref = np.argsort(-np.abs(shard))[:3]
         assert set(np.asarray(local[s]).tolist()) == set(ref.tolist())
@@ -72,18 +76,18 @@ def test_per_shard_topk_matches_numpy(selector):
 
 
 def test_shards_are_array_split_and_slots_follow_real_entries():
-    to_shards = jax.jit(sparsify.to_shards, static_argnums=1)
-    from_shards = jax.jit(sparsify.from_shards, static_argnums=1)
+    to_shards = jax.jit(shards.to_shards, static_argnums=1)
+    from_shards = jax.jit(shards.from_shards, static_argnums=1)
     for d, p in [(13, 4), (37, 8), (5, 8), (64, 8)]:
         x = np.arange(1, d + 1, dtype=np.float32)
-        shards, parts = np.asarray(to_shards(x, p)), np.array_split(x, p)
-        assert shards.shape == (p, -(-d // p))
-        for row, part in zip(shards, parts, strict=True):
+        cut, parts = np.asarray(to_shards(x, p)), np.array_split(x, p)
+        assert cut.shape == (p, -(-d // p))
+        for row, part in zip(cut, parts, strict=True):
             np.testing.assert_array_equal(row[: part.size], part)
             assert not row[part.size :].any()  # padding is zero
-        np.testing.assert_array_equal(from_shards(shards, d), x)
+        np.testing.assert_array_equal(from_shards(cut, d), x)
         for k in range(1, d + 1):  # k in all; no shard above its real entries or its share
-            slots = sparsify.shard_slots(k, d, p)
+            slots = shards.shard_slots(k, d, p)
             assert sum(slots) == k
             for n, part in zip(slots, parts, strict=True):
                 assert 0 <= n <= part.size and abs(n - k * part.size / d) < 1
@@ -94,7 +98,7 @@ def test_shard_topk_with_residual_matches_numpy_at_any_length(selector):
     rng = np.random.default_rng(12)
     for d, p, k in [(13, 4, 1), (37, 8, 11), (50, 4, 50)]:
         x = np.round(rng.normal(size=d)).astype(np.float32)  # ties and zeros
-        fn = jax.jit(lambda v, k=k, p=p: sparsify.shard_topk_with_residual(v, k, p, selector))
+        fn = jax.jit(lambda v, k=k, p=p: shards.shard_select(selectors.get(selector), v, k, p))
         values, local, kept = (np.asarray(a) for a in fn(x))
         sent = a2a_sent(x, k, p)
         np.testing.assert_array_equal(kept, x - sent)
@@ -108,18 +112,18 @@ def test_shard_topk_with_residual_matches_numpy_at_any_length(selector):
 @pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan"), "0.1"])
 def test_density_outside_range(density):
     with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
-        sparsify.num_selected(density, 100)
+        selectors.num_selected(density, 100)
 
 
 def test_k_rounding_to_zero():
     with pytest.raises(ValueError, match="keeps k = round"):
-        sparsify.num_selected(0.001, 100)
-    assert sparsify.num_selected(1.0, 7) == 7
+        selectors.num_selected(0.001, 100)
+    assert selectors.num_selected(1.0, 7) == 7
 
 
 def test_unknown_selector():
     with pytest.raises(ValueError, match="selector must be one of"):
-        sparsify.select(jnp.ones(4), 1, "magic")
+        selectors.get("magic")
 
 
 def _lax_reference(x, k):
@@ -149,7 +153,7 @@ def vectors(draw):
 @given(case=vectors())
 def test_auto_topk_is_lax_top_k(case):
     x, k = case
-    values, idx = jax.jit(lambda v: sparsify.auto_topk(v, k))(jnp.asarray(x))
+    values, idx = jax.jit(lambda v: selectors.select(selectors.AUTO, v, k))(jnp.asarray(x))
     assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, k)
     np.testing.assert_array_equal(np.asarray(values), x[np.asarray(idx)])
 
@@ -157,7 +161,7 @@ def test_auto_topk_is_lax_top_k(case):
 def test_tie_rule_lower_index_wins():
     x = jnp.array([1.0, -2.0, 2.0, 0.5, -2.0, 2.0], jnp.float32)
     for selector in ("auto", "exact", "radix"):
-        _, idx = sparsify.select(x, 2, selector)
+        _, idx = selectors.select(selectors.get(selector), x, 2)
         assert sorted(np.asarray(idx).tolist()) == [1, 2], selector
 
 
@@ -200,15 +204,17 @@ def test_host_kernel_exact_on_sparse_rows(nonzeros):
 
 def test_host_kernel_orders_nan_first_like_lax():
     x = np.array([1.0, np.nan, np.inf, -3.0, 2.0], np.float32)
-    _, idx = sparsify.auto_topk(jnp.asarray(x), 3)
+    _, idx = selectors.select(selectors.AUTO, jnp.asarray(x), 3)
     assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, 3) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("selector", sparsify.SELECTORS)
+@pytest.mark.parametrize("selector", tuple(selectors.SELECTORS))
 def test_select_with_residual_is_x_minus_densify(selector):
     x = np.random.default_rng(4).normal(size=3000).astype(np.float32)
-    values, idx, kept = jax.jit(lambda v: sparsify.select_with_residual(v, 60, selector))(x)
-    dense = np.asarray(sparsify.densify(values, idx, 3000))
+    values, idx, kept = jax.jit(
+        lambda v: selectors.select_with_residual(selectors.get(selector), v, 60)
+    )(x)
+    dense = np.asarray(selectors.densify(values, idx, 3000))
     np.testing.assert_array_equal(np.asarray(kept), x - dense)
 
 
@@ -216,13 +222,13 @@ def test_auto_topk_per_worker_in_shard_map_and_under_vmap():
     x = np.random.default_rng(5).normal(size=(4, 300)).astype(np.float32)
     mesh = runtime.data_mesh(4)
     body = jax.shard_map(
-        lambda v: sparsify.auto_topk(v[0], 7)[1][None],
+        lambda v: selectors.select(selectors.AUTO, v[0], 7)[1][None],
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P("data"),
     )
     got = jax.jit(body)(runtime.put_global(x, mesh, P("data")))
-    batched = jax.jit(jax.vmap(lambda v: sparsify.auto_topk(v, 7)[1]))(x)
+    batched = jax.jit(jax.vmap(lambda v: selectors.select(selectors.AUTO, v, 7)[1]))(x)
     for w in range(4):
         assert sorted(np.asarray(got[w]).tolist()) == _lax_reference(x[w], 7)
         assert sorted(np.asarray(batched[w]).tolist()) == _lax_reference(x[w], 7)
@@ -232,34 +238,44 @@ def test_auto_topk_without_host_kernel_uses_lax(monkeypatch):
     monkeypatch.setattr(hostkernel, "available", lambda: False)
     x = np.random.default_rng(6).normal(size=1000).astype(np.float32)
     for k in (5, 300):  # lax.top_k below the crossover, radix above
-        _, idx = sparsify.auto_topk(jnp.asarray(x), k)
+        _, idx = selectors.select(selectors.AUTO, jnp.asarray(x), k)
         assert sorted(np.asarray(idx).tolist()) == _lax_reference(x, k)
 
 
 def test_host_kernel_builds_when_a_compiler_exists():
     if shutil.which("c++") or shutil.which("g++"):
         assert hostkernel.available()
-        text = jax.jit(lambda v: sparsify.auto_topk(v, 3)).lower(jnp.ones(64)).as_text()
+        text = (
+            jax.jit(lambda v: selectors.select(selectors.AUTO, v, 3)).lower(jnp.ones(64)).as_text()
+        )
         assert "callback" in text  # the CPU program runs the kernel, not lax.top_k
     with pytest.raises(RuntimeError, match="building the top-k host kernel failed"):
         hostkernel.build(compiler="false")
 
 
-@pytest.mark.parametrize("selector", sparsify.SELECTORS)
+@pytest.mark.parametrize("selector", tuple(selectors.SELECTORS))
 def test_per_shard_topk_with_residual_is_x_minus_densify(selector):
     x = np.random.default_rng(7).normal(size=400).astype(np.float32)
-    fn = jax.jit(lambda v: sparsify.per_shard_topk_with_residual(v, 5, 4, selector))
+    fn = jax.jit(lambda v: _rows(selectors.get(selector), v, 5, 4))
     values, local, kept = fn(x)
-    ref_values, ref_local = sparsify.per_shard_topk(jnp.asarray(x), 5, 4, selector)
+    ref_values, ref_local = selectors.select_rows(
+        selectors.get(selector), jnp.asarray(x).reshape(4, -1), 5
+    )[:2]
     pairs = lambda i, v: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
     for s in range(4):  # the same entries per shard (order may differ)
         assert pairs(local[s], values[s]) == pairs(ref_local[s], ref_values[s])
     offsets = (np.arange(4) * 100)[:, None]
-    dense = np.asarray(sparsify.densify(values, np.asarray(local) + offsets, 400))
+    dense = np.asarray(selectors.densify(values, np.asarray(local) + offsets, 400))
     np.testing.assert_array_equal(np.asarray(kept), x - dense)
 
 
-_PARTS_1000 = jax.jit(lambda *p: sparsify.select_with_residual_parts(list(p), 1_000))
+def _rows(selector, v, k, p):
+    """Per-shard selection of a flat vector cut into p rows, the residual flat."""
+    values, local, rest = selectors.select_rows(selector, v.reshape(p, -1), k)
+    return values, local, rest.reshape(-1)
+
+
+_PARTS_1000 = jax.jit(lambda *p: selectors.select_parts(selectors.AUTO, list(p), 1_000))
 
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "sparse"])
@@ -290,7 +306,7 @@ def test_add_to_parts_is_a_scatter_add_on_the_concatenation():
     idx = np.concatenate([rng.integers(0, x.size, 60), [50, 52, 53, 0, 92, 92]]).astype(np.int32)
     val = rng.normal(size=idx.size).astype(np.float32)
     parts = np.split(x, np.cumsum(sizes)[:-1])
-    got = jax.jit(lambda v, i, *p: sparsify.add_to_parts(list(p), v, i))(val, idx, *parts)
+    got = jax.jit(lambda v, i, *p: selectors.add_to_parts(list(p), v, i))(val, idx, *parts)
     want = x.copy()
     np.add.at(want, idx, val)
     np.testing.assert_allclose(np.concatenate([np.asarray(p) for p in got]), want, rtol=1e-6)
@@ -303,7 +319,7 @@ def test_per_shard_topk_with_residual_parts_is_the_concatenated_selection():
     x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
     x[:5_000] = rng.integers(-2, 3, 5_000)  # ties in the first shard
     parts = np.split(x, np.cumsum(sizes)[:-1])
-    fn = jax.jit(lambda *p: sparsify.per_shard_topk_with_residual_parts(list(p), 300, 4))
+    fn = jax.jit(lambda *p: selectors.select_parts_rows(selectors.AUTO, list(p), 300, 4))
     values, local, kept = fn(*parts)
     want = x.copy()
     for s, shard in enumerate(x.reshape(4, -1)):
@@ -319,9 +335,9 @@ def test_shard_topk_with_residual_parts_is_the_concatenated_selection(sizes):
     rng = np.random.default_rng(10)
     x = (rng.normal(size=sum(sizes)) * (rng.random(sum(sizes)) < 0.05)).astype(np.float32)
     parts = np.split(x, np.cumsum(sizes)[:-1])
-    fn = jax.jit(lambda *p: sparsify.shard_topk_with_residual_parts(list(p), 1_201, 4))
+    fn = jax.jit(lambda *p: shards.shard_select_parts(selectors.AUTO, list(p), 1_201, 4))
     values, local, kept = fn(*parts)
-    ref = jax.jit(lambda v: sparsify.shard_topk_with_residual(v, 1_201, 4, "exact"))(x)
+    ref = jax.jit(lambda v: shards.shard_select(selectors.EXACT, v, 1_201, 4))(x)
     pairs = lambda v, i: sorted(zip(np.asarray(i).tolist(), np.asarray(v).tolist(), strict=True))  # noqa: E731
     for s in range(4):
         assert pairs(values[s], local[s]) == pairs(ref[0][s], ref[1][s])

@@ -12,7 +12,7 @@ merge of two k-lists and ``add_parts`` adds (value, index) pairs into leaves in 
 
 Example:
     >>> import jax.numpy as jnp
-    >>> from sparsecomm_jax import hostkernel
+    >>> from sparsecomm_jax.topk import hostkernel
     >>> vals, idx, _ = hostkernel.topk(jnp.array([0.1, -3.0, 2.0, 0.5]), 2)
     >>> idx.tolist(), vals.tolist()
     ([1, 2], [-3.0, 2.0])
@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
+
+from sparsecomm_jax.comm.vma import varying_like
 
 SOURCE = Path(__file__).with_name("topk_kernel.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")  # portable: the cache may be shared
@@ -89,6 +91,19 @@ def available() -> bool:
     return _library() is not None
 
 
+def dispatch(args, kernel, other, elsewhere=None, usable: bool = True):
+    """The one switch between the kernel and its ``lax`` formulation.
+
+    ``kernel(*args)`` on CPU when ``usable`` (the caller's dtype rule) and the kernel is
+    built; ``other(*args)`` where it is not. Under ``jax.jit`` the platform is chosen
+    per device (``lax.platform_dependent``): on other platforms ``elsewhere(*args)``
+    (default ``other``) runs.
+    """
+    if not (usable and available()):
+        return other(*args)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=elsewhere or other)
+
+
 def _ptr(buf) -> int:
     return np.asarray(buf).ctypes.data
 
@@ -129,7 +144,7 @@ def topk(x, k: int, residual: bool = False):
         vmap_method="broadcast_all",
         input_output_aliases=aliases,
     )
-    got = [_varying_like(y, x) for y in call(x)]
+    got = [varying_like(y, x) for y in call(x)]
     return got[0], got[1], got[2] if residual else None
 
 
@@ -182,7 +197,7 @@ def topk_parts(parts, k: int, rows: int | None = None):
     aliases = {i: 2 + i for i in range(len(parts))}
     run = _parts_callback(k, sizes, rows or 1)
     call = buffer_callback(run, tuple(outs), input_output_aliases=aliases)
-    got = [_varying_like(y, parts[0]) for y in call(*parts)]
+    got = [varying_like(y, parts[0]) for y in call(*parts)]
     return got[0], got[1], got[2:]
 
 
@@ -212,7 +227,7 @@ def add_parts(parts, values, indices):
     outs = tuple(jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts)
     aliases = {2 + i: i for i in range(len(parts))}
     call = buffer_callback(_add_callback(sizes), outs, input_output_aliases=aliases)
-    return [_varying_like(y, parts[0]) for y in call(values, indices.astype(jnp.int32), *parts)]
+    return [varying_like(y, parts[0]) for y in call(values, indices.astype(jnp.int32), *parts)]
 
 
 def _merge_callback(k: int):
@@ -247,13 +262,4 @@ def merge(
     ]
     call = buffer_callback(_merge_callback(k), tuple(outs), vmap_method="broadcast_all")
     args = (values_a, indices_a, values_b, indices_b)
-    return tuple(_varying_like(y, values_a) for y in call(*args))
-
-
-def _varying_like(y, x):
-    """``y`` marked varying over the mesh axes ``x`` varies over (inside ``shard_map``,
-    a callback's results are otherwise typed as replicated)."""
-    aval = jax.typeof(x)
-    axes = getattr(aval, "vma", None) or getattr(getattr(aval, "mat", None), "varying", ())
-    axes = tuple(axes)
-    return jax.lax.pcast(y, axes, to="varying") if axes else y
+    return tuple(varying_like(y, values_a) for y in call(*args))

@@ -21,11 +21,11 @@ one home of the volumes: ``collectives`` and the experiments refer to it.
 
 A link may also carry ``local``, the measured seconds of each strategy's local work
 (selection, residual, scatter-add) as a line in the bucket size
-(``measure_local_work``): a strategy's time is then its communication plus its local
+(``topk.local_cost.measure_local_work``): a strategy's time is then its communication plus its local
 work, so the choice is the shortest step, not the fewest bytes.
 
 Example:
-    >>> from sparsecomm_jax import costmodel
+    >>> from sparsecomm_jax.comm import costmodel
     >>> link = costmodel.Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
     >>> costmodel.choose(25_000_000, 0.01, 32, link)
     'topk_allgather'
@@ -40,11 +40,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import hlo, runtime, sparsify
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
 
 CHOICES = ("dense", "topk_allgather", "topk_a2a")
 _MESSAGES = {
@@ -116,7 +116,7 @@ def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
 def a2a_bytes(size: int, density: float, workers: int) -> float:
     """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled, for any
     size: an all-to-all of s = ceil(k/P) (value, index) slots per shard, k = round(density
-    * size) (``sparsify.shard_slots``), and an all-gather of P shards of ceil(size/P)."""
+    * size) (``topk.shards.shard_slots``), and an all-gather of P shards of ceil(size/P)."""
     p, k = workers, min(size, max(1, round(density * size)))
     return (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + p * math.ceil(size / p))
 
@@ -171,56 +171,6 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         return 0.0, sy / max(sx, 1e-30)
     slope = max((n * sxy - sx * sy) / det, 0.0)
     return max((sy - slope * sx) / n, 0.0), slope
-
-
-def local_work_fn(strategy: str, size: int, density: float, workers: int):
-    """One worker's local work of ``strategy`` on a bucket (collectives left out: the
-    all-gather is stood in for by tiling the own selection P times), as a jitted
-    ``float32[size] -> outputs``; ``None`` for dense."""
-    k = sparsify.num_selected(density, size)
-    if strategy == "topk_allgather":
-
-        def work(x):
-            values, indices, kept = sparsify.select_with_residual(x, k)
-            gathered = (jnp.tile(values, workers), jnp.tile(indices, workers))
-            return sparsify.densify(*gathered, size), kept
-
-    elif strategy == "topk_a2a":
-
-        def work(x):
-            values, local, kept = sparsify.shard_topk_with_residual(x, k, workers)  # [P, k/P]
-            return sparsify.densify(values, local, -(-size // workers)), kept
-
-    else:
-        return None
-    return jax.jit(work)
-
-
-def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
-    """``LocalWork`` of the sparse strategies, timed at each bucket size on this device
-    and fitted as a line in the size.
-
-    Args:
-      sizes: bucket sizes (entries), e.g. those of the run's fusion plan.
-      density: fraction selected.
-      workers: P.
-      timer: ``(fn, x) -> seconds``; default the median of 5 timed calls after one.
-
-    Returns:
-      A ``LocalWork`` to pass as ``Link(..., local=...)``.
-    """
-    timer = timer or median_seconds
-    rng, lines = np.random.default_rng(0), {}
-    for strategy in CHOICES:
-        points = []
-        for size in sorted(set(sizes)):
-            fn = local_work_fn(strategy, size, density, workers)
-            if fn is not None:
-                x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties
-                points.append((size, timer(fn, x)))
-        if points:
-            lines[strategy] = fit_line(points)
-    return LocalWork(lines)
 
 
 def median_seconds(fn, *args, repeats: int = 5) -> float:

@@ -1,0 +1,133 @@
+"""The checkpoint folder of a run: one run per folder, exact resume.
+
+``claim_checkpoint_dir`` (rank 0, before JAX starts) locks the folder, refuses another
+run's checkpoints (unless ``--overwrite``) and a ``--resume`` whose configuration would
+change the trajectory, and removes unfinished writes; ``start_state`` then gives the
+state a run starts from (fresh, or the newest checkpoint that restores).
+
+Example:
+    >>> from experiments.config import RunConfig
+    >>> from experiments.checkpoints import trajectory_differences
+    >>> trajectory_differences(RunConfig(lr=0.1), {"trajectory": RunConfig(lr=0.2).trajectory()})
+    ['--lr (0.2 there, 0.1 here)']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+import jax
+
+from experiments.config import RunConfig
+from experiments.validate import is_primary
+from sparsecomm_jax import checkpoint
+
+
+def run_record(config: RunConfig) -> dict[str, Any]:
+    """What a checkpoint folder records about its run (beside the run id)."""
+    return {
+        "config": dataclasses.asdict(config),
+        "trajectory": config.trajectory(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _describe(record: dict[str, Any] | None) -> str:
+    if not record:
+        return "a run that recorded no configuration"
+    cfg = record.get("config", {})
+    return (
+        f"run {record.get('run_id', '?')[:8]} (--model {cfg.get('model')} --strategy "
+        f"{cfg.get('strategy')} --seed {cfg.get('seed')})"
+    )
+
+
+def trajectory_differences(config: RunConfig, record: dict[str, Any]) -> list[str]:
+    """``--flag (theirs there, ours here)`` for each trajectory field that differs."""
+    theirs, ours = record.get("trajectory", {}), config.trajectory()
+    return [
+        f"--{k.replace('_', '-')} ({theirs.get(k)!r} there, {ours.get(k)!r} here)"
+        for k in sorted(set(theirs) | set(ours))
+        if theirs.get(k) != ours.get(k)
+    ]
+
+
+def _check_owner(config: RunConfig) -> None:
+    """Refuses to mix runs in one folder; clears it for a fresh run."""
+    folder = config.checkpoint_dir
+    if foreign := checkpoint.foreign_folders(folder):
+        raise ValueError(
+            f"--checkpoint-dir {folder} holds folders {foreign} that are not "
+            "checkpoints: give the run a folder of its own"
+        )
+    steps, record = checkpoint.saved_steps(folder), checkpoint.read_run(folder)
+    if not config.resume:
+        if steps and not config.overwrite:
+            raise ValueError(
+                f"--checkpoint-dir {folder} holds checkpoints (steps {steps}) of "
+                f"{_describe(record)}: pass --resume to continue it, --overwrite "
+                "to replace it, or use another folder"
+            )
+        checkpoint.clear(folder)
+        return
+    if not steps:
+        raise ValueError(f"--resume: no checkpoint in {folder}")
+    if record is None:
+        raise ValueError(
+            f"--resume: {folder} records no configuration for its checkpoints "
+            f"(no {checkpoint.RUN_FILE}), so it cannot be checked against this "
+            "run; start afresh with --overwrite"
+        )
+    if diff := trajectory_differences(config, record):
+        raise ValueError(
+            f"--resume: this run differs from {_describe(record)} in "
+            f"{', '.join(diff)}; these change the trajectory: use the "
+            "checkpoint's values or another --checkpoint-dir"
+        )
+
+
+def claim_checkpoint_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:
+    """On rank 0: locks the checkpoint folder for this run, checks whose checkpoints it
+    holds and removes unfinished writes. Returns the lock (``None``: nothing to hold)."""
+    if not (config.checkpoint_dir and is_primary()):
+        return None
+    lock = checkpoint.DirectoryLock(config.checkpoint_dir)
+    try:
+        _check_owner(config)
+        if stale := checkpoint.clean_temporary(config.checkpoint_dir):
+            print(f"removed unfinished checkpoint writes {stale}", file=sys.stderr)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _report_skip(step: int, reason: str) -> None:
+    if jax.process_index() == 0:
+        print(
+            f"--resume: checkpoint step {step} skipped ({reason}); trying the one before",
+            file=sys.stderr,
+        )
+
+
+def start_state(config: RunConfig, ts):
+    """(checkpointer or None, state, first step): fresh, or from a checkpoint."""
+    if not config.checkpoint_dir:
+        return None, ts.state, 0
+    ckpt = checkpoint.Checkpointer(
+        config.checkpoint_dir, every=config.checkpoint_every or config.steps, run=run_record(config)
+    )
+    if not config.resume:
+        return ckpt, ts.state, 0
+    newest = ckpt.latest_step()
+    state, start = ckpt.restore(ts, config.resume_step or None, on_skip=_report_skip)
+    if config.resume_step and newest != start and jax.process_index() == 0:
+        print(
+            f"--resume-step {start}: the checkpoints after it (to step {newest}) are "
+            "removed; this run writes its own",
+            file=sys.stderr,
+        )
+    return ckpt, state, start

@@ -1,0 +1,74 @@
+"""The record a run leaves: the JSON result and how it is written.
+
+``result`` gathers a finished run's losses, step times, throughput, the bytes each
+worker sends (read from the compiled program), its collectives, peak memory and the
+full configuration; ``write_json`` writes it atomically.
+
+Example:
+    >>> from experiments.record import write_json
+    >>> write_json({"losses": [1.0]}, "")  # no path: nothing written
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from experiments.config import RunConfig
+from experiments.loop import RunLog
+from experiments.startup import calibrated_link
+from sparsecomm_jax.comm import hlo
+
+
+def peak_memory(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return int(total - m.alias_size_in_bytes)
+    except Exception:  # memory analysis is optional on some backends
+        return None
+
+
+def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> dict:
+    """The JSON record of a finished run (see ``experiments.train.train_and_evaluate``):
+    bytes and collectives of the steady-state program (the one run most; the
+    overlapped step's ``high`` and ``low`` together)."""
+    keys = log.per_step or [max(log.runs, key=log.runs.get)]  # the program run most
+    steady = [log.programs[key] for key in keys]
+    colls = [c for p in steady for c in hlo.parse_collectives(p.as_text())]
+    step_time = statistics.median(log.times[config.warmup :] or log.times)
+    record = {
+        "model": config.model,
+        "strategy": config.strategy,
+        "devices": config.devices,
+        "steps": config.steps,
+        "losses": log.losses,
+        "step_times_s": log.times,
+        "step_time_s": step_time,
+        f"{workload.items_name}_per_s": workload.items_per_step / step_time,
+        "comm_bytes_per_step": hlo.total_bytes(colls),
+        "collectives": [c.as_dict() for c in colls],
+        "peak_memory_bytes": max((peak_memory(p) or 0) for p in steady) or None,
+        "compile_s": log.compile_s,
+        "programs": len(log.programs),
+        "start_step": start,
+        "skipped_steps": log.skipped,
+        "rank": rank,
+        "config": {**dataclasses.asdict(config), "model_config": workload.config},
+    }
+    if config.calibrate:
+        record["link"] = calibrated_link(config.devices)
+    return record
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    """Writes ``result`` to ``path`` (if given) atomically: a complete file or none."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, path)

@@ -1,0 +1,223 @@
+"""Everything a run's configuration must satisfy, checked before JAX starts.
+
+Each field on its own (``config.check_fields``), the combinations of flags, the rules of
+the library itself (``sparsecomm_jax.strategies.build``: what may be combined, asked of
+the library and told in flags), the model's own fields, the data file, the resources of
+this machine and every location the run writes. A failure is a ``ValueError`` whose
+message names the flag: ``experiments.train`` prints it as one line (exit status 2).
+
+Example:
+    >>> from experiments.config import RunConfig
+    >>> from experiments.validate import validate
+    >>> validate(RunConfig(strategy="embrace", optimizer="sgd"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from experiments.config import RunConfig, check_fields
+from models import MODELS, config_fields
+from sparsecomm_jax import STRATEGIES, parse_strategy, runtime
+from sparsecomm_jax.embedding import update
+from sparsecomm_jax.strategies.build import check_table_update
+
+# XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
+# participating device: more simulated devices in one process deadlock, then abort.
+MAX_PROCESS_DEVICES = 256
+
+# --optimizer values the row-sparse table update takes: exact (sgd, adagrad) or lazy by
+# name (lazy_adam); the others move rows no step read, so the tables stay dense.
+ROW_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
+
+
+def validate(config: RunConfig) -> None:
+    """Checks a config before JAX starts; raises ``ValueError`` naming the bad flag."""
+    check_fields(config)
+    check_library_rules(config)
+    _check_combinations(config)
+    _check_model_fields(config)
+    _check_text_file(config)
+    _check_resources(config)
+
+
+# --------------------------------------------------------- the library's rules
+
+
+def as_flags(message: str) -> str:
+    """A library message told in flags: ``table_update='rows'`` -> ``--table-update
+    rows``, ``strategy 'embrace'`` -> ``--strategy embrace``."""
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        return f"--{name.replace('_', '-')} {value}" if name in names else m.group(0)
+
+    message = re.sub(r"\b([a-z_]+)='([^']*)'", flag, message)
+    return re.sub(r"\bstrategy '([^']*)'", r"--strategy \1", message)
+
+
+def table_update_of(config: RunConfig) -> str:
+    """The table update of ``--table-update``: ``auto`` is ``rows`` when the strategy
+    and ``--optimizer`` allow it; ``ValueError`` for what the command line does not offer."""
+    strategy = parse_strategy(config.strategy).strategy
+    has_form = config.optimizer in ROW_OPTIMIZERS
+    rows = config.table_update == "rows" or (
+        config.table_update == "auto" and strategy.row_updates and has_form
+    )
+    if rows and not has_form:
+        raise ValueError(
+            f"--optimizer {config.optimizer} has no row-sparse table update here; use "
+            f"--table-update dense or one of {list(ROW_OPTIMIZERS)}"
+        )
+    if config.optimizer == "lazy_adam" and not rows:
+        rows_strategies = [n for n, s in STRATEGIES.items() if s.row_updates]
+        raise ValueError(
+            "--optimizer lazy_adam is a row-sparse table update: use it with "
+            f"--table-update auto or rows and a strategy among {rows_strategies}"
+        )
+    return "rows" if rows else "dense"
+
+
+def check_library_rules(config: RunConfig) -> None:
+    """The library's own checks of the strategy, table update and wire dtype, their
+    message told in flags."""
+    try:
+        name = parse_strategy(config.strategy)
+        check_table_update(name, update.get(table_update_of(config)), config.comm_dtype)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
+
+
+# ------------------------------------------------------------- the command line
+
+
+def _check_combinations(config: RunConfig) -> None:
+    if config.devices and config.batch % config.devices:
+        raise ValueError(f"--batch {config.batch} is not divisible by --devices {config.devices}")
+    if (config.resume or config.checkpoint_every) and not config.checkpoint_dir:
+        raise ValueError("--resume and --checkpoint-every need --checkpoint-dir")
+    if config.resume_step and not config.resume:
+        raise ValueError("--resume-step needs --resume")
+    if config.resume and config.overwrite:
+        raise ValueError(
+            "--resume continues the folder's run, --overwrite replaces it: pass one of them"
+        )
+    if config.overlap:
+        _check_overlap(config)
+
+
+def _check_overlap(config: RunConfig) -> None:
+    """``--overlap`` runs its own loop: ``embrace_2d`` alone, nothing it does not record."""
+    if parse_strategy(config.strategy).tables != "embrace_2d":
+        raise ValueError("--overlap runs embrace_2d across steps: give --strategy embrace_2d")
+    for name in ("checkpoint_dir", "log_dir", "profile_steps", "eval_every", "capacity"):
+        if getattr(config, name):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"--overlap keeps no {flag}: run without it, or without --overlap")
+
+
+def _check_model_fields(config: RunConfig) -> None:
+    """Constraints between the fields of the chosen model."""
+    fields = config_fields(config.model)
+    if "heads" in fields and config.dim % config.heads:
+        raise ValueError(
+            f"--heads {config.heads} does not divide --dim {config.dim} "
+            f"(the width of --model {config.model})"
+        )
+    if "masked" in fields and config.masked > config.seq_len:
+        raise ValueError(f"--masked {config.masked} is more than --seq-len {config.seq_len}")
+
+
+def _check_text_file(config: RunConfig) -> None:
+    if not config.text_file:
+        return
+    readers = sorted(m for m in MODELS if "text_file" in config_fields(m))
+    if config.model not in readers:
+        raise ValueError(
+            f"--text-file is read by {', '.join(readers)} only; --model "
+            f"{config.model} would ignore it (drop the flag)"
+        )
+    path = Path(config.text_file)
+    if not path.is_file():
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"--text-file {config.text_file} {problem}; give a text file")
+    try:
+        path.open("rb").close()
+    except OSError as e:
+        raise ValueError(f"--text-file {config.text_file}: {e.strerror}") from None
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _batch_bytes(config: RunConfig) -> int:
+    """A lower bound on the host memory that building one global batch takes."""
+    if "image_size" in config_fields(config.model):
+        per_example = 3 * config.image_size**2 * 8 * 3  # float64 noise, templates, sum
+    else:
+        per_example = 2 * (config.seq_len + 1) * 8  # uniform draws and token ids
+    return config.batch * per_example
+
+
+def _check_resources(config: RunConfig) -> None:
+    """A request no machine of this kind can serve, refused before XLA is asked."""
+    if runtime.distributed_args() is None and config.devices > MAX_PROCESS_DEVICES:
+        raise ValueError(
+            f"--devices {config.devices}: one process runs at most "
+            f"{MAX_PROCESS_DEVICES} devices (XLA's CPU collectives cannot "
+            "join more simulated devices); use fewer, or the launcher"
+        )
+    need, have = _batch_bytes(config), _physical_memory()
+    if need > have // 2:
+        raise ValueError(
+            f"--batch {config.batch}: one global batch alone needs "
+            f"{need / 2**30:.1f} GiB, this machine has {have / 2**30:.1f} GiB; "
+            "use a smaller --batch"
+        )
+
+
+# ------------------------------------------------------------ output locations
+
+
+def writable_folder(folder: Path, what: str) -> None:
+    """Creates ``folder`` if needed and writes a probe file into it; ``ValueError``
+    (starting with ``what``) when that is impossible."""
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what}: {parent} is a file, not a directory")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot write into {folder} ({e.strerror or e})") from None
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """``ValueError`` unless a file can be written at ``path`` (its folder is created)."""
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path")
+    writable_folder(Path(path).absolute().parent, f"{flag} {path}")
+    if Path(path).exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path} exists and is not writable")
+
+
+def is_primary() -> bool:
+    """Process 0 of a multi-process job, or a single process (known before JAX starts)."""
+    args = runtime.distributed_args()
+    return args is None or args["process_id"] == 0
+
+
+def check_outputs(config: RunConfig) -> None:
+    """Every location the run writes, checked before it starts."""
+    if config.out and is_primary():
+        check_output_file(config.out, "--out")
+    if config.checkpoint_dir:
+        writable_folder(Path(config.checkpoint_dir), f"--checkpoint-dir {config.checkpoint_dir}")

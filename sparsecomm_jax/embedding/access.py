@@ -1,0 +1,268 @@
+"""How a model reads its tables, and how a step finds out what it reads.
+
+A model is a pure loss ``loss_fn(params, batch, emb)``: every table access goes through
+``emb``, an ``EmbeddingOps`` (``lookup``, ``lookup_shared``, ``attend``), so a strategy can
+serve rows from a sharded table without model code. ``PLAIN`` reads a whole table.
+
+A step learns what the loss reads by running it with recording ops (``logged_reads``):
+every access is logged as a ``Read`` (its kind, the table's leaf index, its ids), with
+the loss computed on zero rows and discarded (XLA removes it). The step then fetches
+those rows through the tables' layouts, and answers the loss's accesses with them.
+``host_reads`` does the same on the host for a whole batch, split per worker: what the
+capacity planning of the layouts reads.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from sparsecomm_jax.embedding import access
+    >>> table = jnp.arange(6.0).reshape(3, 2)
+    >>> access.PLAIN.lookup(table, jnp.array([2, 0])).tolist()
+    [[4.0, 5.0], [0.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jax_core
+
+PyTree = Any
+LOOKUP, SHARED, ATTEND = "lookup", "lookup_shared", "attend"
+
+
+class EmbeddingOps(NamedTuple):
+    """How a model touches its embedding tables; strategies swap the implementation.
+
+    Attributes:
+      lookup: ``lookup(table, ids) -> rows``: rows ``[*ids.shape, D]`` of ``table``
+        for this worker's ``ids``.
+      attend: ``attend(table, h) -> logits``: ``h @ table.T`` (tied output softmax).
+      lookup_shared: like ``lookup`` for ids that every worker holds identically
+        (shared negative samples); sharded strategies exchange them more cheaply.
+    """
+
+    lookup: Callable[[jax.Array, jax.Array], jax.Array]
+    attend: Callable[[jax.Array, jax.Array], jax.Array]
+    lookup_shared: Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _take(table, ids):
+    return jnp.take(table, ids, axis=0)
+
+
+PLAIN = EmbeddingOps(lookup=_take, attend=lambda t, h: h @ t.T, lookup_shared=_take)
+
+
+class Read(NamedTuple):
+    """One table access of a loss.
+
+    Attributes:
+      kind: ``LOOKUP`` (this worker's ids), ``SHARED`` (ids every worker holds
+        identically) or ``ATTEND`` (the whole table, ``h @ table.T``).
+      table: the table's leaf index.
+      ids: int[...] the ids read (``None`` for ``ATTEND``).
+    """
+
+    kind: str
+    table: int
+    ids: Any
+
+
+def recording_ops(
+    params, mask, log: list, supply, attend_error: str = "", attend: Callable | None = None
+) -> EmbeddingOps:
+    """``EmbeddingOps`` that log every table access as a ``Read`` and return
+    ``supply(read, table)`` as the rows.
+
+    ``attend`` computes ``attend(table, h)``, by default ``h @ table.T``. Tables are
+    recognised by identity among the leaves of ``params`` flagged in ``mask``. With
+    ``attend_error``, ``attend`` raises ``ValueError(attend_error)`` (strategies that
+    cannot serve it).
+    """
+    attend_fn = attend or (lambda t, h: h @ t.T)
+    leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)
+    index = {id(x): i for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f}
+
+    def which(table) -> int:
+        if id(table) not in index:
+            raise ValueError(
+                "a lookup read an array that is not one of the embedding tables: pass the "
+                "table parameter itself to emb.lookup / emb.attend"
+            )
+        return index[id(table)]
+
+    def access(kind):
+        def fn(table, ids):
+            read = Read(kind, which(table), ids)
+            log.append(read)
+            return supply(read, table)
+
+        return fn
+
+    def attend_logged(table, h):
+        if attend_error:
+            raise ValueError(attend_error)
+        log.append(Read(ATTEND, which(table), None))
+        return attend_fn(table, h)
+
+    return EmbeddingOps(lookup=access(LOOKUP), attend=attend_logged, lookup_shared=access(SHARED))
+
+
+def logged_reads(
+    loss_fn, params, batch, mask, widths: dict[int, int], attend_error="", attend=None
+) -> list[Read]:
+    """The table accesses ``loss_fn`` makes on ``batch``, with their (traced) ids.
+
+    The loss itself is computed on zero rows and discarded (XLA removes it); only the
+    ids remain. ``widths``: table index -> full row width D; ``attend``: as in
+    ``recording_ops`` (sharded tables need theirs).
+    """
+    log: list[Read] = []
+
+    def zeros(read, table):
+        return jnp.zeros((*read.ids.shape, widths[read.table]), table.dtype)
+
+    loss_fn(params, batch, recording_ops(params, mask, log, zeros, attend_error, attend))
+    return log
+
+
+_READS: collections.OrderedDict = collections.OrderedDict()  # the latest reads programs
+
+
+def traced_reads(
+    loss_fn, params, batch, mask, widths: dict[int, int], vocabs: dict[int, int], attend_error=""
+) -> list[Read]:
+    """``logged_reads`` without running the model's Python again: the ids of every read
+    computed by a program traced once per loss, parameter and batch shapes (a
+    ``ClosedJaxpr`` of the loss on zero rows, of which XLA keeps only the ids), and
+    evaluated on ``params`` and ``batch`` (arrays or tracers, inside ``shard_map`` or
+    ``vmap`` alike).
+
+    Args:
+      loss_fn, params, batch, mask, widths: as ``logged_reads``.
+      vocabs: table index -> its full V (a full softmax's logits are V wide).
+      attend_error: as ``recording_ops`` (raised when the loss reads a table whole).
+    """
+    leaves, treedef = jax.tree.flatten((params, batch))
+    shapes = tuple(jax.typeof(x) for x in leaves)  # shapes, dtypes, varying axes
+    flags = tuple(bool(f) for f in jax.tree.leaves(mask))
+    key = (loss_fn, treedef, shapes, flags, tuple(widths.items()), tuple(vocabs.items()))
+    key += (attend_error,)
+    if key not in _READS:
+        _READS[key] = _reads_program(loss_fn, treedef, shapes, mask, widths, vocabs, attend_error)
+        while len(_READS) > 64:
+            _READS.popitem(last=False)
+    _READS.move_to_end(key)
+    kinds, program = _READS[key]
+    ids = iter(program(*leaves))
+    return [Read(kind, table, None if kind == ATTEND else next(ids)) for kind, table in kinds]
+
+
+def _reads_program(loss_fn, treedef, shapes, mask, widths, vocabs, attend_error):
+    """``(kinds, fn)``: each read's ``(kind, table)`` and ``fn(*leaves) -> ids`` (the
+    evaluation of a jaxpr traced here once)."""
+    kinds: list[tuple[str, int]] = []
+
+    def ids_of(*leaves):
+        params, batch = treedef.unflatten(leaves)
+        p_leaves = jax.tree.leaves(params)
+        table_of = {id(p_leaves[i]): i for i in widths}
+
+        def attend(table, h):  # logits of the right width; the value is never used
+            return jnp.zeros((*h.shape[:-1], vocabs[table_of[id(table)]]), h.dtype)
+
+        reads = logged_reads(loss_fn, params, batch, mask, widths, attend_error, attend)
+        kinds[:] = [(r.kind, r.table) for r in reads]
+        return [r.ids for r in reads if r.kind != ATTEND]
+
+    program = jax_core.jaxpr_as_fun(jax.make_jaxpr(ids_of)(*shapes))
+    return tuple(kinds), program
+
+
+def answered_loss(loss_fn, mask, attend: Callable | None = None, attend_error: str = ""):
+    """``loss(params, batch, rows)``: ``loss_fn`` with its lookups answered, in call
+    order, by ``rows`` (rows fetched before, so the loss is differentiated with respect
+    to them, not to the tables)."""
+
+    def loss(params, batch, rows):
+        pending = iter(rows)
+        ops = recording_ops(params, mask, [], lambda *_: next(pending), attend_error, attend)
+        return loss_fn(params, batch, ops)
+
+    return loss
+
+
+# ------------------------------------------------------------------- host side
+
+
+HostReads = dict[int, tuple[np.ndarray, np.ndarray]]  # table -> (int[P, n], int[m])
+
+
+def host_reads(
+    loss_fn, params, mask, replicated_keys: Sequence[str], workers: int
+) -> Callable[[dict], HostReads]:
+    """A host function ``batch -> {table index: (lookup ids int[P, n], shared ids
+    int[m])}``: every read of every table by each worker's slice of ``batch`` (a tied
+    table read by inputs, targets and negatives counts each read), from one jitted
+    program where the model runs on zeros (XLA keeps only the ids). Cached per model,
+    parameter shapes and workers.
+
+    Example: a tied LM with tokens int[B, T+1] reads ``embed`` 2 * B/P * T times per
+    worker by lookup, plus the negatives once (shared).
+    """
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+    leaves, treedef = jax.tree.flatten(shapes)
+    flags = tuple(bool(f) for f in jax.tree.leaves(mask))
+    return _host_reads(loss_fn, treedef, tuple(leaves), flags, tuple(replicated_keys), workers)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_reads(loss_fn, treedef, leaves, flags, replicated_keys, workers):
+    shapes = treedef.unflatten(leaves)
+    mask = treedef.unflatten(flags)
+    widths = {i: s.shape[1] for i, (s, f) in enumerate(zip(leaves, flags, strict=True)) if f}
+    vocabs = {i: s.shape[0] for i, (s, f) in enumerate(zip(leaves, flags, strict=True)) if f}
+
+    def one_worker(batch):
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        found: dict[int, tuple[list, list]] = {}
+        for read in traced_reads(loss_fn, zeros, batch, mask, widths, vocabs):
+            if read.kind != ATTEND:
+                found.setdefault(read.table, ([], []))[read.kind == SHARED].append(
+                    read.ids.reshape(-1)
+                )
+        return {i: tuple(_cat(x) for x in pair) for i, pair in found.items()}
+
+    @jax.jit
+    def reads(batch):
+        axes = {k: None if k in replicated_keys else 0 for k in batch}
+        split = {
+            k: v if k in replicated_keys else v.reshape(workers, -1, *v.shape[1:])
+            for k, v in batch.items()
+        }
+        out = jax.vmap(one_worker, in_axes=(axes,))(split)
+        return {i: (look, shared[0]) for i, (look, shared) in out.items()}
+
+    def on_host(batch):
+        data = jax.device_put(
+            {k: np.asarray(v) for k, v in batch.items()}, jax.local_devices(backend="cpu")[0]
+        )
+        return jax.tree.map(np.asarray, reads(data))
+
+    return on_host
+
+
+def _cat(parts: list):
+    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.int32)
+
+
+def every_id(reads: HostReads) -> dict[int, np.ndarray]:
+    """Table index -> every id a batch reads (all workers, shared ids too)."""
+    return {
+        i: np.concatenate([look.ravel(), shared.ravel()]) for i, (look, shared) in reads.items()
+    }

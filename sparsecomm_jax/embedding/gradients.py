@@ -1,0 +1,121 @@
+"""The loss and its gradients when tables are read through their layouts.
+
+Inside a step (``shard_map``), ``table_gradients`` runs a layout's trio for every table:
+the loss's reads are learnt from a program traced once (``access.traced_reads``), each layout
+fetches the rows of its tables' reads, the loss is differentiated with respect to the
+parameters *and those rows* (the tables themselves are read outside autodiff), and each
+layout's ``back`` sends the rows' gradients to their owners. The result per table is a
+list of ``(ids, rows)`` pairs at the owner; ``embedding.update`` turns them into the
+optimizer's gradient (a dense shard, or the rows alone). A full softmax (``emb.attend``)
+is differentiated through the layout's ``attend``; that dense part joins the pairs as
+every row of the shard.
+
+Example:
+    >>> # inside shard_map, per worker:
+    >>> # loss, grads, pairs = table_gradients(loss_fn, params, batch, tables, mask,
+    >>> #                                      capacity, "data", jnp.float32)
+    >>> # pairs[i]: [(ids int[m], rows float[m, D/P]), ...] for table leaf i
+
+References:
+    Li et al., "EmbRace", ICPP 2022 (column-wise exchange); Mudigere et al.,
+    "High-performance, Distributed Training of Large-scale DLRMs", 2021 (row-sparse
+    table gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sparsecomm_jax.comm.vma import vary
+from sparsecomm_jax.embedding import access
+from sparsecomm_jax.embedding.access import ATTEND
+
+F32 = jnp.float32
+
+
+def layout_attend(tables, axis: str):
+    """``attend(table, h)`` of each table's layout, picked by the table's identity."""
+    by_index = {t.index: t.layout for t in tables}
+
+    def attend_for(params):
+        leaves = jax.tree.leaves(params)
+        layout_of = {id(leaves[i]): layout for i, layout in by_index.items()}
+        return lambda table, h: layout_of[id(table)].attend(table, h, axis)
+
+    return attend_for
+
+
+def table_gradients(
+    loss_fn, params, batch, tables, mask, capacity: dict[int, int], axis: str, wire=F32
+):
+    """Loss, gradient of the non-table leaves, and each table's gradient as pairs.
+
+    Use inside ``shard_map``. Nothing is reduced over the workers except what the
+    layouts' exchanges sum at the owners: the caller averages the other leaves (an
+    aggregator) and divides the tables' sums by P.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, emb) -> scalar``.
+      params: parameters (tables as this worker holds them).
+      batch: this worker's batch.
+      tables: the ``tables.Table`` records (each with its layout).
+      mask: bool per leaf of ``params``: is it a table?
+      capacity: table index -> slots of its layout's static buffers.
+      axis: the mesh axis.
+      wire: the dtype rows travel in.
+
+    Returns:
+      ``(loss, grads, pairs)``: this worker's loss; ``grads`` shaped like ``params``
+      (the tables' entries hold only their ``attend`` part: ignore them); ``pairs``
+      table index -> list of ``(ids, rows)`` at the owner, summed over the workers.
+    """
+    leaves = jax.tree.leaves(params)
+    attend_for = layout_attend(tables, axis)
+    widths = {t.index: t.dim for t in tables}
+    vocabs = {t.index: t.vocab for t in tables}
+    reads = access.traced_reads(loss_fn, params, batch, mask, widths, vocabs)
+    rows_in, back = _fetch_all(tables, leaves, reads, capacity, axis, wire)
+
+    def loss_of_rows(p, rows):
+        answered = access.answered_loss(loss_fn, mask, attend=attend_for(p))
+        return answered(p, batch, rows)
+
+    varying = vary((params, rows_in), axis)  # each worker's own gradient
+    loss, (grads, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
+    pairs: dict[int, list] = {t.index: [] for t in tables}
+    for i, pair in back(g_rows):
+        pairs[i].append(pair)
+    g_leaves = jax.tree.leaves(grads)
+    layouts = {t.index: t.layout for t in tables}
+    for i in sorted({r.table for r in reads if r.kind == ATTEND}):
+        dense = layouts[i].sum_dense(g_leaves[i], axis).astype(F32)
+        pairs[i].append((jnp.arange(leaves[i].shape[0]), dense))
+    return loss, grads, pairs
+
+
+def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, Any]:
+    """Each layout's ``fetch`` on the reads of its tables; the rows back in read order
+    and one ``back`` for all of them."""
+    order = [k for k, r in enumerate(reads) if r.kind != ATTEND]
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    for k in order:
+        layout = next(t.layout for t in tables if t.index == reads[k].table)
+        groups.setdefault(layout.name, (layout, []))[1].append(k)
+    rows: dict[int, Any] = {}
+    backs = []
+    for layout, ks in groups.values():
+        mine = {reads[k].table for k in ks}
+        fetched = layout.fetch(
+            {i: leaves[i] for i in mine}, [reads[k] for k in ks], capacity, axis, wire
+        )
+        rows.update(zip(ks, fetched.rows, strict=True))
+        backs.append((ks, fetched.back))
+
+    def back(grads):
+        by_read = dict(zip(order, grads, strict=True))
+        return [pair for ks, b in backs for pair in b([by_read[k] for k in ks])]
+
+    return [rows[k] for k in order], back

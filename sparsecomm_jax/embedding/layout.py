@@ -1,0 +1,152 @@
+"""The table layout protocol: how a table is placed over the workers and read.
+
+A ``Layout`` is a value, one per file (``column.COLUMN``, ``row.ROW``,
+``replicated.REPLICATED``), that implements a fixed trio for the tables placed with it:
+
+1. **plan the ids** (host, before the step): ``capacity`` sizes the static buffers a
+   batch needs, per table, from the ids each worker reads (``access.host_reads``);
+2. **fetch rows** (device, inside ``shard_map``): ``fetch(shards, reads, capacity, axis,
+   wire)`` brings every read of a step its rows, ``float[*ids.shape, D]``;
+3. **send row gradients back**: the ``back`` that ``fetch`` returns takes the gradient of
+   each read's rows and returns, per table, ``(ids, rows)`` pairs at the rows' owners:
+   indices into this worker's shard, and the gradient rows summed over the workers that
+   read them (padding ids lie outside the shard).
+
+Besides the trio a layout says where its tables live (``spec``), which dimension it
+splits (``split_dim``, checked to divide by P), how a full softmax reads a table
+(``attend``, differentiated by autodiff, and ``sum_dense`` that sums that dense gradient
+over the workers), and how a row gradient lies as global arrays (``row_specs``, for the
+row-sparse update). ``embedding.gradients`` drives the trio; ``embedding.update`` turns
+the pairs into the optimizer's gradient. Adding a layout is one file and one value.
+
+Example:
+    >>> from sparsecomm_jax.embedding import column
+    >>> column.COLUMN.spec("data")
+    PartitionSpec(None, 'data')
+
+References:
+    Li et al., "EmbRace", ICPP 2022 (column-wise); Mudigere et al., "High-performance,
+    Distributed Training of Large-scale DLRMs", 2021 (row-wise, table-wise);
+    torchrec's sharding types (input distribution, lookup, output distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax.embedding.access import HostReads, Read
+
+Pairs = tuple[jax.Array, jax.Array]  # (ids int[m], rows float[m, width]) at the owner
+
+
+class Fetched(NamedTuple):
+    """The rows of a step's reads and the way back for their gradients.
+
+    Attributes:
+      rows: per read, float[*ids.shape, D] (full rows, in the order of the reads).
+      back: ``back(grads) -> [(table index, (ids, rows)), ...]``: ``grads`` the gradient
+        of each read's rows; the result this worker's share as the rows' owner.
+    """
+
+    rows: list
+    back: Callable[[list], list[tuple[int, Pairs]]]
+
+
+class CapacityPolicy(NamedTuple):
+    """How many static slots a batch needs, per table (the plan of the ids).
+
+    Attributes:
+      need: ``need(reads, tables, workers) -> {table index: slots}``; ``reads`` is a
+        list of ``access.HostReads``: the step's batch, then the batches it looks ahead
+        to (pipelined steps); ``tables`` the ``Table`` records to plan.
+      what: what a slot holds, for the error when a fixed capacity is too small.
+      grow: ``grow(need) -> capacity`` when the current capacity is exceeded.
+    """
+
+    need: Callable[[list[HostReads], tuple, int], dict[int, int]]
+    what: str
+    grow: Callable[[int], int]
+
+
+class Layout(NamedTuple):
+    """One way to place tables over the workers (see the module doc).
+
+    Attributes:
+      name: e.g. ``"column"``.
+      spec: ``spec(axis) -> PartitionSpec`` of a V x D table.
+      split_dim: the dimension divided among the workers (``None``: replicated).
+      capacity: the plan of the ids, or ``None`` when no static buffer depends on them.
+      fetch: ``fetch(shards, reads, capacity, axis, wire) -> Fetched`` inside
+        ``shard_map``: ``shards`` table index -> this worker's shard, ``reads`` the
+        ``access.Read`` records of these tables (no ``ATTEND``), ``capacity`` table
+        index -> slots (from ``capacity``), ``wire`` the dtype rows travel in.
+      attend: ``attend(shard, h, axis) -> h @ table.T`` (a full softmax).
+      sum_dense: ``sum_dense(g, axis)``: the dense ``attend`` gradient of a shard, summed
+        over the workers.
+      row_specs: ``row_specs(axis) -> (ids spec, rows spec)`` of a table's row gradient
+        as global arrays.
+    """
+
+    name: str
+    spec: Callable[[str], P]
+    split_dim: int | None
+    capacity: CapacityPolicy | None
+    fetch: Callable[..., Fetched]
+    attend: Callable[[jax.Array, jax.Array, str], jax.Array]
+    sum_dense: Callable[[jax.Array, str], jax.Array]
+    row_specs: Callable[[str], tuple[P, P]]
+
+
+def check_divisible(table: Any, num_workers: int) -> None:
+    """``ValueError`` unless the dimension a table's layout splits divides by P."""
+    dim = table.layout.split_dim
+    if dim is None:
+        return
+    size, what = (table.dim, "D (columns)") if dim == 1 else (table.vocab, "V (rows)")
+    if size % num_workers:
+        raise ValueError(
+            f"embedding table {table.name} has {what} = {size}, not divisible by the "
+            f"{num_workers} workers of the {table.layout.name}-wise layout"
+        )
+
+
+def cut_spec(spec: P, ndim: int) -> P:
+    """``spec`` cut to an array of ``ndim`` dimensions (a row state such as a per-row
+    count, int[V], lies like its table's rows)."""
+    return P(*tuple(spec)[:ndim])
+
+
+# ------------------------------------------------------------------ growth rules
+
+
+def next_power_of_two(need: int) -> int:
+    """At least 8, doubling: a run compiles a handful of programs at most."""
+    return 1 << max(3, (need - 1).bit_length())
+
+
+def grow_by_quarter(need: int) -> int:
+    """25% headroom, in multiples of 8: a buffer stays close to what it carries."""
+    return max(8, -(-int(need * 1.25) // 8) * 8)
+
+
+def grow_by_eighth(need: int) -> int:
+    """12.5% headroom, in multiples of 8: rows are padded little, recompiles are rare."""
+    return max(8, -(-int(need * 1.125) // 8) * 8)
+
+
+def distinct_per_worker(reads: HostReads, i: int, shared: bool = True) -> np.ndarray:
+    """int[P]: the distinct ids each worker reads of table ``i`` (its lookups and, with
+    ``shared``, the ids every worker holds)."""
+    look, common = reads[i]
+    extra = common.ravel() if shared else np.zeros(0, look.dtype)
+    return np.array([np.unique(np.concatenate([w.ravel(), extra])).size for w in look])
+
+
+def reads_of(reads: list[Read], tables: set[int]) -> list[Read]:
+    """The reads of ``tables`` (in order), lookups only."""
+    return [r for r in reads if r.table in tables and r.ids is not None]

@@ -1,0 +1,391 @@
+"""EmbRace's 2D scheduling as a train step: ``embrace_2d``.
+
+One pipelined step (batch t, with batches t+1..t+``LOOKAHEAD`` known), for column-wise
+tables:
+
+1. **exchange** (one ``shard_map``): batch t's forward and backward read rows fetched
+   during step t-1 (or now, at the first step); the dense layers go through the
+   aggregator; each table's gradient rows travel in priority chunks, position by
+   position (the shared negatives' too): first the positions batch t+1 reads (every
+   table's first chunk before any later one), then those t+2 reads, t+3, ..., in late
+   chunks sized by the alpha-beta cost model (``priority.late_capacities``);
+2. **early update**: the optimizer on the row view of the first chunk alone gives the
+   update of the rows batch t+1 reads (exact for optimizers that treat rows
+   independently: all of those rows' gradient is in the first chunk);
+3. **next rows** (one ``shard_map``): batch t+1's rows, read from the tables with that
+   update added (``patched_take``), never a copy of a table;
+4. **the update** of every parameter, as ``embrace`` makes it (dense or row-sparse);
+5. **the guard** (one ``shard_map``): a row batch t+1 reads that missed the first chunk,
+   or a skipped step, makes the step fetch the next rows again from the final tables
+   (exact, slower).
+
+Equal to ``embrace`` with the same table update. The dense layers have no data
+dependency on the table exchange, so an accelerator's scheduler may overlap them.
+
+References:
+    Li et al., "EmbRace", ICPP 2022, section 4.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax.comm.vma import vary
+from sparsecomm_jax.embedding import access, column
+from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
+from sparsecomm_jax.embedding.tables import split_tables
+from sparsecomm_jax.embedding.update import row_gradient
+from sparsecomm_jax.schedule import chunks, priority
+from sparsecomm_jax.step import finish, placement
+from sparsecomm_jax.step.finish import Gradients, aggregate, apply_gradients
+from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step.state import StepContext, TrainState
+
+NO_ATTEND_2D = (
+    "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
+    "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
+)
+
+
+def waits_for(x, after):
+    """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
+    with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
+    before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
+    adds exactly zero, and a non-finite ``after`` poisons the step anyway.)"""
+    a = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(after))
+    return x + (a - a)
+
+
+def prefetch(tables: dict[int, Any], reads: list, axis: str, take=None) -> list:
+    """Rows for each logged read, from the (column-sharded) ``tables`` (through
+    ``take(shard, ids)`` when given: the pipelined step's patched reads)."""
+    out = []
+    for read in reads:
+        fetch = column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
+        out.append(fetch(tables[read.table], read.ids, axis, take))
+    return out
+
+
+# ----------------------------------------------------------- 1. the exchange
+
+
+class Plan(NamedTuple):
+    """Table ``i``'s gradient exchange in priority order (``priority``)."""
+
+    rows: Any  # float[n, D]: this worker's gradient per looked-up position
+    ids: Any  # int[P, n]: every worker's ids at those positions
+    order: Any  # int[P, n]: every worker's priority order
+    chunks: list  # [start, end) of each chunk in that order
+    shared: list  # [] or [Shared]: the lookups whose ids every worker holds
+    next_ids: Any = None  # int[m]: every id batch t+1 reads of the table (all workers)
+
+
+class Shared(NamedTuple):
+    """A lookup whose ids every worker holds (e.g. shared negatives), in priority
+    chunks like the other positions: the rows batch t+1 reads first."""
+
+    rows: Any  # float[N, D]: this worker's gradient per position
+    ids: Any  # int[N]: the same on every worker
+    order: Any  # int[N]: priority order (the same on every worker)
+    chunks: list  # [start, end) of each chunk in that order
+
+
+def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int):
+    """``(Plan, spill)`` of table ``i``: its positions sorted by when their id is next
+    read (batch t+1's first: the first chunk; then t+2's, ...; ``future`` the logged
+    reads of t+1, t+2, ..., or empty at the last step); later chunks sized by the cost
+    model. ``spill``: this worker holds a position batch t+1 reads that does not fit."""
+    axis = ctx.axis_name
+    ids, rows, shared = [], [], []
+    for read, g in zip(reads, g_rows, strict=True):
+        if read.table == i and read.kind == access.LOOKUP:
+            ids.append(read.ids.reshape(-1))
+            rows.append(g.reshape(read.ids.size, -1))
+        elif read.table == i:
+            shared.append((g.reshape(read.ids.size, -1), read.ids.reshape(-1)))
+    # int[P, n], the same on every worker (typed so: a row state such as a per-row step
+    # count, indexed by these ids, stays replicated)
+    all_ids = jax.lax.all_gather(jnp.concatenate(ids), axis, to="invarying")
+    rows, n = jnp.concatenate(rows), all_ids.shape[1]
+    if shared:  # every shared lookup of the table, as one list of positions
+        shared = [
+            (jnp.concatenate([g for g, _ in shared]), jnp.concatenate([s for _, s in shared]))
+        ]
+    if not future:  # last step: nothing to prioritise
+        order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
+        shared = [Shared(g, s, jnp.arange(s.size), [(0, s.size)]) for g, s in shared]
+        return Plan(rows, all_ids, order, [(0, n)], shared, None), jnp.array(False)
+    fut = _future_ids(future, i, axis)
+    levels = priority.next_use_levels(all_ids, fut)
+    spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
+    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers)
+    plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
+    spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
+    order = priority.priority_order(levels)
+    bounds, shared = priority.chunk_bounds(n, sizes), [p for p, _ in plans]
+    return Plan(rows, all_ids, order, bounds, shared, fut[0]), spill
+
+
+def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
+    """``(Shared, spill)``: the shared positions batch t+1 reads go first (at most
+    ``capacity`` of them, else ``spill``), the others late, in next-use order."""
+    levels = priority.next_use_levels(ids, future)  # the same on every worker
+    n = ids.shape[0]
+    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers)
+    chunk_bounds = priority.chunk_bounds(n, sizes)
+    plan = Shared(g, ids, priority.priority_order(levels), chunk_bounds)
+    return plan, priority.overflows(levels, capacity)
+
+
+def _future_ids(future: list, i: int, axis: str) -> list:
+    """Per future batch, int[m]: every id its logged reads read of table ``i`` (all
+    workers; one all-gather for all the batches' lookups)."""
+    local = [
+        [r.ids.reshape(-1) for r in reads if r.table == i and r.kind == access.LOOKUP]
+        for reads in future
+    ]
+    sizes = [sum(x.size for x in ids) for ids in local]
+    flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
+    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, sum(sizes)]
+    bounds = np.cumsum([0, *sizes])
+    out = []
+    for k, reads in enumerate(future):
+        shared = [r.ids.reshape(-1) for r in reads if r.table == i and r.kind == access.SHARED]
+        out.append(jnp.concatenate([every[:, bounds[k] : bounds[k + 1]].reshape(-1), *shared]))
+    return out
+
+
+def first_pairs(ctx: StepContext, plan: Plan) -> list:
+    """The first chunk and the first shared positions of a table, as (ids, rows) pairs
+    of my columns from every worker (ids int[m], rows float[m, D/P])."""
+    axis = ctx.axis_name
+    pairs = [chunks.column_chunk_rows(plan.rows, plan.ids, plan.order, plan.chunks[0], axis)]
+    for s in plan.shared:
+        pairs.append(chunks.column_shared_rows(s.rows, s.ids, s.order, s.chunks[0], axis))
+    return pairs
+
+
+def later_pairs(ctx: StepContext, plan: Plan, after) -> list:
+    """The remaining chunks' pairs, issued only once ``after`` (every table's first
+    chunk) has arrived."""
+    rows, axis = waits_for(plan.rows, after), ctx.axis_name
+    out = [
+        chunks.column_chunk_rows(rows, plan.ids, plan.order, bound, axis)
+        for bound in plan.chunks[1:]
+    ]
+    for s in plan.shared:
+        g = waits_for(s.rows, after)
+        out += [chunks.column_shared_rows(g, s.ids, s.order, b, axis) for b in s.chunks[1:]]
+    return out
+
+
+class Exchanged(NamedTuple):
+    """What the exchange program hands on (global arrays once out of ``shard_map``)."""
+
+    grads: Gradients  # loss, finite flag, the step's mean gradient, agg_state
+    firsts: dict  # table index -> RowGrad: the first chunk's mean gradient (my columns)
+    spill: jax.Array  # on every worker: a row batch t+1 reads missed the first chunk
+
+
+def exchange_body(ctx: StepContext):
+    """Step 1 per worker: forward/backward on the carried rows, the dense layers'
+    aggregation, every table's chunks in priority order."""
+    widths, mask, axis = ctx.widths, ctx.table_mask, ctx.axis_name
+    loss_of_rows = access.answered_loss(ctx.loss_fn, mask, attend_error=NO_ATTEND_2D)
+
+    def body(state: TrainState, batch: PlacedBatch) -> Exchanged:
+        params, leaves = state.params, jax.tree.leaves(state.params)
+        reads = ctx.reads(params, batch.data, NO_ATTEND_2D)
+        tables = {i: leaves[i] for i in widths}
+        rows = list(state.carry) if state.carry != () else prefetch(tables, reads, axis)
+        varying = vary((params, rows), axis)  # each worker's own gradient
+        grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
+        loss, (g_params, g_rows) = grad_fn(*varying)
+        with jax.named_scope(priority.SCOPE_DENSE):
+            rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
+        ahead = [batch.next, *batch.later] if batch.next is not None else []
+        future = [ctx.reads(params, b) for b in ahead]
+        slots = batch.slots(ctx.tables)
+        planned = {i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i) for i in widths}
+        plans = {i: plan for i, (plan, _) in planned.items()}
+        spill = jnp.any(jnp.stack([s for _, s in planned.values()]))
+        with jax.named_scope(priority.SCOPE_HIGH):
+            firsts = {i: first_pairs(ctx, plan) for i, plan in plans.items()}
+        with jax.named_scope(priority.SCOPE_LOW):
+            after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
+            later = {i: later_pairs(ctx, plan, after) for i, plan in plans.items()}
+        num = ctx.num_workers
+        fulls = {i: ctx.table_update.gradient(firsts[i] + later[i], tables[i], num) for i in widths}
+        grads = finish.with_tables(ctx, rest, fulls)
+        loss, ok, spill = finish.reduce_scalars(ctx, loss, (grads, agg_state), spill)
+        firsts = {i: early_rows(ctx, pairs, plans[i], tables[i]) for i, pairs in firsts.items()}
+        return Exchanged(Gradients(loss, ok, grads, agg_state), firsts, spill)
+
+    return body
+
+
+# ------------------------------------------------- 2. early update, 3. next rows
+
+
+def early_rows(ctx: StepContext, pairs: list, plan: Plan, shard) -> RowGrad:
+    """The rows batch t+1 reads that the step moves, with their first-chunk gradient
+    (``TableUpdate.early_rows``); at the last step the first chunk alone."""
+    if plan.next_ids is None:
+        return row_gradient(pairs, shard, ctx.num_workers)
+    return ctx.table_update.early_rows(pairs, plan.next_ids, shard, ctx.num_workers)
+
+
+def early_patches(ctx: StepContext, state: TrainState, firsts: dict[int, RowGrad]) -> dict:
+    """Table index -> ``RowGrad(ids, update rows)``: the optimizer's step on the row view
+    of the first chunk alone (zero gradient for every other leaf, so nothing here waits
+    for the dense all-reduce); its new state is dropped (the update recomputes it)."""
+    view = finish.row_view(ctx, state.opt_state)
+    zeros = split_tables(jax.tree.map(jnp.zeros_like, state.params), ctx.table_mask)[1]
+    grads = finish.with_tables(ctx, zeros, firsts)
+    updates = row_updates(
+        ctx.optimizer, state.params, state.opt_state, grads, view.roles, view.take
+    )
+    leaves = jax.tree.leaves(updates)
+    return {i: RowGrad(g.ids, leaves[i]) for i, g in firsts.items()}
+
+
+def patched_take(shard: jax.Array, patch: RowGrad, ids: jax.Array) -> jax.Array:
+    """``shard[ids]`` with ``patch.rows`` added to the rows at ``patch.ids``: the rows
+    the early update gives, read without writing a table.
+
+    Args:
+      shard: float[V, D/P].
+      patch: ascending ids int[m] (padding ``V`` last) and their update rows float[m, D/P].
+      ids: int[...] rows to read, in [0, V).
+
+    Returns:
+      float[*ids.shape, D/P].
+    """
+    rows = jnp.take(shard, ids, axis=0)
+    pos = jnp.clip(jnp.searchsorted(patch.ids, ids), 0, patch.ids.shape[0] - 1)
+    hit = jnp.take(patch.ids, pos) == ids
+    delta = jnp.take(patch.rows, pos, axis=0).astype(shard.dtype)
+    return rows + jnp.where(hit[..., None], delta, 0)
+
+
+def next_rows_body(ctx: StepContext):
+    """Step 3 per worker: batch t+1's rows from the tables with the early update added;
+    the full gradient made to wait for those reads (the update then writes the tables
+    in place)."""
+    widths, axis = ctx.widths, ctx.axis_name
+
+    def body(params, patches, data, fulls):
+        leaves = jax.tree.leaves(params)
+        reads = ctx.reads(params, data)
+        tables = {i: leaves[i] for i in widths}
+        with jax.named_scope(priority.SCOPE_NEXT):
+            rows = []
+            for read in reads:
+                patch = patches[read.table]
+                take = functools.partial(_take_patched, patch=patch)
+                fetch = (
+                    column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
+                )
+                rows.append(fetch(tables[read.table], read.ids, axis, take))
+        fulls = jax.tree.map(lambda g: waits_for(g, rows) if _is_float(g) else g, fulls)
+        return tuple(rows), fulls
+
+    return body
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _take_patched(shard, ids, patch):
+    return patched_take(shard, patch, ids)
+
+
+# ----------------------------------------------------------------- 5. the guard
+
+
+def fetch_body(ctx: StepContext):
+    """Rows of every table access of ``data`` (per worker), from the tables."""
+
+    def body(params, data):
+        reads = ctx.reads(params, data, NO_ATTEND_2D)
+        leaves = jax.tree.leaves(params)
+        return tuple(prefetch({i: leaves[i] for i in ctx.widths}, reads, ctx.axis_name))
+
+    return body
+
+
+def guard_body(ctx: StepContext):
+    """Step 5 per worker: the carried rows, or (when they may be stale) the same rows
+    fetched again from the step's final tables: when a row batch t+1 reads did not fit
+    in the first chunk (the device-side guard), or when the step was skipped (its early
+    update may hold NaN/Inf; the tables were kept). Every worker takes the same branch
+    (both flags are reduced over the axis)."""
+    widths, axis = ctx.widths, ctx.axis_name
+
+    def body(params, carry, stale, data):
+        leaves = jax.tree.leaves(params)
+        reads = ctx.reads(params, data)
+        tables = {i: leaves[i] for i in widths}
+
+        def refetch():
+            with jax.named_scope(priority.SCOPE_REFETCH):
+                return tuple(prefetch(tables, reads, axis))
+
+        return jax.lax.cond(stale, refetch, lambda: carry)
+
+    return body
+
+
+# ------------------------------------------------------------------ the step
+
+
+def pipelined_step(ctx: StepContext, specs: TrainState):
+    """``step(state, batch) -> (state, loss)`` of ``embrace_2d`` (see the module doc):
+    three ``shard_map`` programs and two optimizer steps on global arrays, one jitted
+    program in all. An optimizer that couples rows (clipping by global norm, a trust
+    ratio: ``row_optimizers.treats_rows_alone`` is false) cannot update the next batch's
+    rows from the first chunk alone: its step fetches them after the update (exact, the
+    schedule's gain lost)."""
+    axis = ctx.axis_name
+    early = treats_rows_alone(ctx.optimizer, ctx.params)
+    per = P(axis)
+    grad_specs = finish.gradient_specs(ctx, specs.params)
+    first_specs = {t.index: RowGrad(*t.layout.row_specs(axis)) for t in ctx.tables}
+    table_specs = finish.table_leaves(ctx, grad_specs.grads)
+
+    def smap(body, ins, outs):
+        return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs)
+
+    def step(state: TrainState, batch: PlacedBatch):
+        batch_specs = placement.placed_specs(batch, axis, ctx.replicated_keys)
+        state_in = specs._replace(carry=per if state.carry != () else ())
+        out = Exchanged(grad_specs, first_specs, P())
+        ex = smap(exchange_body(ctx), (state_in, batch_specs), out)(state, batch)
+        grads, carry = ex.grads, ()
+        if batch.next is not None and early:
+            patches = early_patches(ctx, state, ex.firsts)
+            fulls = finish.table_leaves(ctx, grads.grads)
+            carry, fulls = smap(
+                next_rows_body(ctx),
+                (specs.params, first_specs, batch_specs.next, table_specs),
+                (per, table_specs),
+            )(state.params, patches, batch.next, fulls)
+            grads = grads._replace(grads=finish.with_tables(ctx, grads.grads, fulls))
+        new, loss = apply_gradients(ctx, state, grads._replace(carry=carry))
+        if batch.next is None:
+            return new, loss
+        if not early:  # the next rows from the updated tables
+            fetch = smap(fetch_body(ctx), (specs.params, batch_specs.next), per)
+            return new._replace(carry=fetch(new.params, batch.next)), loss
+        stale = ex.spill | ~grads.ok if ctx.nonfinite != "off" else ex.spill
+        guard = smap(guard_body(ctx), (specs.params, per, P(), batch_specs.next), per)
+        return new._replace(carry=guard(new.params, carry, stale, batch.next)), loss
+
+    return step

@@ -1,0 +1,163 @@
+"""EmbRace's 2D communication scheduling for column-sharded tables.
+
+Horizontal: inside step t the embedding-gradient exchange is split into chunks sent in
+priority order. Token positions whose id batch t+1 reads go first; once they have
+arrived, the owner updates those rows and serves the lookup of batch t+1, while the
+remaining chunks are still to be exchanged. Vertical: the exchange has no data
+dependency on the dense layers' all-reduce, nor that on it, so XLA may overlap them.
+
+The split never loses a row: token positions are *sorted* by priority and cut into
+fixed-size chunks, so every position is sent exactly once whatever the sizes. The size
+of the first chunk only decides whether all high-priority positions fit in it: the
+planner (``high_priority_capacity``, host-side) sizes it so they do, which is what makes
+the early-updated rows exact.
+
+Example (P=1 worker, 4 tokens, next batch reads ids {7, 2})::
+
+    ids    [5, 7, 2, 5]  ->  levels [1, 0, 0, 1]  ->  order [1, 2, 0, 3]
+    chunk 0 (capacity 2): positions 1, 2 (ids 7, 2)   chunk 1: positions 0, 3 (ids 5, 5)
+
+References:
+    Li et al., "EmbRace", ICPP 2022, section 4 (2D communication scheduling).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsecomm_jax.comm import costmodel
+from sparsecomm_jax.embedding.access import HostReads, every_id
+from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_quarter
+
+HIGH, LOW = 0, 1
+# Name scopes of the pipelined step, visible in the compiled program's op metadata.
+SCOPE_HIGH, SCOPE_LOW, SCOPE_NEXT = "embrace2d_high", "embrace2d_low", "embrace2d_next_lookup"
+SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
+SCOPE_DENSE = "embrace2d_dense"  # the dense layers' mean (no data edge to the tables')
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def priority_levels(ids, next_ids):
+    """Level of each token position: ``HIGH`` (0) when batch t+1 reads its id, else
+    ``LOW`` (1). Works on numpy or jax arrays of any shape."""
+    xp = jnp if isinstance(ids, jax.Array) else np
+    return xp.where(xp.isin(ids, next_ids), HIGH, LOW).astype(xp.int32)
+
+
+def next_use_levels(ids, future: Sequence[Any]):
+    """Level of each position by when its id is next read: 0 when batch t+1 reads it,
+    1 when t+2 does (and t+1 does not), ..., ``len(future)`` when no batch of the
+    lookahead reads it (numpy or jax).
+
+    Example: ids [5, 7, 2, 5], future [{7}, {5, 7}] -> levels [1, 0, 2, 1].
+
+    Args:
+      ids: int[..., n] ids of the positions.
+      future: the ids batches t+1, t+2, ... read (any shapes), soonest first.
+
+    Returns:
+      int32[..., n].
+    """
+    xp = jnp if isinstance(ids, jax.Array) else np
+    levels = xp.full(ids.shape, len(future), xp.int32)
+    for level in reversed(range(len(future))):  # the soonest read wins
+        levels = xp.where(xp.isin(ids, xp.ravel(future[level])), level, levels)
+    return levels
+
+
+def overflows(levels, capacity: int):
+    """Device-side guard, this worker's part: True when it holds more ``HIGH``
+    positions than the first chunk's ``capacity`` (the rows would travel late);
+    callers reduce it over the workers (``jax.lax.pmax``) with their other flags."""
+    return jnp.sum(levels == HIGH) > capacity
+
+
+def priority_order(levels):
+    """Positions sorted by level (stable): level-0 first, original order within a level.
+
+    Any number of levels works (e.g. by how soon a row is needed, or by frequency).
+    ``levels``: int[..., n] -> int[..., n] permutation along the last axis.
+    """
+    xp = jnp if isinstance(levels, jax.Array) else np
+    return xp.argsort(levels, axis=-1, stable=True)
+
+
+def chunk_bounds(n: int, capacities: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk: the given capacities, then the rest (if any)."""
+    bounds, start = [], 0
+    for c in capacities:
+        end = min(n, start + c)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    if start < n:
+        bounds.append((start, n))
+    return bounds
+
+
+def late_chunk_rows(link: costmodel.Link, row_bytes: int, workers: int, overhead=0.1) -> int:
+    """Positions per late chunk: the fewest whose all-to-all spends at most ``overhead``
+    of its time on message latency under the alpha-beta ``link`` (more, smaller
+    chunks let the rows needed soonest arrive sooner; each costs (P-1) messages).
+
+    Example: 50 us per message, 1 Gbit/s, 512-float rows on 4 workers -> 110 positions.
+    """
+    per_row = (workers - 1) / workers * row_bytes * link.beta  # seconds per position
+    latency = (workers - 1) * link.alpha
+    return max(1, math.ceil(latency * (1 - overhead) / (overhead * max(per_row, 1e-30))))
+
+
+def high_priority_capacity(worker_ids: Sequence[np.ndarray], next_ids: np.ndarray) -> int:
+    """Largest number of positions any worker must send first (host-side, numpy).
+
+    Example: worker ids [5, 7, 2, 5] and [1, 1, 9, 9], next ids {7, 2, 1} -> max(2, 2) = 2.
+    """
+    nxt = np.unique(np.asarray(next_ids))
+    return max((int(np.isin(np.asarray(w), nxt).sum()) for w in worker_ids), default=0)
+
+
+def first_chunk_need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
+    """Per table, the most positions any worker must send in its first chunk: lookup
+    positions whose id batch t+1 reads (counting every read), and shared positions (the
+    same on every worker) whose id it reads (host-side). ``reads``: batch t's, then
+    batch t+1's (nothing to plan without it: the last step sends one chunk)."""
+    if len(reads) < 2:
+        return {}
+    now, nxt = reads[0], every_id(reads[1])
+    return {
+        t.index: high_priority_capacity([*now[t.index][0], now[t.index][1]], nxt.get(t.index, []))
+        for t in tables
+        if t.index in now
+    }
+
+
+PRIORITY_CAPACITY = CapacityPolicy(
+    lambda reads, tables, workers: first_chunk_need(reads, tables, workers),  # looked up late
+    "high-priority positions",
+    grow_by_quarter,
+)
+
+
+def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
+    """Chunk sizes in priority order: ``first``, then late chunks of at least
+    ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``.
+
+    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
+    """
+    rest = max(0, n - first)
+    link_rows = late_chunk_rows(LINK, 4 * width, workers)
+    size = max(1, link_rows, -(-rest // MAX_LATE_CHUNKS))
+    return [first] + [size] * (-(-rest // size))
+
+
+LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
+MAX_LATE_CHUNKS = 4  # each chunk is one all-to-all per table
+LINK = costmodel.Link.from_bandwidth(1.0)  # sizes the late chunks (1 Gbit/s, 50 us)

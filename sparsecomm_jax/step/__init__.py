@@ -1,0 +1,6 @@
+"""What every train step shares.
+
+- ``state``: ``TrainState``, ``StepContext``, ``TrainStep``;
+- ``placement``: partition specs, batch checks, ``PlacedBatch``, capacities per batch;
+- ``finish``: ``Gradients`` (what a body hands on) and the optimizer on global arrays.
+"""

@@ -1,0 +1,162 @@
+"""The two halves of a step and where they meet: ``Gradients``.
+
+A step body (inside ``jax.shard_map``) ends with ``gradients(...)``: the mean loss and
+whether every worker's gradient is finite, folded into one all-reduce, and the mean
+gradient (the dense layers reduced by the aggregator; each table's gradient as its
+``TableUpdate`` wants it). ``apply_gradients`` then runs the optimizer on global arrays
+(``embedding.update``), keeping the previous state when a gradient was not finite.
+
+Example:
+    >>> # def step(state, batch):
+    >>> #     grads = jax.shard_map(body, ..., out_specs=gradient_specs(ctx))(state, batch)
+    >>> #     return apply_gradients(ctx, state, grads)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax.embedding import update
+from sparsecomm_jax.embedding.row_optimizers import state_roles
+from sparsecomm_jax.embedding.update import RowView
+from sparsecomm_jax.step.state import StepContext, TrainState
+
+PyTree = Any
+
+
+class Gradients(NamedTuple):
+    """What a step body hands to the update (global arrays once out of ``shard_map``).
+
+    Attributes:
+      loss: the mean loss over the workers (replicated).
+      ok: True when no worker had a NaN or Inf in its gradient or new residuals
+        (replicated; always True with ``nonfinite="off"``).
+      grads: the mean gradient, shaped like the parameters (a table's leaf as its
+        ``TableUpdate`` made it: a dense shard or a ``RowGrad``).
+      agg_state: the aggregator's new state (one slice per worker).
+      carry: what a pipelined step hands to the next.
+    """
+
+    loss: jax.Array
+    ok: jax.Array
+    grads: PyTree
+    agg_state: PyTree
+    carry: PyTree = ()
+
+
+def finite(tree: PyTree) -> jax.Array:
+    """True when no leaf of ``tree`` holds a NaN or Inf (what this worker sees)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def reduce_scalars(ctx: StepContext, loss, checked: PyTree, *flags):
+    """The mean loss, whether every worker's ``checked`` tree is finite, and whether any
+    worker raised each of ``flags``: one all-reduce for all of them (inside
+    ``shard_map``). With ``nonfinite="off"`` nothing is checked (``ok`` is True).
+
+    Returns:
+      ``(loss, ok, *flags)``, the same on every worker.
+    """
+    check = ctx.nonfinite != "off"
+    bad = ~finite(update.row_values(checked)) if check else jnp.array(False)
+    local = jnp.stack([loss, bad.astype(loss.dtype), *(jnp.asarray(f, loss.dtype) for f in flags)])
+    total = jax.lax.psum(local, ctx.axis_name)  # float[2 + flags]
+    ok = total[1] == 0 if check else jnp.array(True)
+    return (total[0] / ctx.num_workers, ok, *(total[2:] > 0))
+
+
+def loss_and_ok(ctx: StepContext, loss, *checked: PyTree) -> tuple[jax.Array, jax.Array]:
+    """The mean loss and the finite flag over the workers, in one all-reduce."""
+    return reduce_scalars(ctx, loss, checked)
+
+
+def gradients(ctx: StepContext, loss, grads, agg_state, carry=()) -> Gradients:
+    """A body's result: ``loss`` this worker's, ``grads`` the mean gradient (dense
+    layers reduced; tables as the ``TableUpdate`` made them), ``agg_state`` the new
+    per-worker state."""
+    loss, ok = loss_and_ok(ctx, loss, grads, agg_state)
+    return Gradients(loss, ok, grads, agg_state, carry)
+
+
+def aggregate(ctx: StepContext, grads, agg_state):
+    """``ctx.aggregator`` on local gradients; its state is stored per worker with a
+    leading axis of 1 inside ``shard_map`` (global: one slice per worker)."""
+    local = jax.tree.map(lambda x: x[0], agg_state)
+    mean, local = ctx.aggregator.update(grads, local)
+    return mean, jax.tree.map(lambda x: x[None], local)
+
+
+def table_grads(ctx: StepContext, pairs: dict[int, list], params) -> dict[int, Any]:
+    """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it."""
+    leaves = jax.tree.leaves(params)
+    return {
+        t.index: ctx.table_update.gradient(pairs[t.index], leaves[t.index], ctx.num_workers)
+        for t in ctx.tables
+    }
+
+
+# ------------------------------------------------------------------ the update
+
+
+def row_view(ctx: StepContext, opt_state: PyTree) -> RowView:
+    """The ``RowView`` of ``ctx``'s tables (their specs from their layouts)."""
+    axis = ctx.axis_name
+    specs = {t.index: (t.layout.spec(axis), *t.layout.row_specs(axis)) for t in ctx.tables}
+    roles = state_roles(ctx.optimizer, opt_state, ctx.params)
+    return RowView(ctx.mesh, axis, specs, roles)
+
+
+def apply_gradients(ctx: StepContext, state: TrainState, grads: Gradients):
+    """The optimizer on global arrays (``ctx.table_update``), the aggregator's new state
+    and the carry; the previous state where ``grads.ok`` is false (the loss is then
+    NaN). Returns ``(state, loss)``."""
+    ok = grads.ok if ctx.nonfinite != "off" else True
+    view = row_view(ctx, state.opt_state)
+    params, opt_state = ctx.table_update.apply(
+        ctx.optimizer, state.params, state.opt_state, grads.grads, ok, view
+    )
+    agg_state = update.where(ok, grads.agg_state, state.agg_state)
+    loss = grads.loss if ok is True else jnp.where(ok, grads.loss, jnp.nan)
+    return TrainState(params, opt_state, agg_state, grads.carry), loss
+
+
+def gradient_specs(ctx: StepContext, param_specs: PyTree, carry_spec=None) -> Gradients:
+    """The ``PartitionSpec`` tree of a body's ``Gradients`` (its ``out_specs``)."""
+    grads = update.grad_specs(ctx.table_update, ctx.tables, param_specs, ctx.axis_name)
+    carry = () if carry_spec is None else carry_spec
+    return Gradients(P(), P(), grads, P(ctx.axis_name), carry)
+
+
+def table_leaves(ctx: StepContext, tree: PyTree) -> dict[int, Any]:
+    """Table leaf index -> the entry of ``tree`` (shaped like the parameters) at it,
+    whatever it holds (an array, a ``RowGrad``, a spec)."""
+    flat = jax.tree.structure(ctx.params).flatten_up_to(tree)
+    return {t.index: flat[t.index] for t in ctx.tables}
+
+
+def with_tables(ctx: StepContext, tree: PyTree, tables: dict[int, Any]) -> PyTree:
+    """``tree`` (shaped like the parameters, ``None`` allowed at the tables) with
+    ``tables[i]`` at table leaf ``i``."""
+    treedef = jax.tree.structure(ctx.params)
+    flat = treedef.flatten_up_to(tree)
+    return treedef.unflatten([tables.get(i, x) for i, x in enumerate(flat)])
+
+
+def apply_in_place(ctx: StepContext, state: TrainState, loss, grads, agg_state):
+    """The whole update inside one worker's program (``jax.pmap``): the dense table
+    update on replicated arrays, skipped where a gradient is not finite."""
+    loss, ok = loss_and_ok(ctx, loss, grads, agg_state)
+    if ctx.nonfinite == "off":
+        ok = True
+    updates, new_opt = ctx.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = TrainState(params, new_opt, agg_state)
+    old = TrainState(state.params, state.opt_state, state.agg_state)
+    loss = loss if ok is True else jnp.where(ok, loss, jnp.nan)
+    return update.where(ok, new, old), loss

@@ -1,0 +1,150 @@
+"""What every train step shares: its state, its context and the built step.
+
+A *model* is a pure loss ``loss_fn(params, batch, emb) -> scalar``: the mean loss over
+the examples of ``batch``, where ``emb`` (an ``embedding.access.EmbeddingOps``) does
+every embedding-table access, so a strategy can serve rows from a sharded table without
+model code. A *batch* is a flat dict of arrays whose leading axis is the global batch,
+except the keys in ``replicated_keys`` that every worker sees whole.
+
+A step has two halves: a *body*, run once per worker inside ``jax.shard_map``, computes
+the gradients and exchanges them (``step.finish.Gradients``); the *update* then runs
+the optimizer on global arrays (``step.finish.apply_gradients``). ``StepContext`` is
+everything both are built from; ``TrainState`` what a step reads and writes;
+``TrainStep`` the built result.
+
+Example:
+    >>> from sparsecomm_jax.step.state import TrainState
+    >>> TrainState(params={}, opt_state=(), agg_state=()).carry
+    ()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from sparsecomm_jax import runtime
+from sparsecomm_jax.aggregators import Aggregator
+from sparsecomm_jax.embedding import access
+from sparsecomm_jax.embedding.access import EmbeddingOps
+from sparsecomm_jax.embedding.tables import Table
+from sparsecomm_jax.embedding.update import TableUpdate
+
+PyTree = Any
+Batch = dict[str, Any]
+LossFn = Callable[[PyTree, Batch, EmbeddingOps], jax.Array]
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes (a plain pytree: jit, shard, checkpoint).
+
+    Attributes:
+      params: model parameters (a sharded table is a global array: each worker holds
+        its shard).
+      opt_state: the optax optimizer state (sharded like the parameters it follows).
+      agg_state: the gradient aggregator's state (error-feedback residuals, one slice
+        per worker), or ``()``.
+      carry: what a pipelined step hands to the next (``embrace_2d``: the embedding rows
+        of the next batch), ``()`` otherwise and before the first step.
+    """
+
+    params: PyTree
+    opt_state: PyTree
+    agg_state: PyTree
+    carry: PyTree = ()
+
+
+class TrainStep(NamedTuple):
+    """A built strategy.
+
+    Attributes:
+      step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function or a
+        ``jax.pmap`` one (``step.lower(...)`` gives its program); ``loss`` is the mean
+        loss over the global batch, a scalar (``loss_value`` reads it).
+      state: the initial ``TrainState``, placed on the devices.
+      place_batch: host batch (global, identical on every process) -> device batch;
+        validates it first.
+      host_params: ``state -> params`` as ordinary numpy arrays (sharded tables
+        gathered back to V x D).
+      strategy: the strategy's name, e.g. ``"embrace+topk_a2a"``.
+      lookahead: k > 0 when ``place_batch(batch, next_batch, *later)`` wants the next
+        k steps' batches too (``embrace_2d``), else 0.
+      per_device_state: True when every state leaf has a leading local-device axis
+        (``jax.pmap``), False for global arrays (``jax.jit``).
+      table_update: the name of the tables' ``TableUpdate`` (``"dense"``, ``"rows"``).
+    """
+
+    step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
+    state: TrainState
+    place_batch: Callable[..., Any]
+    host_params: Callable[[TrainState], PyTree]
+    strategy: str
+    lookahead: int = 0
+    per_device_state: bool = False
+    table_update: str = "dense"
+
+
+class StepContext(NamedTuple):
+    """What a step is built from (validated by ``make_train_step``).
+
+    Attributes:
+      loss_fn: the model's loss.
+      optimizer: the optax optimizer of every parameter.
+      mesh: the mesh with ``axis_name``.
+      params: the initial parameters, unsharded (shapes of the full tables).
+      axis_name: the data-parallel mesh axis.
+      replicated_keys: batch keys every worker sees whole.
+      tables: the embedding tables the strategy places, each with its layout (empty
+        for data-parallel strategies, which treat tables as dense parameters).
+      table_mask: bool per parameter leaf: is it a table the strategy places?
+      vocabs: V of every embedding table named (data parallel too): the range ids are
+        checked against.
+      id_keys: batch keys holding token ids (``None``: every integer key).
+      capacity: fixed slots per static buffer (``None``: sized per batch).
+      aggregator: reduces the data-parallel gradients (the dense layers).
+      nonfinite: ``"skip"`` (keep the state, NaN loss), ``"error"`` (the same; callers
+        stop), ``"off"`` (no check).
+      table_update: ``embedding.update.DENSE`` or ``ROWS``.
+      wire: the dtype embedding rows (and the dense layers' mean, with a table
+        strategy) travel in.
+    """
+
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    mesh: Mesh
+    params: PyTree
+    axis_name: str
+    replicated_keys: tuple[str, ...]
+    tables: tuple[Table, ...]
+    table_mask: PyTree
+    vocabs: tuple[int, ...]
+    id_keys: tuple[str, ...] | None
+    capacity: int | None
+    aggregator: Aggregator
+    nonfinite: str
+    table_update: TableUpdate
+    wire: Any
+
+    @property
+    def num_workers(self) -> int:
+        return runtime.mesh_axis_size(self.mesh, self.axis_name)
+
+    @property
+    def widths(self) -> dict[int, int]:
+        """Table leaf index -> full row width D."""
+        return {t.index: t.dim for t in self.tables}
+
+    @property
+    def table_rows(self) -> dict[int, int]:
+        """Table leaf index -> its rows V."""
+        return {t.index: t.vocab for t in self.tables}
+
+    def reads(self, params, data, attend_error: str = "") -> list:
+        """The table reads ``loss_fn`` makes on ``data`` (``access.traced_reads``)."""
+        return access.traced_reads(
+            self.loss_fn, params, data, self.table_mask, self.widths, self.table_rows, attend_error
+        )

@@ -1,0 +1,121 @@
+"""Step bodies: what one worker does in one step, per kind of strategy.
+
+A body runs once per worker inside ``jax.shard_map`` (``jax.pmap`` for ``dense_pmap``),
+with ``batch`` a ``step.placement.PlacedBatch`` holding this worker's slice, and
+returns the step's ``step.finish.Gradients``; ``shard_map_step`` wraps a body into a
+whole step (the body, then the optimizer on global arrays). Two bodies serve every
+non-pipelined strategy:
+
+- ``data_parallel_body``: every parameter replicated; all gradients through the
+  aggregator (``dense``, and the top-k strategies ``topk_a2a``, ...);
+- ``table_body``: the tables read through their layouts (``embedding.gradients``), their
+  gradients returned to the owners, the dense layers through the aggregator (``embrace``,
+  ``embrace_rowwise``, ``sparse_allgather``: column-wise, row-wise and replicated
+  tables).
+
+Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from sparsecomm_jax import make_train_step, runtime
+    >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(),
+    ...                      {"w": jnp.ones((3, 1))}, "dense")  # data_parallel_body
+
+References:
+    Li et al., "EmbRace: Accelerating Sparse Communication for Distributed Training of
+    Deep Neural Networks", ICPP 2022.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from sparsecomm_jax.comm.vma import vary
+from sparsecomm_jax.embedding import gradients as table_gradients
+from sparsecomm_jax.embedding.access import PLAIN
+from sparsecomm_jax.embedding.tables import split_tables
+from sparsecomm_jax.step import finish, placement
+from sparsecomm_jax.step.finish import Gradients, aggregate, apply_gradients
+from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step.state import StepContext, TrainState
+
+Body = Callable[[TrainState, PlacedBatch], Gradients]
+
+
+def data_parallel_body(ctx: StepContext) -> Body:
+    """Every parameter replicated: local gradients, all of them reduced by the
+    aggregator (``pmean`` for ``dense``, top-k with error feedback for ``topk_a2a`` and
+    the other sparse aggregators)."""
+
+    def body(state: TrainState, batch: PlacedBatch) -> Gradients:
+        params = vary(state.params, ctx.axis_name)  # each worker's own gradient
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, PLAIN)
+        mean, agg_state = aggregate(ctx, grads, state.agg_state)
+        return finish.gradients(ctx, loss, mean, agg_state)
+
+    return body
+
+
+def table_body(ctx: StepContext) -> Body:
+    """Tables read through their layouts: the rows of a step's reads fetched, the loss
+    differentiated with respect to them, their gradients sent back to the owners and
+    made the ``TableUpdate``'s gradient (a dense shard or the rows alone); the dense
+    layers through the aggregator. Each owner's sum over workers divided by P gives the
+    mean, as ``pmean`` does for the dense layers.
+
+    References:
+      Li et al., "EmbRace", ICPP 2022 (column-wise); Mudigere et al., 2021 (row-wise).
+    """
+
+    def body(state: TrainState, batch: PlacedBatch) -> Gradients:
+        loss, grads, pairs = table_gradients.table_gradients(
+            ctx.loss_fn,
+            state.params,
+            batch.data,
+            ctx.tables,
+            ctx.table_mask,
+            batch.slots(ctx.tables),
+            ctx.axis_name,
+            ctx.wire,
+        )
+        rest, agg_state = aggregate(ctx, split_tables(grads, ctx.table_mask)[1], state.agg_state)
+        tables = finish.table_grads(ctx, pairs, state.params)
+        return finish.gradients(ctx, loss, finish.with_tables(ctx, rest, tables), agg_state)
+
+    return body
+
+
+def shard_map_step(body_fn: Callable[[StepContext], Body]):
+    """A strategy's ``step(ctx, specs)`` from a body: ``jax.shard_map`` of the body (its
+    ``Gradients`` out), then the optimizer on global arrays (``apply_gradients``)."""
+
+    def build(ctx: StepContext, specs: TrainState):
+        body = body_fn(ctx)
+        out_specs = finish.gradient_specs(ctx, specs.params)
+
+        def step(state: TrainState, batch: PlacedBatch):
+            batch_specs = placement.placed_specs(batch, ctx.axis_name, ctx.replicated_keys)
+            grads = jax.shard_map(
+                body,
+                mesh=ctx.mesh,
+                in_specs=(specs._replace(carry=()), batch_specs),
+                out_specs=out_specs,
+            )(state, batch)
+            return apply_gradients(ctx, state, grads)
+
+        return step
+
+    return build
+
+
+def pmap_body(ctx: StepContext):
+    """``dense_pmap``'s whole step inside ``jax.pmap``: local gradients, ``pmean``, the
+    optimizer on each device's replica."""
+
+    def body(state: TrainState, batch: PlacedBatch):
+        loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, PLAIN)
+        mean, agg_state = aggregate(ctx, grads, state.agg_state)
+        return finish.apply_in_place(ctx, state, loss, mean, agg_state)
+
+    return body

@@ -1,0 +1,313 @@
+"""``make_train_step``: a strategy's step, state and batch placer, checked once.
+
+Every rule about what may be combined lives here, checked before anything is traced;
+the command line only turns the ``ValueError`` into one line.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from sparsecomm_jax import make_train_step, runtime
+    >>> mesh = runtime.data_mesh()
+    >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> ts = make_train_step(loss, optax.sgd(0.1), mesh, {"w": jnp.zeros((3, 1))})
+    >>> n = len(jax.devices())
+    >>> batch = ts.place_batch({"x": jnp.ones((n, 3)), "y": jnp.ones((n, 1))})
+    >>> state, loss_value = ts.step(ts.state, batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax.comm import wire
+from sparsecomm_jax.embedding import update
+from sparsecomm_jax.embedding.tables import TablePaths, find_tables, table_mask
+from sparsecomm_jax.embedding.update import TableUpdate
+from sparsecomm_jax.step import placement
+from sparsecomm_jax.step.placement import first_replica
+from sparsecomm_jax.step.state import Batch, LossFn, PyTree, StepContext, TrainState, TrainStep
+from sparsecomm_jax.strategies.registry import STRATEGIES, Strategy, StrategyName, parse_strategy
+
+NONFINITE = ("skip", "error", "off")
+
+
+# ---------------------------------------------------------------- the engines
+
+
+def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
+    """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
+    state, specs = placement.place_state(ctx)
+    step = strategy.step(ctx, specs)
+    policies = (
+        [(strategy.capacity, ctx.tables)]
+        if strategy.capacity is not None
+        else placement.layout_policies(ctx)
+    )
+    return TrainStep(
+        step=jax.jit(step, donate_argnums=0),
+        state=state,
+        place_batch=placement.batch_placer(ctx, policies, strategy.lookahead),
+        host_params=lambda s: jax.tree.map(runtime.to_host, s.params),
+        strategy=strategy.name,
+        lookahead=strategy.lookahead,
+    )
+
+
+class PmapStep(NamedTuple):
+    """A ``jax.pmap`` step that returns the loss as one scalar, like every other step
+    (the per-device copies are equal after ``pmean``); ``lower`` is the pmap's."""
+
+    pmapped: Callable
+
+    def __call__(self, state: TrainState, batch: placement.PlacedBatch):
+        state, loss = self.pmapped(state, batch)
+        return state, loss.addressable_data(0).reshape(())
+
+    def lower(self, *args, **kwargs):
+        return self.pmapped.lower(*args, **kwargs)
+
+
+def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
+    """The classic ``jax.pmap`` + ``lax.pmean`` baseline (``dense_pmap``)."""
+    devices = list(ctx.mesh.devices.flat)
+    num_local = sum(d.process_index == jax.process_index() for d in devices)
+    state = TrainState(ctx.params, ctx.optimizer.init(ctx.params), ())
+    body = strategy.step(ctx)
+    return TrainStep(
+        step=PmapStep(jax.pmap(body, ctx.axis_name, devices=devices, donate_argnums=0)),
+        state=placement.stack_per_device(state, num_local),
+        place_batch=placement.pmap_placer(ctx),
+        host_params=lambda s: jax.tree.map(first_replica, s.params),
+        strategy=strategy.name,
+        per_device_state=True,
+    )
+
+
+ENGINES = {"shard_map": jit_step, "pmap": pmap_step}
+
+
+def place_for_step(ts: TrainStep, batch_at: Callable[[int], Batch], step: int, steps: int):
+    """The placed batch of ``step`` of a ``steps``-step run, with the next
+    ``ts.lookahead`` steps' batches for pipelined strategies (none at the last step)."""
+    if ts.lookahead and step + 1 < steps:
+        # near the end the last batch stands in for those past it: one program shape
+        ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + ts.lookahead)]
+        return ts.place_batch(batch_at(step), *(batch_at(s) for s in ahead))
+    return ts.place_batch(batch_at(step))
+
+
+# ------------------------------------------------------------------ the checks
+
+
+def check_arguments(loss_fn, optimizer, mesh, params) -> None:
+    """``ValueError`` for arguments of the wrong kind, before anything is traced."""
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ValueError("optimizer must be an optax GradientTransformation (init, update)")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if not leaves:
+        raise ValueError("params has no arrays")
+    for path, x in leaves:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} must be a floating-point array, "
+                f"got {type(x).__name__} of dtype {dtype}"
+            )
+
+
+def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
+    """The options every strategy takes."""
+    if capacity is not None and capacity < 1:
+        raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+    if name.aggregator == "gtopk" and num & (num - 1):
+        raise ValueError(f"gtopk needs a power-of-two number of devices, got {num}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
+def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype: str) -> None:
+    """The rules of the table update and the wire dtype (one place for all callers)."""
+    wire.wire_dtype(comm_dtype)  # a known name
+    strategy = name.strategy
+    if table_update is update.ROWS and not strategy.row_updates:
+        rows = [s.name for s in STRATEGIES.values() if s.row_updates]
+        raise ValueError(
+            f"table_update='rows' needs a strategy among {rows}; strategy "
+            f"'{strategy.name}' updates no table row-sparsely"
+        )
+    if comm_dtype == "float32":
+        return
+    if table_update is not update.ROWS or name.aggregator != "dense":
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} needs the row-sparse table update "
+            "(table_update='rows') and the dense all-reduce (no top-k)"
+        )
+    if strategy.name == "embrace_2d":
+        raise ValueError(
+            f"comm_dtype={comm_dtype!r} is not available for embrace_2d; "
+            "use comm_dtype='float32' or strategy 'embrace'"
+        )
+
+
+def make_aggregator(name: StrategyName, axis_name: str, density: float, comm_dtype: str, **options):
+    """The aggregator of the dense layers: the named one; a table strategy's ``dense``
+    mean travels as one flat buffer in ``comm_dtype`` (``aggregators.flat_allreduce``)."""
+    if name.aggregator == "dense" and name.strategy.layout is not None:
+        return aggregators.flat_allreduce(axis_name, comm_dtype)
+    return aggregators.AGGREGATORS[name.aggregator](density, axis_name, **options)
+
+
+# -------------------------------------------------------------- the entry point
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    params: PyTree,
+    strategy: str | StrategyName = "dense",
+    *,
+    axis_name: str = "data",
+    replicated_keys: Sequence[str] = (),
+    embedding_paths: TablePaths = (),
+    id_keys: Sequence[str] | None = None,
+    capacity: int | None = None,
+    density: float = 1.0,
+    nonfinite: str = "skip",
+    table_update: str | TableUpdate = "dense",
+    comm_dtype: str = "float32",
+    **aggregator_options: Any,
+) -> TrainStep:
+    """Builds the train step of ``strategy`` and its initial state.
+
+    Strategies (``strategy_names()``): ``dense_pmap`` (``pmap`` + ``pmean``), ``dense``
+    (the same with ``shard_map``), ``sparse_allgather`` (replicated tables, all-gather
+    of sparse rows), ``embrace`` (column-sharded tables, all-to-all), ``embrace_rowwise``
+    (row-sharded tables, de-duplicated all-to-all), ``embrace_2d`` (pipelined embrace);
+    ``topk_allgather``, ``topk_a2a``, ``gtopk``, ``adaptive`` (top-k with error
+    feedback for all gradients); and ``embrace+topk_a2a`` etc. (sharded tables, top-k
+    for the dense layers).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, emb) -> scalar``, mean over the batch's examples.
+      optimizer: any optax optimizer; it runs on global arrays (a sharded table's
+        gradient is summed over its shards by any transform that reduces over the tree).
+      mesh: a mesh with axis ``axis_name`` (see ``runtime.data_mesh``).
+      params: initial parameters (host or device arrays, unsharded).
+      strategy: one of ``strategy_names()`` (or a ``StrategyName``).
+      axis_name: the data-parallel mesh axis.
+      replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
+      embedding_paths: which parameters are V x D embedding tables: paths like
+        ``[("embed",)]`` or a predicate ``(path, leaf) -> bool``.
+      id_keys: batch keys holding token ids (checked to lie in [0, V)); default: every
+        integer entry of the batch when there are tables.
+      capacity: slots of a layout's static buffers per table (``embrace_rowwise``: per
+        (worker, owner) bucket; ``embrace``: distinct rows per worker; ``embrace_2d``:
+        first-chunk positions); ``None`` sizes them per batch (a new program when one
+        grows); a fixed value too small for a batch raises ``ValueError``.
+      density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
+      nonfinite: what a step does when a gradient or residual holds NaN/Inf on any
+        worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
+        state, residuals untouched) and report a NaN loss, so the caller counts the
+        step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
+      table_update: ``"dense"`` (a dense gradient per table shard, every row updated;
+        exact for any optimizer) or ``"rows"`` (the optimizer on the rows a step reads
+        only, O(tokens x D); exact for SGD, Adagrad, clipping, schedules; see
+        ``embedding.row_optimizers``), or a ``TableUpdate`` value.
+      comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
+        dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
+      **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
+
+    Returns:
+      A ``TrainStep``: ``state, loss = ts.step(state, ts.place_batch(batch))``.
+
+    Raises:
+      ValueError: unknown strategy, axis not in the mesh, embedding strategy without
+        tables, table not divisible by P, bad capacity or density, a combination the
+        strategy cannot make.
+    """
+    name = parse_strategy(strategy)
+    ctx = make_context(
+        loss_fn,
+        optimizer,
+        mesh,
+        params,
+        name,
+        axis_name=axis_name,
+        replicated_keys=replicated_keys,
+        embedding_paths=embedding_paths,
+        id_keys=id_keys,
+        capacity=capacity,
+        density=density,
+        nonfinite=nonfinite,
+        table_update=table_update,
+        comm_dtype=comm_dtype,
+        **aggregator_options,
+    )
+    built = ENGINES[name.strategy.engine](ctx, name.strategy)
+    return built._replace(strategy=str(strategy), table_update=ctx.table_update.name)
+
+
+def make_context(
+    loss_fn,
+    optimizer,
+    mesh,
+    params,
+    name: StrategyName,
+    *,
+    axis_name: str = "data",
+    replicated_keys: Sequence[str] = (),
+    embedding_paths: TablePaths = (),
+    id_keys: Sequence[str] | None = None,
+    capacity: int | None = None,
+    density: float = 1.0,
+    nonfinite: str = "skip",
+    table_update: str | TableUpdate = "dense",
+    comm_dtype: str = "float32",
+    **aggregator_options: Any,
+) -> StepContext:
+    """Every argument of ``make_train_step`` checked, as the ``StepContext`` a step is
+    built from (``ValueError`` naming what is wrong, before anything is traced)."""
+    check_arguments(loss_fn, optimizer, mesh, params)
+    num = runtime.mesh_axis_size(mesh, axis_name)
+    check_options(name, num, capacity, nonfinite)
+    table_update = update.get(table_update)
+    check_table_update(name, table_update, comm_dtype)
+    aggregator = make_aggregator(name, axis_name, density, comm_dtype, **aggregator_options)
+    named = table_mask(params, embedding_paths)
+    vocabs = tuple(sorted({t.vocab for t in find_tables(params, named, None)}))
+    layout = name.strategy.layout
+    mask = named if layout else jax.tree.map(lambda _: False, named)
+    tables = find_tables(params, mask, layout)
+    if name.strategy.needs_tables and not tables:
+        raise ValueError(
+            f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "
+            "(parameter paths or a predicate) that name at least one V x D table"
+        )
+    return StepContext(
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        mesh=mesh,
+        params=params,
+        axis_name=axis_name,
+        replicated_keys=tuple(replicated_keys),
+        tables=tables,
+        table_mask=mask,
+        vocabs=vocabs,
+        id_keys=None if id_keys is None else tuple(id_keys),
+        capacity=capacity,
+        aggregator=aggregator,
+        nonfinite=nonfinite,
+        table_update=table_update,
+        wire=wire.wire_dtype(comm_dtype),
+    )

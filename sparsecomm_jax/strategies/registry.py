@@ -1,0 +1,147 @@
+"""The strategy registry: each strategy a ``Strategy`` value, each name parsed once.
+
+A strategy name has two parts, ``TABLES+AGGREGATOR``: how embedding tables travel (a
+``Strategy`` of ``STRATEGIES``: ``dense``, ``embrace``, ...) and how the data-parallel
+gradients are reduced (an aggregator of ``aggregators.AGGREGATORS``: ``dense`` =
+``pmean``, ``topk_a2a``, ...). ``"embrace"`` means ``embrace+dense`` and ``"topk_a2a"``
+means ``dense+topk_a2a``. ``parse_strategy`` turns a name into a ``StrategyName``, the
+typed value that ``make_train_step``, the command line and the experiments share.
+
+Adding a table strategy is one ``Strategy`` entry in ``STRATEGIES`` (its layout and its
+step) and a test; names, validation and the command line's choices follow.
+
+Example:
+    >>> from sparsecomm_jax.strategies import registry
+    >>> name = registry.parse_strategy("embrace+topk_a2a")
+    >>> name.tables, name.aggregator, name.strategy.layout.name
+    ('embrace', 'topk_a2a', 'column')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from sparsecomm_jax.aggregators import AGGREGATORS
+from sparsecomm_jax.embedding.column import COLUMN
+from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout
+from sparsecomm_jax.embedding.replicated import REPLICATED
+from sparsecomm_jax.embedding.row import ROW
+from sparsecomm_jax.schedule import pipeline, priority
+from sparsecomm_jax.strategies import bodies
+
+
+class Strategy(NamedTuple):
+    """How one table strategy builds its step.
+
+    Attributes:
+      name: the registry key.
+      step: ``step(ctx, specs) -> fn(state, batch) -> (state, loss)``: the step's
+        function before ``jax.jit`` (``bodies.shard_map_step(body)`` for one body; for
+        the ``pmap`` engine the body of ``jax.pmap``).
+      layout: where its tables live (``embedding.column.COLUMN``, ...), or ``None``
+        when it gives tables no special treatment (data parallel).
+      capacity: a plan of the ids of its own, instead of its layout's (the pipelined
+        step's first chunk), or ``None``.
+      lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
+      needs_tables: the strategy needs at least one embedding table.
+      combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
+      engine: ``"shard_map"`` (``jax.jit`` of the step) or ``"pmap"``.
+      row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
+    """
+
+    name: str
+    step: Callable
+    layout: Layout | None = None
+    capacity: CapacityPolicy | None = None
+    lookahead: int = 0
+    needs_tables: bool = False
+    combines: bool = True
+    engine: str = "shard_map"
+    row_updates: bool = False
+
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("dense_pmap", bodies.pmap_body, combines=False, engine="pmap"),
+        Strategy("dense", bodies.shard_map_step(bodies.data_parallel_body)),
+        Strategy(
+            "sparse_allgather",
+            bodies.shard_map_step(bodies.table_body),
+            layout=REPLICATED,
+            needs_tables=True,
+            combines=False,
+            row_updates=True,
+        ),
+        Strategy(
+            "embrace",
+            bodies.shard_map_step(bodies.table_body),
+            layout=COLUMN,
+            needs_tables=True,
+            row_updates=True,
+        ),
+        Strategy(
+            "embrace_rowwise",
+            bodies.shard_map_step(bodies.table_body),
+            layout=ROW,
+            needs_tables=True,
+            row_updates=True,
+        ),
+        Strategy(
+            "embrace_2d",
+            pipeline.pipelined_step,
+            layout=COLUMN,
+            capacity=priority.PRIORITY_CAPACITY,
+            lookahead=priority.LOOKAHEAD,
+            needs_tables=True,
+            row_updates=True,
+        ),
+    )
+}
+
+
+class StrategyName(NamedTuple):
+    """A parsed strategy name: ``tables`` a key of ``STRATEGIES``, ``aggregator`` a key
+    of ``AGGREGATORS``. Unpacks as ``tables, aggregator = parse_strategy(name)``."""
+
+    tables: str
+    aggregator: str
+
+    @property
+    def strategy(self) -> Strategy:
+        """The table strategy's ``Strategy``."""
+        return STRATEGIES[self.tables]
+
+    def __str__(self) -> str:
+        if self.aggregator == "dense":
+            return self.tables
+        return self.aggregator if self.tables == "dense" else f"{self.tables}+{self.aggregator}"
+
+
+def parse_strategy(strategy: str | StrategyName) -> StrategyName:
+    """``"embrace+topk_a2a"`` -> ``StrategyName("embrace", "topk_a2a")``; ``"topk_a2a"``
+    -> ``("dense", "topk_a2a")``; ``"embrace"`` -> ``("embrace", "dense")``.
+
+    Raises:
+      ValueError: an unknown name, or an aggregator for a strategy that takes none
+        (both listing what is accepted).
+    """
+    if isinstance(strategy, StrategyName):
+        return strategy
+    base, _, agg = str(strategy).partition("+")
+    if not agg and base in AGGREGATORS and base not in STRATEGIES:
+        base, agg = "dense", base
+    agg = agg or "dense"
+    if base not in STRATEGIES or agg not in AGGREGATORS:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {strategy_names()}")
+    if agg != "dense" and not STRATEGIES[base].combines:
+        raise ValueError(f"strategy {base!r} cannot be combined with an aggregator ({agg!r})")
+    return StrategyName(base, agg)
+
+
+def strategy_names() -> list[str]:
+    """Every accepted ``strategy`` name."""
+    sparse = [a for a in AGGREGATORS if a != "dense"]
+    tables = [s.name for s in STRATEGIES.values() if s.needs_tables and s.combines]
+    return [*STRATEGIES, *sparse, *(f"{t}+{a}" for t in tables for a in sparse)]

@@ -1,0 +1,11 @@
+"""Top-k sparsification: what to send of a gradient, and how it travels.
+
+- ``selectors``: ``Selector`` values (``AUTO``, ``EXACT``, ``RADIX``, ``THRESHOLD``) in
+  a registry, and the selection functions with their error-feedback residual;
+- ``shards``: TopKA2A's selection split over P shards (one all-to-all destination each);
+- ``collectives``: ``topk_allgather``, ``topk_a2a``, ``gtopk`` inside ``shard_map``;
+- ``hostkernel``: the CPU kernel behind ``AUTO`` (``topk_kernel.cc``), one dispatch;
+- ``local_cost``: the measured local work of the sparse exchanges, for the cost model.
+
+The aggregators built from these live in ``sparsecomm_jax.aggregators``.
+"""

@@ -1,0 +1,73 @@
+"""The measured local work of the sparse exchanges, for the cost model.
+
+``comm.costmodel`` prices a bucket's exchange by its messages and bytes; a top-k
+exchange also selects, keeps a residual and scatter-adds, on the worker itself. Here
+that local work is timed at the run's bucket sizes and fitted as a line in the size
+(``comm.costmodel.LocalWork``), so ``adaptive`` chooses the shortest step, not the
+fewest bytes.
+
+Example:
+    >>> from sparsecomm_jax.topk import local_cost
+    >>> fn = local_cost.local_work_fn("topk_a2a", 1000, 0.1, 4)  # jitted float32[1000] -> ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsecomm_jax.comm.costmodel import CHOICES, LocalWork, fit_line, median_seconds
+from sparsecomm_jax.topk import selectors, shards
+
+
+def local_work_fn(strategy: str, size: int, density: float, workers: int):
+    """One worker's local work of ``strategy`` on a bucket (collectives left out: the
+    all-gather is stood in for by tiling the own selection P times), as a jitted
+    ``float32[size] -> outputs``; ``None`` for dense."""
+    k = selectors.num_selected(density, size)
+    if strategy == "topk_allgather":
+
+        def work(x):
+            values, indices, kept = selectors.select_with_residual(selectors.AUTO, x, k)
+            gathered = (jnp.tile(values, workers), jnp.tile(indices, workers))
+            return selectors.densify(*gathered, size), kept
+
+    elif strategy == "topk_a2a":
+
+        def work(x):
+            values, local, kept = shards.shard_select(selectors.AUTO, x, k, workers)  # [P, k/P]
+            return selectors.densify(values, local, -(-size // workers)), kept
+
+    else:
+        return None
+    return jax.jit(work)
+
+
+def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
+    """``LocalWork`` of the sparse strategies, timed at each bucket size on this device
+    and fitted as a line in the size.
+
+    Args:
+      sizes: bucket sizes (entries), e.g. those of the run's fusion plan.
+      density: fraction selected.
+      workers: P.
+      timer: ``(fn, x) -> seconds``; default the median of 5 timed calls after one.
+
+    Returns:
+      A ``LocalWork`` to pass as ``Link(..., local=...)``.
+    """
+    timer = timer or median_seconds
+    rng, lines = np.random.default_rng(0), {}
+    for strategy in CHOICES:
+        points = []
+        for size in sorted(set(sizes)):
+            fn = local_work_fn(strategy, size, density, workers)
+            if fn is not None:
+                x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties
+                points.append((size, timer(fn, x)))
+        if points:
+            lines[strategy] = fit_line(points)
+    return LocalWork(lines)
