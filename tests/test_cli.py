@@ -49,6 +49,17 @@ def test_pmap_and_shard_map_agree_through_cli():
     assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-6)
 
 
+def test_overlapped_step_from_the_command_line():
+    """``--overlap``: embrace_2d across steps (two programs), the same losses as the
+    pipelined step, the bytes of its ``high`` and ``low`` programs together."""
+    small = dict(SMALL, sampled_softmax=8, optimizer="sgd", lr=0.5)
+    one = train_and_evaluate(RunConfig(strategy="embrace_2d", **small), progress=False)
+    two = train_and_evaluate(RunConfig(strategy="embrace_2d", overlap=True, **small), False)
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    assert two["overlap"] and two["comm_bytes_per_step"] > 0
+    assert len(two["step_times_s"]) == small["steps"] - 1
+
+
 def test_calibrated_link_for_adaptive_and_in_the_result():
     config = RunConfig(strategy="adaptive", density=0.1, link_gbit=0, calibrate=True, **SMALL)
     link = adaptive_link(config)  # fitted on the 8 simulated devices
@@ -116,6 +127,11 @@ BAD_INPUT = [
     (["--devices", "1", "--batch", str(10**9)], "--batch 1000000000: one global batch alone"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
     (["--resume-step", "2"], "--resume-step needs --resume"),
+    (["--overlap"], "--overlap runs embrace_2d across steps: give --strategy embrace_2d"),
+    (
+        ["--strategy", "embrace_2d", "--overlap", "--checkpoint-dir", "/tmp/x"],
+        "--overlap keeps no --checkpoint-dir",
+    ),
 ]
 
 
