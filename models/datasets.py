@@ -169,25 +169,93 @@ def cifar_folder(data_dir: str | Path) -> Path:
     )
 
 
+class DataUnpickler(pickle.Unpickler):
+    """An unpickler for data files: it builds only what the CIFAR-10 python batches
+    hold (dicts, lists, bytes, numbers and numpy arrays); any other class or function a
+    file names (``os.system`` in a ``__reduce__``, say) is refused, never called."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(
+                f"refuses {module}.{name}: a data file may hold arrays, lists, bytes and "
+                "numbers only"
+            )
+        return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
-    with open(path, "rb") as f:
-        return pickle.load(f, encoding="bytes")
+    """The dict a CIFAR-10 file holds, read without running code; ``ValueError`` naming
+    the file for anything else (a damaged, truncated or foreign file)."""
+    try:
+        with open(path, "rb") as f:
+            d = DataUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is no CIFAR-10 python batch: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} is no CIFAR-10 python batch: holds a {type(d).__name__}")
+    return d
+
+
+def _field(d: dict, key: bytes, path: Path):
+    if key not in d:
+        raise ValueError(f"{path} is no CIFAR-10 python batch: no {key.decode()!r} entry")
+    return d[key]
 
 
 def read_cifar_batch(path: Path) -> Images:
-    """One pickle batch: rows of 3072 bytes (R, G, B planes of 32 x 32) to NHWC."""
+    """One pickle batch: rows of 3072 bytes (R, G, B planes of 32 x 32) to NHWC.
+
+    Raises:
+      ValueError: naming the file, for anything but N > 0 rows of 3072 uint8 and N
+        integer labels in [0, 10).
+    """
     d = _unpickle(path)
-    data = np.asarray(d[b"data"], np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return Images(np.ascontiguousarray(data), np.asarray(d[b"labels"], np.int32))
+    data, labels = _field(d, b"data", path), _field(d, b"labels", path)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+        kind = data.dtype if isinstance(data, np.ndarray) else type(data).__name__
+        raise ValueError(f"{path}: 'data' must be uint8 pixels (0-255), got {kind}")
+    if data.ndim != 2 or data.shape[1] != 3072 or not data.shape[0]:
+        raise ValueError(f"{path}: 'data' must be N > 0 rows of 3072 bytes, got {data.shape}")
+    try:
+        labels = np.asarray(labels)
+    except (ValueError, TypeError):
+        labels = np.asarray([], object)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"{path}: 'labels' must be a list of integers")
+    if len(labels) != len(data):
+        raise ValueError(f"{path}: {len(data)} images but {len(labels)} labels")
+    if labels.min() < 0 or labels.max() >= 10:
+        raise ValueError(
+            f"{path}: labels must lie in [0, 10), got [{labels.min()}, {labels.max()}]"
+        )
+    data = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return Images(np.ascontiguousarray(data), labels.astype(np.int32))
 
 
 def load_cifar10(data_dir: str | Path) -> tuple[Images, Images, list[str]]:
-    """(train, test, class names) of a CIFAR-10 python-pickle folder."""
+    """(train, test, class names) of a CIFAR-10 python-pickle folder, every file read
+    without running code and checked (``read_cifar_batch``)."""
     d = cifar_folder(data_dir)
     parts = [read_cifar_batch(d / f) for f in CIFAR_TRAIN]
     train = Images(*(np.concatenate(x) for x in zip(*parts, strict=True)))
-    names = [n.decode() for n in _unpickle(d / "batches.meta")[b"label_names"]]
-    return train, read_cifar_batch(d / "test_batch"), names
+    meta = d / "batches.meta"
+    names = _field(_unpickle(meta), b"label_names", meta)
+    if not (
+        isinstance(names, list) and len(names) == 10 and all(isinstance(n, bytes) for n in names)
+    ):
+        raise ValueError(f"{meta}: 'label_names' must be 10 names")
+    return train, read_cifar_batch(d / "test_batch"), [n.decode(errors="replace") for n in names]
 
 
 def normalizer(train: Images) -> Callable[[np.ndarray], np.ndarray]:

@@ -3,6 +3,7 @@ pickle batches for the CNNs, held-out batches and metrics, and clear errors."""
 
 import collections
 import dataclasses
+import os
 import pickle
 
 import jax
@@ -214,3 +215,80 @@ def test_cnn_run_reports_heldout_accuracy_in_its_result(tmp_path):
     assert test["batches"] == 1 and (test["accuracy"] * 4) % 1 == 0  # 1 of 2 batches of 4
     assert [(e["step"], e["split"]) for e in result["eval"]] == [(0, "test"), (1, "test")]
     assert result["eval"][-1]["accuracy"] == test["accuracy"] and "valid" not in result["heldout"]
+
+
+class _RunsCode:
+    """A pickled object whose loading would run a shell command (``__reduce__``)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _hostile_batches(tmp_path):
+    """Each case: (file to replace, its new bytes, what the error says)."""
+    marker = tmp_path / "ran"
+    good = np.zeros((2, 3072), np.uint8)
+    return marker, [
+        ("data_batch_1", pickle.dumps({b"data": _RunsCode(marker), b"labels": [0]}), "refuses"),
+        ("batches.meta", pickle.dumps(_RunsCode(marker)), "refuses"),
+        (
+            "data_batch_2",
+            pickle.dumps({b"data": good.astype(np.float32), b"labels": [0, 1]}),
+            "uint8",
+        ),
+        (
+            "data_batch_2",
+            pickle.dumps({b"data": good.astype(np.int64) + 300, b"labels": [0, 1]}),
+            "uint8",
+        ),
+        (
+            "data_batch_3",
+            pickle.dumps({b"data": good, b"labels": [0, 10]}),
+            r"labels must lie in \[0, 10\)",
+        ),
+        ("data_batch_3", pickle.dumps({b"data": good, b"labels": [-1, 99]}), r"got \[-1, 99\]"),
+        (
+            "data_batch_4",
+            pickle.dumps({b"data": good, b"labels": [0, 1, 2]}),
+            "2 images but 3 labels",
+        ),
+        ("data_batch_4", pickle.dumps({b"data": good[:, :100], b"labels": [0, 1]}), "rows of 3072"),
+        ("data_batch_5", pickle.dumps({b"labels": [0, 1]}), "no 'data' entry"),
+        ("data_batch_5", pickle.dumps([good]), "holds a list"),
+        ("test_batch", pickle.dumps({b"data": good, b"labels": [0, 1]})[:40], "no CIFAR-10"),
+        ("test_batch", b"", "no CIFAR-10"),
+        ("test_batch", b"not a pickle at all", "no CIFAR-10"),
+        ("test_batch", pickle.dumps({b"data": good, b"labels": ["a", "b"]}), "list of integers"),
+        ("batches.meta", pickle.dumps({b"label_names": [b"x"]}), "10 names"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(15))
+def test_cifar_files_are_data_never_code(tmp_path, case):
+    """A hostile or malformed CIFAR file is a one-line ValueError naming it: no code it
+    names runs, nothing wraps into uint8, no label outside the ten classes is trained."""
+    write_cifar(tmp_path)
+    marker, cases = _hostile_batches(tmp_path)
+    name, content, message = cases[case]
+    path = tmp_path / datasets.CIFAR_FOLDER / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as error:
+        datasets.load_cifar10(tmp_path)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+    assert not marker.exists()  # the command was never run
+
+
+def test_hostile_cifar_folder_through_the_command_line(tmp_path, capsys):
+    """The attack as a user would meet it: one line, exit status 2, nothing run."""
+    write_cifar(tmp_path)
+    marker, cases = _hostile_batches(tmp_path)
+    (tmp_path / datasets.CIFAR_FOLDER / "data_batch_1").write_bytes(cases[0][1])
+    code = main(
+        ["--model", "resnet", "--data-dir", str(tmp_path), "--devices", "2", "--steps", "1"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "data_batch_1" in err and "refuses" in err and "\n" not in err
+    assert not marker.exists()

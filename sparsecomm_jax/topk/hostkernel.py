@@ -29,8 +29,10 @@ import hashlib
 import math
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import jax
@@ -44,46 +46,115 @@ SOURCE = Path(__file__).with_name("topk_kernel.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")  # portable: the cache may be shared
 
 
-def _cache_dir() -> Path:
+class KernelCacheError(RuntimeError):
+    """The kernel's cache folder cannot be trusted (another owner, writable by others)."""
+
+
+def cache_dir() -> Path:
+    """``$SPARSECOMM_KERNEL_DIR``, else ``~/.cache/sparsecomm_jax``."""
     default = Path.home() / ".cache" / "sparsecomm_jax"
     return Path(os.environ.get("SPARSECOMM_KERNEL_DIR", default))
 
 
-def build(compiler: str | None = None) -> Path:
-    """Compiles the kernel (once per source and flags) and returns the library's path.
+def private_dir(path: Path) -> Path:
+    """``path``, created 0700 if missing; ``KernelCacheError`` unless it is a folder
+    (not a link) owned by this user that no one else can write."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise KernelCacheError(f"{path} is not a folder (a link?): give a private folder")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise KernelCacheError(
+            f"{path} is not private (owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): "
+            "a library there could be replaced by another user; set SPARSECOMM_KERNEL_DIR to "
+            "a folder of your own (chmod 700)"
+        )
+    return path
 
-    Raises:
-      RuntimeError: no C++ compiler on PATH (set ``CXX``) or the compilation failed.
-    """
+
+def _compiler(compiler: str | None) -> str:
     cxx = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found for the top-k host kernel; set CXX")
+    return cxx
+
+
+def library_path(compiler: str | None = None) -> Path:
+    """Where the kernel built from this source with ``compiler`` lives in the cache (a
+    name from the source's and the flags' digest)."""
+    cxx = _compiler(compiler)
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cxx, *FLAGS)).encode())
-    lib = _cache_dir() / f"topk_kernel-{digest.hexdigest()[:16]}.so"
-    if lib.exists():
+    return cache_dir() / f"topk_kernel-{digest.hexdigest()[:16]}.so"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def intact(lib: Path) -> bool:
+    """Whether ``lib`` is the library this user built: a regular file (not a link) owned
+    by this user, writable by no one else, whose content has the digest recorded beside
+    it when it was built (a truncated, damaged or planted file has not)."""
+    record = lib.with_suffix(".sha256")
+    try:
+        st, rst = os.lstat(lib), os.lstat(record)
+    except FileNotFoundError:
+        return False
+    for s in (st, rst):
+        if not stat.S_ISREG(s.st_mode) or s.st_uid != os.getuid() or s.st_mode & 0o022:
+            return False
+    return record.read_text().strip() == _digest(lib)
+
+
+def build(compiler: str | None = None) -> Path:
+    """The kernel's library in the private cache: the one built before when it is intact
+    (``intact``), else compiled now (a damaged or foreign file is replaced).
+
+    Raises:
+      RuntimeError: no C++ compiler on PATH (set ``CXX``) or the compilation failed.
+      KernelCacheError: the cache folder is not private.
+    """
+    cxx = _compiler(compiler)
+    lib = library_path(cxx)
+    private_dir(lib.parent)
+    if intact(lib):
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # atomic: build, then rename
         out = Path(tmp) / lib.name
         done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True)
         if done.returncode:
             raise RuntimeError(f"building the top-k host kernel failed: {done.stderr[-500:]!r}")
+        out.chmod(0o700)
+        record = Path(tmp) / "digest"
+        record.write_text(_digest(out))
         os.replace(out, lib)
+        os.replace(record, lib.with_suffix(".sha256"))
     return lib
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError):
-        return None
+def load(path: Path) -> ctypes.CDLL:
+    """The kernel library at ``path`` with its functions' argument types."""
+    lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.sparsecomm_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.sparsecomm_topk_parts.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.sparsecomm_add_parts.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.sparsecomm_merge.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
     return lib
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel, or ``None`` (announced once) when it cannot be had."""
+    try:
+        return load(build())
+    except (RuntimeError, OSError) as e:
+        warnings.warn(
+            f"the CPU top-k kernel is not used ({' '.join(str(e).split())}); top-k selection "
+            "runs lax.top_k or the radix select instead, the same entries, slower on CPU",
+            stacklevel=3,
+        )
+        return None
 
 
 def available() -> bool:
@@ -102,6 +173,12 @@ def dispatch(args, kernel, other, elsewhere=None, usable: bool = True):
     if not (usable and available()):
         return other(*args)
     return jax.lax.platform_dependent(*args, cpu=kernel, default=elsewhere or other)
+
+
+def check_k(k: int, n: int) -> None:
+    """``ValueError`` unless 1 <= k <= n: checked before the kernel sees a k."""
+    if not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"k must be an integer in [1, {n}] for {n} entries, got {k!r}")
 
 
 def _ptr(buf) -> int:
@@ -132,6 +209,7 @@ def topk(x, k: int, residual: bool = False):
       increasing order; ties in magnitude go to the lower index, as in ``lax.top_k``.
     """
     x = jnp.asarray(x, jnp.float32)
+    check_k(k, x.shape[-1])
     shape = x.shape[:-1]
     outs = [jax.ShapeDtypeStruct((*shape, k), jnp.float32)]
     outs.append(jax.ShapeDtypeStruct((*shape, k), jnp.int32))
@@ -190,6 +268,10 @@ def topk_parts(parts, k: int, rows: int | None = None):
       taken entries zeroed.
     """
     parts = [jnp.asarray(p, jnp.float32).reshape(-1) for p in parts]
+    total = sum(p.shape[0] for p in parts)
+    if rows is not None and (rows < 1 or total % rows):
+        raise ValueError(f"rows={rows} must cut the {total} entries into equal rows")
+    check_k(k, total // (rows or 1))
     shape = (k,) if rows is None else (rows, k)
     outs = [jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.int32)]
     outs += [jax.ShapeDtypeStruct(p.shape, jnp.float32) for p in parts]
@@ -218,7 +300,9 @@ def _add_callback(sizes: tuple[int, ...]):
 
 def add_parts(parts, values, indices):
     """``parts`` (float32 vectors read as one) with ``values`` added at ``indices`` (into
-    the concatenation; repeated ones add up), written over the parts' buffers.
+    the concatenation; repeated ones add up), written over the parts' buffers. As
+    ``jnp``'s scatter-add: a negative index counts from the end, one outside the
+    concatenation is dropped.
 
     Returns:
       The updated parts, one array per part.
@@ -257,6 +341,8 @@ def merge(
       unused slots are padding (value 0 at index 0).
     """
     shape, n = values_a.shape[:-1], values_a.shape[-1]
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k!r}")
     outs = [
         jax.ShapeDtypeStruct((*shape, m), t) for m in (k, 2 * n) for t in (jnp.float32, jnp.int32)
     ]

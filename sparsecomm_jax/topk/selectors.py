@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsecomm_jax.topk import hostkernel
+from sparsecomm_jax.topk.hostkernel import check_k
 
 Selection = tuple[jax.Array, jax.Array]  # values float[k], indices int32[k]
 
@@ -91,12 +92,6 @@ def num_selected(density: float, size: int) -> int:
             f"{size}-element bucket; raise the density or the bucket size"
         )
     return k
-
-
-def check_k(k: int, size: int) -> None:
-    """``ValueError`` unless 1 <= k <= size (checked before any kernel runs)."""
-    if not isinstance(k, int) or not 1 <= k <= size:
-        raise ValueError(f"k must be an integer in [1, {size}] for {size} entries, got {k!r}")
 
 
 def densify(values, indices, size: int):

@@ -260,6 +260,20 @@ void merge_row(const float* va, const int32_t* ia, const float* vb, const int32_
   }
 }
 
+// A k no row can give (outside [1, n]): nothing is taken, the k slots are padding and the
+// residual is the input (the Python side refuses such a k before any call; this keeps
+// the kernel's memory safe whatever it is handed).
+void take_nothing(int64_t rows, int64_t k, float* vals, int32_t* idx, const float* const* x,
+                  const int64_t* len, int64_t nseg, float* const* resid) {
+  if (k > 0) {
+    std::fill(vals, vals + rows * k, 0.0f);
+    std::fill(idx, idx + rows * k, 0);
+  }
+  for (int64_t s = 0; resid && s < nseg; ++s) {
+    if (resid[s] != x[s]) std::memcpy(resid[s], x[s], size_t(len[s]) * 4);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -267,6 +281,12 @@ extern "C" {
 // rows x n floats -> rows x k (values, int32 indices); resid (rows x n) may be null.
 void sparsecomm_topk(const float* x, int64_t rows, int64_t n, int64_t k, float* vals,
                      int32_t* idx, float* resid) {
+  if (rows < 1 || n < 1) return;
+  if (k < 1 || k > n) {
+    const int64_t total = rows * n;
+    take_nothing(rows, k, vals, idx, &x, &total, 1, resid ? &resid : nullptr);
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* rr = resid ? resid + r * n : nullptr;
@@ -282,7 +302,12 @@ void sparsecomm_topk_parts(const float* const* x, const int64_t* len, int64_t ns
                            float* const* resid) {
   int64_t total = 0;
   for (int64_t s = 0; s < nseg; ++s) total += len[s];
+  if (rows < 1 || total % rows) return;  // rows must cut the concatenation evenly
   const int64_t n = total / rows;
+  if (n < 1 || k < 1 || k > n) {
+    take_nothing(rows, k, vals, idx, x, len, nseg, resid);
+    return;
+  }
   std::vector<const float*> xs;
   std::vector<float*> rs;
   std::vector<int64_t> lens;
@@ -303,15 +328,18 @@ void sparsecomm_topk_parts(const float* const* x, const int64_t* len, int64_t ns
 }
 
 // x (one row split over nseg buffers, updated in place) += the m (value, index) pairs,
-// indices into the concatenation (repeated ones add up).
+// indices into the concatenation (repeated ones add up). As jax's scatter-add: a negative
+// index counts from the end, an index outside the row after that is dropped.
 void sparsecomm_add_parts(float* const* x, const int64_t* len, int64_t nseg, const float* v,
                           const int32_t* idx, int64_t m) {
   std::vector<int64_t> start(size_t(nseg) + 1, 0);
   for (int64_t s = 0; s < nseg; ++s) start[s + 1] = start[s] + len[s];
+  const int64_t total = start[nseg];
   for (int64_t j = 0; j < m; ++j) {
-    const int64_t s = std::upper_bound(start.begin(), start.end(), int64_t(idx[j])) -
-                      start.begin() - 1;
-    x[s][idx[j] - start[s]] += v[j];
+    const int64_t i = idx[j] < 0 ? int64_t(idx[j]) + total : int64_t(idx[j]);
+    if (i < 0 || i >= total) continue;
+    const int64_t s = std::upper_bound(start.begin(), start.end(), i) - start.begin() - 1;
+    x[s][i - start[s]] += v[j];
   }
 }
 
@@ -319,6 +347,7 @@ void sparsecomm_add_parts(float* const* x, const int64_t* len, int64_t nseg, con
 void sparsecomm_merge(const float* va, const int32_t* ia, const float* vb, const int32_t* ib,
                       int64_t rows, int64_t n, int64_t k, float* kv, int32_t* ki, float* dv,
                       int32_t* di) {
+  if (k < 1 || n < 0) return;  // refused by the Python side before any call
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = r * n;
     merge_row(va + o, ia + o, vb + o, ib + o, n, k, kv + r * k, ki + r * k, dv + 2 * o,
