@@ -5,11 +5,18 @@ run's checkpoints (unless ``--overwrite``) and a ``--resume`` whose configuratio
 change the trajectory, and removes unfinished writes; ``start_state`` then gives the
 state a run starts from (fresh, or the newest checkpoint that restores).
 
+What the folder records is the trajectory as resolved at the start (``--table-update
+auto`` as the update it chose, ``--bucket-mb auto`` as the threshold its search chose):
+``resumed_config`` gives a resumed run those choices, so the same command resumes.
+
 Example:
     >>> from experiments.config import RunConfig
-    >>> from experiments.checkpoints import trajectory_differences
-    >>> trajectory_differences(RunConfig(lr=0.1), {"trajectory": RunConfig(lr=0.2).trajectory()})
+    >>> from experiments.checkpoints import resolved_trajectory, trajectory_differences
+    >>> theirs = {"trajectory": resolved_trajectory(RunConfig(lr=0.2))}
+    >>> trajectory_differences(RunConfig(lr=0.1), theirs)
     ['--lr (0.2 there, 0.1 here)']
+    >>> trajectory_differences(RunConfig(lr=0.2, table_update="rows"), theirs)
+    []
 """
 
 from __future__ import annotations
@@ -22,15 +29,21 @@ from typing import Any
 import jax
 
 from experiments.config import RunConfig
-from experiments.validate import is_primary
+from experiments.validate import is_primary, table_update_of
 from sparsecomm_jax import checkpoint
+
+
+def resolved_trajectory(config: RunConfig) -> dict[str, Any]:
+    """``config.trajectory()`` with ``--table-update`` as the update it resolves to
+    (``auto`` and the update it picks are the same trajectory)."""
+    return {**config.trajectory(), "table_update": table_update_of(config)}
 
 
 def run_record(config: RunConfig) -> dict[str, Any]:
     """What a checkpoint folder records about its run (beside the run id)."""
     return {
         "config": dataclasses.asdict(config),
-        "trajectory": config.trajectory(),
+        "trajectory": resolved_trajectory(config),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -47,12 +60,27 @@ def _describe(record: dict[str, Any] | None) -> str:
 
 def trajectory_differences(config: RunConfig, record: dict[str, Any]) -> list[str]:
     """``--flag (theirs there, ours here)`` for each trajectory field that differs."""
-    theirs, ours = record.get("trajectory", {}), config.trajectory()
+    theirs, ours = record.get("trajectory", {}), resolved_trajectory(config)
+    if not isinstance(theirs, dict):
+        theirs = {}
     return [
         f"--{k.replace('_', '-')} ({theirs.get(k)!r} there, {ours.get(k)!r} here)"
         for k in sorted(set(theirs) | set(ours))
         if theirs.get(k) != ours.get(k)
     ]
+
+
+def resumed_config(config: RunConfig) -> RunConfig:
+    """A ``--resume`` run with the choices its checkpoints were made with: ``--bucket-mb
+    auto`` takes the threshold the first run's search chose (a search anew could pick
+    another and change the trajectory). Read on every rank, before JAX starts."""
+    if not (config.resume and config.checkpoint_dir and config.bucket_mb == "auto"):
+        return config
+    trajectory = (checkpoint.read_run(config.checkpoint_dir) or {}).get("trajectory")
+    chosen = trajectory.get("bucket_mb") if isinstance(trajectory, dict) else None
+    if isinstance(chosen, str) and chosen != "auto":
+        return dataclasses.replace(config, bucket_mb=chosen)
+    return config
 
 
 def _check_owner(config: RunConfig) -> None:
@@ -123,11 +151,13 @@ def start_state(config: RunConfig, ts):
     if not config.resume:
         return ckpt, ts.state, 0
     newest = ckpt.latest_step()
-    state, start = ckpt.restore(ts, config.resume_step or None, on_skip=_report_skip)
-    if config.resume_step and newest != start and jax.process_index() == 0:
+    state, start = ckpt.restore_state(ts, config.resume_step or None, on_skip=_report_skip)
+    if start >= config.steps:
+        raise ValueError(f"nothing to run: the checkpoint is at step {start} >= --steps")
+    if newest != start and jax.process_index() == 0:
         print(
-            f"--resume-step {start}: the checkpoints after it (to step {newest}) are "
-            "removed; this run writes its own",
+            f"--resume: from step {start}; the checkpoints after it (to step {newest}) are "
+            "replaced when this run writes its first one",
             file=sys.stderr,
         )
     return ckpt, state, start

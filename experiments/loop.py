@@ -109,7 +109,7 @@ def _save(config: RunConfig, ckpt, ts, state, step: int, streak: int) -> None:
         return
     if not params_finite(ts, state):
         raise _diverged(step)
-    ckpt.save(step + 1, ts, state, force=last)
+    ckpt.save_state(step + 1, ts, state, force=last)
 
 
 def _compiled(ts, log: RunLog, state, batch) -> tuple[Any, RunLog]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from pathlib import Path
@@ -65,10 +66,27 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     return record
 
 
+def strict(value: Any) -> Any:
+    """``value`` with every NaN or Inf float made ``None``: strict JSON (``null``), which
+    every reader accepts (``jq``, browsers; a bare ``NaN`` is not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
 def write_json(result: dict[str, Any], path: str) -> None:
-    """Writes ``result`` to ``path`` (if given) atomically: a complete file or none."""
+    """Writes ``result`` to ``path`` (if given) atomically, a complete file or none, as
+    strict JSON (NaN and Inf as ``null``)."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(path).with_name(f".{Path(path).name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(strict(result), indent=1, allow_nan=False))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise

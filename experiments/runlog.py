@@ -8,6 +8,12 @@ held-out evaluations and a ``jax.profiler`` trace of chosen steps.
     <log dir>/trace/            the --profile-steps trace (TensorBoard profile plugin
                                 or ui.perfetto.dev: plugins/profile/*/*.trace.json.gz)
 
+A log folder holds one run, like a checkpoint folder: ``claim_log_dir`` locks it (two
+runs at once are refused) and refuses one inside the checkpoint folder (rotation would
+delete it). A fresh run replaces the folder's logs; a resumed one keeps the lines of the
+steps before its start, drops the rest, and writes the kept scalars anew into one
+TensorBoard event file, so no step is logged twice.
+
 Example:
     >>> parse_profile_steps("3:5")
     (3, 5)
@@ -17,14 +23,17 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from experiments.config import RunConfig
+from experiments.validate import is_primary, writable_folder
 from models.heldout import evaluate, heldout_splits
 from models.workload import Workload
+from sparsecomm_jax import checkpoint
 from sparsecomm_jax.comm import hlo
 
 
@@ -60,6 +69,33 @@ def trace_folder(log_dir: Path, rank: int) -> Path:
     return folder / f"rank{rank}" if jax.process_count() > 1 else folder
 
 
+def _log_flag(config: RunConfig, folder: Path) -> str:
+    return f"--log-dir {folder}" if config.log_dir else f"the log folder {folder} (next to --out)"
+
+
+def claim_log_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:
+    """On rank 0, before JAX starts: creates and locks the run's log folder. Returns the
+    lock (``None``: no logs, or not rank 0).
+
+    Raises:
+      ValueError: the folder is inside ``--checkpoint-dir``, cannot be written, or
+        another run holds it.
+    """
+    folder = log_dir_of(config)
+    if folder is None or not is_primary():
+        return None
+    flag = _log_flag(config, folder)
+    if config.checkpoint_dir:
+        ckpt, logs = Path(config.checkpoint_dir).resolve(), folder.resolve()
+        if logs == ckpt or ckpt in logs.parents:
+            raise ValueError(
+                f"{flag} is inside --checkpoint-dir {config.checkpoint_dir}, whose "
+                "rotation would delete it: give the logs a folder outside it"
+            )
+    writable_folder(folder, flag)
+    return checkpoint.DirectoryLock(folder, what=flag)
+
+
 def check_run_io(config: RunConfig) -> None:
     """``ValueError`` naming the flag when the data, log or trace flags are unusable."""
     for name in ("eval_every", "eval_batches"):
@@ -91,19 +127,48 @@ def scalar_tag(key: str) -> str:
     return f"{split}/{rest}" if split in ("valid", "test") else f"train/{key}"
 
 
-class StepLog:
-    """JSON lines (flushed per line) and TensorBoard scalars in one folder; ``append``
-    continues the lines of an earlier run (``--resume``) instead of replacing them."""
+def kept_lines(path: Path, start: int) -> list[dict[str, Any]]:
+    """The records of ``path`` (JSON lines) of steps before ``start``; a line cut short
+    by a killed run, or one that is no record, is dropped."""
+    kept = []
+    if not path.is_file():
+        return kept
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("step"), int)
+            and record["step"] < start
+        ):
+            kept.append(record)
+    return kept
 
-    def __init__(self, folder: Path, append: bool = False):
+
+class StepLog:
+    """JSON lines (flushed per line) and TensorBoard scalars of one run in one folder.
+
+    A fresh run (``start`` 0) replaces what the folder holds; a resumed one keeps the
+    records of the steps before ``start`` and writes them again as its first scalars,
+    into the one event file the folder then holds.
+    """
+
+    def __init__(self, folder: Path, start: int = 0):
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "steps.jsonl"
-        self._file = open(self.path, "a" if append else "w", buffering=1, encoding="utf-8")
+        kept = kept_lines(self.path, start) if start else []
+        for old in folder.glob("events.out.tfevents.*"):
+            old.unlink()
+        self._file = open(self.path, "w", buffering=1, encoding="utf-8")
         # imported here: tensorboardX imports torch when it is installed (seconds per
         # process), and only runs with --log-dir write scalars
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(str(folder))
+        for record in kept:
+            self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
         """Appends ``record`` (must hold ``step``) and its numbers as scalars."""
@@ -125,12 +190,12 @@ class Trace:
 
     def __init__(self, folder: Path, window: tuple[int, int]):
         self.folder, (self.start, self.stop) = folder, window
-        self.active = False
+        self.active = self.written = False
 
     def before(self, step: int) -> None:
         if step == self.start or (self.start < step < self.stop and not self.active):
             jax.profiler.start_trace(str(self.folder))
-            self.active = True
+            self.active = self.written = True
 
     def after(self, step: int) -> None:
         if self.active and step + 1 >= self.stop:
@@ -151,19 +216,31 @@ class RunHooks:
       workload: the model and its data.
       ts: the ``TrainStep`` (its ``host_params`` feed the evaluation).
       rank: this process's rank; only rank 0 writes logs.
+      start: the run's first step (a resumed run's checkpoint step).
     """
 
-    def __init__(self, config: RunConfig, workload: Workload, ts, rank: int):
+    def __init__(self, config: RunConfig, workload: Workload, ts, rank: int, start: int = 0):
         self.config, self.workload, self.ts = config, workload, ts
         self.splits = heldout_splits(workload)
         self.batches = {s: workload.heldout(s, config.eval_batches) for s in self.splits}
         self.folder = log_dir_of(config)
         on = self.folder and rank == 0
-        self.log = StepLog(self.folder, append=config.resume) if on else None
-        window = parse_profile_steps(config.profile_steps)
-        self.trace = Trace(trace_folder(self.folder, rank), window) if window else None
+        self.log = StepLog(self.folder, start) if on else None
+        self.trace = self._trace(rank, start)
         self.evals: list[dict[str, Any]] = []
         self._bytes: dict[int, float] = {}
+
+    def _trace(self, rank: int, start: int) -> Trace | None:
+        window = parse_profile_steps(self.config.profile_steps)
+        if window and window[1] <= start:
+            if rank == 0:
+                print(
+                    f"--profile-steps {self.config.profile_steps} ends before step {start}, "
+                    "where this resumed run starts: no trace is written",
+                    file=sys.stderr,
+                )
+            return None
+        return Trace(trace_folder(self.folder, rank), window) if window else None
 
     def evaluate(self, state, splits: tuple[str, ...]) -> dict[str, dict[str, float]]:
         """Held-out metrics of ``state`` on ``splits``."""
@@ -202,7 +279,7 @@ class RunHooks:
             out["heldout"] = self.evaluate(state, self.splits)
         if self.folder:
             out["log_dir"] = str(self.folder)
-        if self.trace:
+        if self.trace and self.trace.written:
             out["trace_dir"] = str(self.trace.folder)
         return out
 

@@ -30,14 +30,14 @@ import optax
 
 import sparsecomm_jax as sc
 from experiments import runlog
-from experiments.checkpoints import claim_checkpoint_dir, start_state
+from experiments.checkpoints import claim_checkpoint_dir, resumed_config, start_state
 from experiments.config import OneLineErrors, RunConfig, add_arguments, from_namespace
 from experiments.loop import run_overlapped, run_steps
 from experiments.record import result, write_json
 from experiments.startup import adaptive_link, choose_bucket
 from experiments.validate import check_outputs, table_update_of, validate
 from models import get_workload
-from sparsecomm_jax import parse_strategy, row_optimizers, runtime
+from sparsecomm_jax import launch, parse_strategy, row_optimizers, runtime
 
 __all__ = ["build", "main", "start_devices", "train_and_evaluate", "validate", "write_json"]
 
@@ -48,7 +48,8 @@ def start_devices(devices: int) -> int:
     if not runtime.backend_started():
         runtime.enable_collective_overlap()  # GPU: async collectives overlap compute
     rank, processes = runtime.initialize_distributed()
-    if processes == 1 and not runtime.backend_started():
+    launched = os.environ.get(launch.ENV_LOCAL_DEVICES)  # the launcher set the count
+    if processes == 1 and not launched and not runtime.backend_started():
         runtime.simulate_cpu_devices(devices or RunConfig.devices)
     return rank
 
@@ -135,9 +136,11 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
     check_outputs(config)
     runlog.check_run_io(config)
+    config = resumed_config(config)
     lock = claim_checkpoint_dir(config)
-    ckpt = None
+    ckpt, log_lock = None, None
     try:
+        log_lock = runlog.claim_log_dir(config)
         rank = start_devices(config.devices)
         if not config.devices:  # --devices left out: every device of the job
             config = dataclasses.replace(config, devices=jax.device_count())
@@ -151,9 +154,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             _, log = run_overlapped(config, ts, workload, show)
             return {**result(config, workload, log, 0, rank), "overlap": True}
         ckpt, state, start = start_state(config, ts)
-        if start >= config.steps:
-            raise ValueError(f"nothing to run: the checkpoint is at step {start} >= --steps")
-        hooks = runlog.RunHooks(config, workload, ts, rank)
+        hooks = runlog.RunHooks(config, workload, ts, rank, start)
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
         record = result(config, workload, log, start, rank)
         record.update(hooks.finish(state))
@@ -163,8 +164,9 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     finally:
         if ckpt:
             ckpt.close()
-        if lock:
-            lock.release()
+        for held in (lock, log_lock):
+            if held:
+                held.release()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         record = train_and_evaluate(config)
         if record["rank"] == 0:
             write_json(record, config.out)
-    except (ValueError, FloatingPointError, OSError) as e:
+    except (ValueError, FloatingPointError, OSError, runtime.JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if record["rank"] == 0:

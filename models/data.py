@@ -85,6 +85,12 @@ def read_words(path: str | Path) -> list[str]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"cannot read text file {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = Path(path).read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"text file {str(path)!r} is not UTF-8 (byte {e.start}, line {line}: {e.reason}); "
+            "convert it, e.g. iconv -t utf-8"
+        ) from None
     return [w for line in text.splitlines() for w in [*_WORD.findall(line), "<eos>"]]
 
 

@@ -173,6 +173,14 @@ def per_worker(agg: Aggregator, num_workers: int) -> Aggregator:
         return jax.tree.map(lambda s: np.zeros((num_workers, *s.shape), s.dtype), shapes)
 
     def update(grads, state):
+        slices = {x.shape[0] for x in jax.tree.leaves(state)}
+        if slices - {1}:  # each worker must see its own [1, ...] slice
+            workers = num_workers // max(slices)
+            raise ValueError(
+                f"per_worker(agg, num_workers={num_workers}) runs on a mesh axis of "
+                f"{workers} workers (each sees {max(slices)} slices of the state): pass "
+                f"num_workers={workers}, the size of the mesh axis"
+            )
         local = jax.tree.map(lambda x: x[0], state)  # [1, ...] -> [...]
         mean, local = agg.update(grads, local)
         return mean, jax.tree.map(lambda x: x[None], local)
@@ -357,7 +365,8 @@ def adaptive(
     """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the
     alpha-beta model of ``link`` (chosen when the step is traced: bucket size, density
     and P are static). Beyond both papers: small or dense-ish buckets go dense,
-    large sparse ones by all-gather or all-to-all, whichever the model favours.
+    large sparse ones by all-gather or all-to-all, whichever the model favours; a bucket
+    too small to keep one entry at ``density`` goes dense.
 
     Args:
       density: fraction of each bucket the sparse choices send, in (0, 1].
@@ -379,7 +388,9 @@ def adaptive(
 
     def exchange(parts):
         num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
-        return builders[costmodel.choose(d, density, num, link)]()(parts)
+        # a sparse exchange carries k = round(density d) >= 1 entries: smaller buckets go dense
+        choices = costmodel.CHOICES if round(density * d) >= 1 else ("dense",)
+        return builders[costmodel.choose(d, density, num, link, choices)]()(parts)
 
     return _error_feedback(exchange, axis_name, bucket_bytes)
 

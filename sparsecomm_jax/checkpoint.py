@@ -1,36 +1,53 @@
 """Checkpoints of a training run with orbax: exact resume, atomic writes, one run per folder.
 
-What is saved: parameters (sharded tables as global arrays), optimizer state, the
-aggregator's per-worker residuals and the step. The data position and the random state
-need nothing more: every batch is a pure function of ``(seed, step)`` and parameters
-are initialised from the seed. ``embrace_2d``'s carry (rows fetched early for the next
-batch) is not saved: a resumed run fetches them again, which gives the same rows.
+What is saved: any pytree of arrays (``Checkpointer.save``); for the library's steps,
+``save_state`` saves parameters (sharded tables as global arrays), optimizer state, the
+aggregator's per-worker residuals. The data position and the random state need nothing
+more: every batch is a pure function of ``(seed, step)`` and parameters are initialised
+from the seed. ``embrace_2d``'s carry (rows fetched early for the next batch) is not
+saved: a resumed run fetches them again, which gives the same rows.
 
 Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
 crash while writing leaves the previous checkpoint as the latest usable one;
-``clean_temporary`` removes what such a crash leaves behind. ``Checkpointer.restore``
-falls back to the newest checkpoint that restores completely. Saves are synchronous:
-a save that fails raises at once and leaves no thread behind.
+``clean_temporary`` removes what such a crash leaves behind. Saves are synchronous: a
+save that fails raises at once and leaves no thread behind.
 
-The folder also holds the run's identity (``RUN_FILE``: a run id made at the first save
-plus whatever description the caller gives, e.g. its configuration), so a caller can
-refuse to mix runs, and ``DirectoryLock`` keeps two processes from using one folder.
+No checkpoint is trusted by its folder's name. The folder holds the run's identity
+(``RUN_FILE``: a run id made at the first save plus whatever description the caller
+gives, e.g. its configuration), and every checkpoint carries the run id and its step
+inside: a checkpoint copied, linked or renamed from elsewhere is refused at restore
+(``MismatchError``). Only real folders and regular files are read (never a link or a
+FIFO). ``restore`` falls back past damaged checkpoints to the newest that restores
+completely; an error of the file system itself (EIO, a permission) is raised instead,
+the checkpoint kept. Nothing is removed until the resumed run writes its first
+checkpoint: then the newer checkpoints it replaces are deleted and the damaged ones
+renamed aside (``<step>.damaged``), never deleted. ``DirectoryLock`` keeps two
+processes from using one folder.
 
 Example:
+    >>> import jax.numpy as jnp, tempfile
     >>> from sparsecomm_jax import checkpoint
-    >>> # with checkpoint.DirectoryLock("/tmp/run1"):
-    >>> #     ckpt = checkpoint.Checkpointer("/tmp/run1", every=10, run={"lr": 0.1})
-    >>> #     ckpt.save(step, ts, state); state, step = ckpt.restore(ts)
+    >>> folder = tempfile.mkdtemp()
+    >>> with checkpoint.DirectoryLock(folder):
+    ...     ckpt = checkpoint.Checkpointer(folder, run={"lr": 0.1})
+    ...     _ = ckpt.save(3, {"w": jnp.ones(2)}, force=True)
+    ...     tree, step = ckpt.restore({"w": jnp.zeros(2)})
+    ...     ckpt.close()
+    >>> step, tree["w"].tolist()
+    (3, [1.0, 1.0])
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
+import stat
 import uuid
 import warnings
 from collections.abc import Callable
@@ -40,6 +57,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from sparsecomm_jax.step.placement import first_replica
 from sparsecomm_jax.step.state import TrainState, TrainStep
@@ -47,14 +65,27 @@ from sparsecomm_jax.step.state import TrainState, TrainStep
 RUN_FILE = "checkpoint_run.json"
 LOCK_FILE = ".lock"
 TMP_MARK = ".orbax-checkpoint-tmp"
+DAMAGED = ".damaged"
+# The items of a checkpoint: the saved pytree and who wrote it (run id and step).
+STATE_ITEM, IDENTITY_ITEM = "default", "identity"
+# OS errors that mean a piece of the checkpoint is missing (damage), not that reading
+# failed (EIO, a permission): the latter are raised, never taken for damage.
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+PyTree = Any
 
 
 class MismatchError(ValueError):
-    """A checkpoint that is intact but does not fit this run (other model or layout)."""
+    """A checkpoint that is intact but not this run's: another model or layout, or
+    another run's (copied, linked or renamed into the folder)."""
+
+
+class _Damaged(Exception):
+    """A checkpoint that cannot be read completely: ``restore`` tries the one before."""
 
 
 # What an orbax step folder holds (one of them suffices; an empty one counts as damaged).
-_STEP_MARKS = ("_CHECKPOINT_METADATA", "commit_success.txt", "default")
+_STEP_MARKS = ("_CHECKPOINT_METADATA", "commit_success.txt", STATE_ITEM, IDENTITY_ITEM)
 
 
 def _step_folders(directory: str | Path) -> list[Path]:
@@ -78,27 +109,63 @@ def foreign_folders(directory: str | Path) -> list[str]:
     return sorted(p.name for p in _step_folders(directory) if not _is_checkpoint(p))
 
 
+def read_regular(path: str | Path) -> str | None:
+    """The text of ``path`` if it is a regular file, ``None`` if there is none.
+
+    Opened without following a link and without blocking, so a link planted in its
+    place or a FIFO is refused instead of followed or waited on.
+
+    Raises:
+      ValueError: ``path`` is a link, a FIFO or anything but a regular file.
+      OSError: reading failed (EIO, a permission).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link; remove it") from None
+        raise
+    with os.fdopen(fd, encoding="utf-8") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file; remove it")
+        return f.read()
+
+
 def read_run(directory: str | Path) -> dict[str, Any] | None:
     """The run record of ``directory`` (``run_id`` and the caller's description), or
     ``None`` when there is none.
 
     Raises:
-      ValueError: the record exists but is not readable JSON.
+      ValueError: the record is not a regular file or not a JSON object.
     """
     path = Path(directory) / RUN_FILE
-    if not path.is_file():
-        return None
     try:
-        return json.loads(path.read_text())
+        text = read_regular(path)
+        record = None if text is None else json.loads(text)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is unreadable ({e}); move it away or start afresh") from e
+    if text is not None and not (
+        isinstance(record, dict) and isinstance(record.get("run_id"), str)
+    ):
+        raise ValueError(
+            f"{path} holds no run record (a JSON object with a run_id); move it away or "
+            "start afresh"
+        )
+    return record
 
 
 def _write_json(path: Path, record: dict[str, Any]) -> None:
-    """Writes ``record`` to ``path`` atomically (a complete file or none)."""
+    """Writes ``record`` to ``path`` atomically (a complete file or none, no leftover)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def clean_temporary(directory: str | Path) -> list[str]:
@@ -107,41 +174,70 @@ def clean_temporary(directory: str | Path) -> list[str]:
     path = Path(directory)
     stale = [p for p in path.glob(f"*{TMP_MARK}*")] if path.is_dir() else []
     for p in stale:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+        _remove(p)
     return sorted(p.name for p in stale)
+
+
+def _remove(path: Path) -> None:
+    """Removes a folder, file or link (a link, not what it points to)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def clear(directory: str | Path) -> None:
     """Removes every checkpoint, unfinished save and the run record from ``directory``."""
     clean_temporary(directory)
     for step in saved_steps(directory):
-        shutil.rmtree(Path(directory) / str(step))
+        _remove(Path(directory) / str(step))
     with contextlib.suppress(FileNotFoundError):
         (Path(directory) / RUN_FILE).unlink()
 
 
+def _aside(folder: Path) -> Path:
+    """A free name beside ``folder`` for keeping it out of the way: ``<name>.damaged``,
+    then ``<name>.damaged-1``, ..."""
+    target, n = folder.with_name(folder.name + DAMAGED), 0
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = folder.with_name(f"{folder.name}{DAMAGED}-{n}")
+    return target
+
+
 class DirectoryLock:
-    """An exclusive lock on a checkpoint folder (``flock`` on ``LOCK_FILE``), held until
-    ``release`` or the end of the process: a killed process never leaves it held.
+    """An exclusive lock on a folder (``flock`` on ``LOCK_FILE``), held until ``release``
+    or the end of the process: a killed process never leaves it held. The lock file is
+    opened without following links, so a link planted in its place is refused.
 
     Args:
       directory: an existing folder.
+      what: how the folder is named in errors (e.g. a command-line flag).
 
     Raises:
-      ValueError: another process holds the lock.
+      ValueError: another process holds the lock, or the lock file is no regular file.
     """
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, what: str | None = None):
         self.path = Path(directory) / LOCK_FILE
-        self._file = open(self.path, "a+")  # noqa: SIM115 (held until release)
+        what = what or str(directory)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ValueError(f"{self.path} is a symbolic link; remove it") from None
+            raise
+        self._file = os.fdopen(fd, "r+")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            self._file.close()
+            raise ValueError(f"{self.path} is not a regular file; remove it")
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self._file.seek(0)
             holder = self._file.read().strip() or "another process"
             self._file.close()
             raise ValueError(
-                f"{directory} is in use by another run ({holder} holds {self.path}); "
+                f"{what} is in use by another run ({holder} holds {self.path}); "
                 "wait for it to end or use another folder"
             ) from None
         self._file.truncate(0)
@@ -160,53 +256,103 @@ class DirectoryLock:
         self.release()
 
 
-def _portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
-    """The saved form: global arrays (``pmap`` state: its first replica)."""
+def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
+    """The saved form of a library step's state: global arrays (``pmap`` state: its
+    first replica) under ``params``, ``opt_state`` and ``agg_state``."""
     tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
     if ts.per_device_state:
         return jax.tree.map(first_replica, tree)
     return tree
 
 
-def _target(ts: TrainStep) -> dict[str, Any]:
-    """Shapes, dtypes and shardings to restore into (those of a fresh state)."""
-    tree = _portable(ts, ts.state)
+def abstract(tree: PyTree) -> PyTree:
+    """Shapes, dtypes and shardings of ``tree``'s arrays: what to restore into."""
 
-    def abstract(x):
+    def leaf(x):
         sharding = getattr(x, "sharding", None)
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
-    return jax.tree.map(abstract, tree)
+    return jax.tree.map(leaf, tree)
 
 
-def _check_shapes(saved: dict, target: dict, directory: str) -> None:
-    saved_leaves = jax.tree_util.tree_leaves_with_path(saved)
-    target_leaves = jax.tree.leaves(target)
-    if len(saved_leaves) != len(target_leaves):
+def _name(path) -> str:
+    """A key path as orbax names the array: ``opt_state.0.mu.w``."""
+    parts = []
+    for key in path:
+        for field in ("key", "name", "idx"):
+            if hasattr(key, field):
+                parts.append(str(getattr(key, field)))
+                break
+    return ".".join(parts)
+
+
+def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _check_shapes(saved: PyTree, target: PyTree, where: str) -> None:
+    """Each array of ``target`` against the saved one of the same key path."""
+    ours, theirs = _shapes(target), _shapes(saved)
+    if set(ours) != set(theirs):
+        missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
         raise MismatchError(
-            f"checkpoint in {directory} has {len(saved_leaves)} arrays, this run's state "
-            f"{len(target_leaves)}: was it written by another strategy or model?"
+            f"{where} holds other arrays than this run's state (it lacks {missing[:3]}, "
+            f"has {extra[:3]} besides): was it written by another strategy, optimizer "
+            "or model?"
         )
-    for (path, s), t in zip(saved_leaves, target_leaves, strict=True):
-        if tuple(s.shape) != tuple(t.shape):
-            name = jax.tree_util.keystr(path)
+    for name, shape in ours.items():
+        if theirs[name] != shape:
             hint = (
                 " (per-worker residuals: resume error-feedback runs on the same number of devices)"
-                if name.startswith("['agg_state']")
+                if name.startswith("agg_state")
                 else ""
             )
             raise MismatchError(
-                f"checkpoint array {name} has shape {tuple(s.shape)}, this "
-                f"run needs {tuple(t.shape)}{hint}"
+                f"{where}: array {name} has shape {theirs[name]}, this run needs {shape}{hint}"
             )
+
+
+def _check_files(folder: Path) -> None:
+    """Only a real folder of folders and regular files is read: a link is another
+    run's checkpoint (``MismatchError``); anything else (a FIFO) is damage."""
+    if folder.is_symlink():
+        raise MismatchError(
+            f"checkpoint {folder} is a link to {os.readlink(folder)}: a run's checkpoints "
+            "are folders of its own; remove the link"
+        )
+    for root, dirs, files in os.walk(folder, followlinks=False):
+        for name in dirs + files:
+            mode = os.lstat(os.path.join(root, name)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                where = os.path.relpath(os.path.join(root, name), folder)
+                raise _Damaged(f"{where} is not a regular file")
 
 
 def _reason(error: Exception, folder: Path) -> str:
     """Why a checkpoint did not restore, in one short line."""
     if folder.is_dir() and not any(folder.iterdir()):
         return "its folder is empty"
+    if isinstance(error, _Damaged):
+        return str(error)
     text = " ".join(f"{type(error).__name__}: {error}".split())
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+@contextlib.contextmanager
+def _errors_raised_not_logged():
+    """Orbax's writer threads log each failure with its traceback (hundreds of lines on
+    a full disk) before the save raises it; the caller gets it once, as the raise."""
+
+    def below_error(record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(below_error)
+    try:
+        yield
+    finally:
+        logger.removeFilter(below_error)
 
 
 def _warn(step: int, reason: str) -> None:
@@ -214,7 +360,8 @@ def _warn(step: int, reason: str) -> None:
 
 
 class Checkpointer:
-    """Saves every ``every`` steps into ``directory``; keeps the newest ``keep``.
+    """Saves any pytree of arrays every ``every`` steps into ``directory``; keeps the
+    newest ``keep``; restores it exactly, sharded like the arrays it is given.
 
     Args:
       directory: checkpoint folder (created if missing).
@@ -222,6 +369,18 @@ class Checkpointer:
       keep: how many checkpoints to keep.
       run: a JSON-ready description of the run (e.g. its configuration), written with a
         new ``run_id`` into ``RUN_FILE`` at the first save unless the folder has a record.
+
+    Example (a user's own loop; global arrays keep their shardings at restore):
+        >>> import jax.numpy as jnp, tempfile
+        >>> from sparsecomm_jax import checkpoint
+        >>> ckpt = checkpoint.Checkpointer(tempfile.mkdtemp(), every=2)
+        >>> state = {"w": jnp.zeros(3), "residual": jnp.ones((2, 3))}
+        >>> [ckpt.save(s, state) for s in (1, 2)]
+        [False, True]
+        >>> restored, step = ckpt.restore(state)
+        >>> step, restored["residual"].shape
+        (2, (2, 3))
+        >>> ckpt.close()
     """
 
     def __init__(
@@ -234,12 +393,19 @@ class Checkpointer:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {every}")
         self.directory = str(Path(directory).absolute())
+        self.every = every
         self._run = run or {}
+        self._superseded: list[int] = []  # newer than the restored step: replaced at the first save
+        self._damaged: set[int] = set()  # of those, the ones that did not restore
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, save_interval_steps=every, enable_async_checkpointing=False
         )
+        handlers = {
+            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            IDENTITY_ITEM: ocp.JsonCheckpointHandler(),
+        }
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+            self.directory, options=options, item_handlers=handlers
         )
 
     @property
@@ -254,6 +420,8 @@ class Checkpointer:
 
     def should_save(self, step: int) -> bool:
         """Whether the interval says to save after ``step`` completed steps."""
+        if self._superseded:  # resumed before newer checkpoints: they go at the first save
+            return step % self.every == 0
         return self._manager.should_save(step)
 
     def _record_run(self) -> None:
@@ -261,8 +429,31 @@ class Checkpointer:
         if jax.process_index() == 0 and not path.exists():
             _write_json(path, {"run_id": uuid.uuid4().hex, **self._run})
 
-    def save(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
-        """Saves ``state`` after ``step`` completed steps when the interval says so.
+    def _replace_superseded(self) -> None:
+        """The run goes ahead from an older step: its newer checkpoints go (the damaged
+        ones renamed aside, kept for a look)."""
+        if not self._superseded:
+            return
+        if jax.process_index() == 0:
+            for step in self._superseded:
+                folder = Path(self.directory) / str(step)
+                if step in self._damaged:
+                    folder.rename(_aside(folder))
+                else:
+                    _remove(folder)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("sparsecomm_jax.checkpoint.superseded")
+        self._superseded, self._damaged = [], set()
+        self._manager.reload()
+
+    def save(self, step: int, tree: PyTree, force: bool = False) -> bool:
+        """Saves ``tree`` after ``step`` completed steps when the interval says so (or
+        ``force``). Returns whether it saved.
+
+        Args:
+          step: completed steps; the checkpoint's name.
+          tree: a pytree of arrays (global ``jax.Array`` or numpy).
+          force: save whatever the interval says.
 
         Raises:
           OSError: the checkpoint could not be written (it is then not kept).
@@ -270,46 +461,93 @@ class Checkpointer:
         if not (force or self.should_save(step)):
             return False
         try:
+            self._replace_superseded()
             self._record_run()
-            return self._manager.save(
-                step, args=ocp.args.StandardSave(_portable(ts, state)), force=force
+            identity = {"run_id": self.run_id if jax.process_index() == 0 else None, "step": step}
+            args = ocp.args.Composite(
+                **{
+                    STATE_ITEM: ocp.args.StandardSave(tree),
+                    IDENTITY_ITEM: ocp.args.JsonSave(identity),
+                }
             )
+            with _errors_raised_not_logged():
+                return self._manager.save(step, args=args, force=force)
         except Exception as e:  # orbax and tensorstore raise many kinds; keep the cause
             raise OSError(
                 f"cannot write checkpoint step {step} into {self.directory}: "
                 f"{' '.join(str(e).split())}"
             ) from e
 
+    def save_state(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
+        """``save`` of a library step's state (see ``portable``)."""
+        return self.save(step, portable(ts, state), force=force)
+
     def delete(self, step: int) -> None:
         """Removes the checkpoint of ``step``."""
         self._manager.delete(step)
 
-    def _restore_step(self, ts: TrainStep, step: int, target: dict) -> TrainState:
-        _check_shapes(self._manager.item_metadata(step), target, self.directory)
-        tree = self._manager.restore(step, args=ocp.args.StandardRestore(target))
-        tree = jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))
-        state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
-        if ts.per_device_state:
-            local = jax.local_device_count()
-            state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)), state)
-        return state
+    def _check_identity(self, step: int, folder: Path) -> None:
+        args = ocp.args.Composite(**{IDENTITY_ITEM: ocp.args.JsonRestore()})
+        try:
+            identity = self._manager.restore(step, args=args)[IDENTITY_ITEM]
+        except Exception as e:
+            if isinstance(e, OSError) and not isinstance(e, _MISSING):
+                raise
+            raise _Damaged("it records no run id and step (damaged, or written before 0.2)") from e
+        ours = self.run_id
+        theirs = identity.get("run_id") if isinstance(identity, dict) else None
+        if theirs != ours or identity.get("step") != step:
+            raise MismatchError(
+                f"checkpoint {folder} was written by run {str(theirs)[:8]} at step "
+                f"{identity.get('step')}, not by this folder's run {str(ours)[:8]} at step "
+                f"{step} (copied, linked or renamed from elsewhere?); move it away"
+            )
+
+    def _restore_step(self, step: int, target: PyTree) -> PyTree:
+        folder = Path(self.directory) / str(step)
+        _check_files(folder)
+        try:
+            saved = self._manager.item_metadata(step)[STATE_ITEM]
+        except Exception as e:
+            if isinstance(e, OSError) and not isinstance(e, _MISSING):
+                raise
+            saved = None
+        if not saved or not jax.tree.leaves(saved):
+            raise _Damaged("its array metadata is missing")
+        _check_shapes(saved, target, f"checkpoint {folder}")
+        self._check_identity(step, folder)
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+        tree = self._manager.restore(step, args=args)[STATE_ITEM]
+        return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))
 
     def restore(
-        self, ts: TrainStep, step: int | None = None, on_skip: Callable[[int, str], None] = _warn
-    ) -> tuple[TrainState, int]:
-        """The saved state, placed like ``ts.state``, and its step.
+        self,
+        like: PyTree,
+        step: int | None = None,
+        on_skip: Callable[[int, str], None] = _warn,
+    ) -> tuple[PyTree, int]:
+        """The saved pytree, shaped, typed and sharded like ``like``, and its step.
 
         Without ``step``, the newest checkpoint that restores completely: each newer one
-        that does not (truncated files, an empty folder) is reported to
-        ``on_skip(step, reason)``. Checkpoints newer than the one restored are removed,
-        so the continued run saves its own.
+        that does not (truncated files, an empty folder, a FIFO) is reported to
+        ``on_skip(step, reason)``. The checkpoints newer than the one restored stay
+        until this run's first ``save`` (then the intact ones are deleted, the damaged
+        ones renamed ``<step>.damaged``).
 
-        Replicated state restores onto any device count; sharded tables onto any count
-        that divides their sharded dimension. Per-worker residuals need the same count.
+        Args:
+          like: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings), as the
+            saved one; restored arrays take its structure, dtypes and shardings.
+          step: the checkpoint to restore (default: the newest that restores).
+          on_skip: told of each checkpoint skipped.
+
+        Returns:
+          ``(tree, step)``.
 
         Raises:
-          ValueError: no checkpoint (or not ``step``), none that restores, or one whose
-            arrays do not fit this run (``MismatchError``).
+          ValueError: no checkpoint (or not ``step``), none that restores, or one that is
+            not this run's (``MismatchError``: other arrays or shapes, another run's id or
+            step, a link).
+          OSError: the file system failed to read one (it is kept; try again).
         """
         steps = sorted(self._manager.all_steps(), reverse=True)
         if not steps:
@@ -318,21 +556,48 @@ class Checkpointer:
             raise ValueError(
                 f"no checkpoint of step {step} in {self.directory}; it has {sorted(steps)}"
             )
-        target, failed = _target(ts), []
+        target, failed = abstract(like), []
         for s in [step] if step is not None else steps:
             try:
-                state = self._restore_step(ts, s, target)
+                tree = self._restore_step(s, target)
             except MismatchError:
                 raise
-            except Exception as e:  # any read failure: try the next older checkpoint
-                failed.append(f"step {s} ({_reason(e, Path(self.directory) / str(s))})")
-                if step is None:
-                    on_skip(s, _reason(e, Path(self.directory) / str(s)))
+            except Exception as e:  # damage: the next older checkpoint; the OS failing: raise
+                reason = _reason(e, Path(self.directory) / str(s))
+                if isinstance(e, OSError) and not isinstance(e, _MISSING):
+                    raise OSError(
+                        f"cannot read checkpoint step {s} in {self.directory} ({reason}); "
+                        "it is kept: check the file system and retry"
+                    ) from e
+                if step is not None:
+                    raise ValueError(
+                        f"checkpoint step {s} in {self.directory} does not restore: {reason}"
+                    ) from e
+                failed.append(s)
+                on_skip(s, reason)
                 continue
-            for newer in (n for n in steps if n > s):
-                self.delete(newer)
-            return state, s
-        raise ValueError(f"no checkpoint in {self.directory} restores: {'; '.join(failed)}")
+            self._superseded = [n for n in steps if n > s]
+            self._damaged = set(failed)
+            return tree, s
+        raise ValueError(f"no checkpoint in {self.directory} restores (steps {sorted(failed)})")
+
+    def restore_state(
+        self,
+        ts: TrainStep,
+        step: int | None = None,
+        on_skip: Callable[[int, str], None] = _warn,
+    ) -> tuple[TrainState, int]:
+        """``restore`` of a library step's state, placed like ``ts.state``.
+
+        Replicated state restores onto any device count; sharded tables onto any count
+        that divides their sharded dimension. Per-worker residuals need the same count.
+        """
+        tree, s = self.restore(portable(ts, ts.state), step, on_skip)
+        state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
+        if ts.per_device_state:
+            local = jax.local_device_count()
+            state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)), state)
+        return state, s
 
     def close(self) -> None:
         self._manager.close()

@@ -165,6 +165,12 @@ def check_coordinator(job: Job) -> None:
     """Node 0: the coordinator's port must be free here; other nodes: it must answer
     within the job's ``init_timeout_s``. ``ValueError`` (one line) otherwise."""
     host, port = parse_address(job.coordinator)
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError as e:
+        raise ValueError(
+            f"--coordinator host {host!r} does not resolve ({e.strerror or e}): check the address"
+        ) from None
     if job.node_rank == 0 and not port_is_free(port):
         raise ValueError(
             f"port {port} of --coordinator/--port is in use on this host; "

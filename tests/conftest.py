@@ -2,8 +2,9 @@
 
 Compiled programs are shared through a persistent compilation cache, fresh for each
 test run (a temporary folder made by the first process and inherited by the xdist
-workers, removed at exit): many tests build the same small programs (a run and its
-resumed twin, a strategy and its reference), and each is compiled once per run.
+workers and the processes tests start, removed at exit): many tests build the same
+small programs (a run and its resumed twin, a strategy and its reference), and each is
+compiled once per run.
 """
 
 import atexit
@@ -27,6 +28,13 @@ CACHE_ENV = "SPARSECOMM_TEST_COMPILE_CACHE"
 if not os.environ.get(CACHE_ENV):
     os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="sparsecomm-test-cache-")
     atexit.register(shutil.rmtree, os.environ[CACHE_ENV], ignore_errors=True)
+# the same settings as environment variables, read by JAX in the processes tests start
+CACHE_SETTINGS = {
+    "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE_ENV],
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+os.environ.update(CACHE_SETTINGS)
 jax.config.update("jax_compilation_cache_dir", os.environ[CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -183,6 +183,32 @@ def test_k_rounds_to_zero_is_an_error():
         run(aggregators.topk_a2a(0.001, "data", bucket_bytes=None), g, r)
 
 
+def test_adaptive_sends_buckets_too_small_for_one_entry_dense():
+    """density 0.01 and buckets of 16 entries: k rounds to 0, so adaptive sends them dense
+    (the exact mean, nothing left behind) where topk_a2a refuses; a large bucket in the
+    same gradient still goes sparse."""
+    g, r = inputs("random", d=64)
+    agg = aggregators.adaptive(0.01, "data", bucket_bytes=64)
+    mean, new_r = run(agg, g, r)
+    np.testing.assert_allclose(mean[0], (g + r).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(new_r, 0)
+    big, big_r = inputs("random", d=4096)
+    mean, new_r = run(aggregators.adaptive(0.01, "data", bucket_bytes=None), big, big_r)
+    assert np.abs(new_r).sum() > 0  # sparse: most of it stays behind as residual
+
+
+def test_per_worker_state_of_the_wrong_worker_count_is_an_error():
+    agg = aggregators.per_worker(aggregators.topk_a2a(0.1), 8)
+    mesh = runtime.data_mesh(4)
+    params = {"w": jnp.zeros(64)}
+    spec = aggregators.state_spec()
+    step = jax.shard_map(
+        lambda g, s: agg.update(g, s), mesh=mesh, in_specs=(P(), spec), out_specs=(P(), spec)
+    )
+    with pytest.raises(ValueError, match=r"num_workers=8\) runs on a mesh axis of 4 workers"):
+        jax.eval_shape(step, params, agg.init(params))
+
+
 def test_non_float_gradients_are_an_error():
     agg = aggregators.topk_allgather(0.5, "data")
     grads = {"w": jnp.zeros(4, jnp.int32)}

@@ -3,6 +3,7 @@ pickle batches for the CNNs, held-out batches and metrics, and clear errors."""
 
 import collections
 import dataclasses
+import json
 import os
 import pickle
 
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 
 from experiments.config import RunConfig
+from experiments.record import write_json
 from experiments.train import main, train_and_evaluate
 from models import datasets, get_workload, heldout, vision
 from models.bert import MASK_ID
+from models.data import read_words
 
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
 
@@ -292,3 +295,24 @@ def test_hostile_cifar_folder_through_the_command_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "data_batch_1" in err and "refuses" in err and "\n" not in err
     assert not marker.exists()
+
+
+def test_a_text_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("one line\nsecond line caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt' is not UTF-8 \(byte \d+, line 2"):
+        read_words(path)
+
+
+def test_results_are_strict_json(tmp_path):
+    """A diverged run's NaN loss is ``null`` in ``--out``: every JSON reader parses it."""
+    out = tmp_path / "r.json"
+    write_json({"losses": [1.5, float("nan")], "eval": {"loss": float("inf")}}, str(out))
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    assert json.loads(out.read_text(), parse_constant=refuse) == {
+        "losses": [1.5, None],
+        "eval": {"loss": None},
+    }

@@ -1,12 +1,14 @@
 """Sharded embeddings: planning on hand-worked examples, collectives against a
 list-of-blocks numpy reference, and the compiled program's collectives and bytes."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import strategy_run
+from helpers import assert_trees_close, strategy_run
 from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
@@ -14,6 +16,7 @@ from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import column, row
+from sparsecomm_jax.embedding.access import PLAIN
 
 LAYOUTS = {"column": column.COLUMN, "row": row.ROW}
 
@@ -250,3 +253,55 @@ def test_rowwise_capacity_growth_stays_exact():
     ref, _, _ = strategy_run(w, optax.sgd(0.5), params, 2, "dense")
     got, _, _ = strategy_run(w, optax.sgd(0.5), params, 2, "embrace_rowwise")
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def _gated_loss(params, batch, ops):
+    """Ids chosen by a parameter: on the host's zeros the gate is shut and the ids
+    coarse (two distinct values); at its real value the ids are the tokens."""
+    tokens = batch["tokens"]
+    ids = jnp.where(params["gate"][0] > 0, tokens, tokens // 32 * 32)
+    rows = ops.lookup(params["embed"], ids)  # [B/P, T, D]
+    return jnp.mean((rows @ params["w"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "embrace_2d"])
+def test_ids_computed_from_the_parameters_get_every_row_they_need(strategy):
+    """The host plans row capacities with the model on zeros; ids computed from the
+    parameters differ there. Such tables get the bound any batch can need (with a
+    warning; embrace_2d's first chunk spills on the devices and is fetched again), and
+    training equals single-device training."""
+    rng = np.random.default_rng(3)
+    params = {
+        "embed": rng.normal(size=(64, 8)).astype(np.float32),
+        "gate": np.ones(1, np.float32),
+        "w": rng.normal(size=8).astype(np.float32),
+    }
+    batches = [
+        {
+            "tokens": rng.integers(0, 64, size=(16, 4)).astype(np.int32),
+            "y": rng.normal(size=(16, 4)).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
+    opt = optax.sgd(0.1)
+    ref, opt_state = jax.tree.map(jnp.asarray, params), opt.init(params)
+    for b in batches:
+        grads = jax.grad(_gated_loss)(ref, b, PLAIN)
+        updates, opt_state = opt.update(grads, opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+    ts = sc.make_train_step(
+        _gated_loss,
+        opt,
+        runtime.data_mesh(8),
+        params,
+        strategy,
+        embedding_paths=[("embed",)],
+    )
+    state = ts.state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(len(batches)):
+            state, _ = ts.step(state, sc.place_for_step(ts, batches.__getitem__, s, len(batches)))
+    said = any("computed from the parameters" in str(w.message) for w in caught)
+    assert said == (strategy != "embrace_2d")
+    assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)

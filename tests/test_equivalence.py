@@ -1,5 +1,6 @@
-"""Every lossless strategy equals single-device training, on every model, SGD and Adam:
-same losses, same final parameters (sharded tables gathered back)."""
+"""Every lossless strategy equals single-device training, on every model, with Adam (and
+SGD on the two language models): same losses, same final parameters (sharded tables
+gathered back)."""
 
 import jax
 import optax
@@ -26,8 +27,11 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("model", sorted(VARIANTS))
+# Adam everywhere (it magnifies any difference in a gradient); SGD where it is cheap.
+CASES = [(m, "adam") for m in sorted(VARIANTS)] + [("gpt2", "sgd"), ("lstm_lm", "sgd")]
+
+
+@pytest.mark.parametrize("model, opt", CASES)
 def test_lossless_strategies_match_single_device(model, opt):
     w = get_workload(model, seed=1, **SMALL, **VARIANTS[model])
     params = w.init(jax.random.key(1))

@@ -146,6 +146,16 @@ def test_missing_command_busy_port_and_absent_coordinator(capsys):
     assert "command not found" in lines[1] and "/nonexistent/cmd" in lines[1]
     assert f"port {port}" in lines[2] and "in use" in lines[2]
     assert absent in lines[3] and "did not answer" in lines[3]
+    nowhere = ["--coordinator", "nonexistent.invalid:29517", "--", "true"]
+    assert launch.main(["--nproc", "1", *nowhere]) == 2
+    assert "'nonexistent.invalid' does not resolve" in capsys.readouterr().err
+
+
+def test_one_launched_process_runs_on_its_devices(tmp_path):
+    """``launch --nproc 1 --devices-per-proc 2``: the run has 2 devices, not the default."""
+    proc = _launch(1, 2, _train_cmd(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())["devices"] == 2
 
 
 def test_failing_rank_stops_job_fast(tmp_path):
@@ -394,6 +404,7 @@ def test_host_mesh_rows_are_hosts_and_local_collectives_stay_inside():
 # Variables each scheduler sets for one task (values as srun / mpirun / an indexed Job would).
 SLURM = {
     "SLURM_JOB_ID": "12345",
+    "SLURM_STEP_ID": "0",  # srun's first step
     "SLURM_STEP_NODELIST": "gpu[007-010],cpu1",
     "SLURM_NTASKS": "8",
     "SLURM_PROCID": "5",
@@ -480,7 +491,7 @@ def test_initialize_calls_jax_with_the_resolved_job(clean_env):
             num_processes=8,
             process_id=0,
             local_device_ids=[0],
-            initialization_timeout=300,
+            initialization_timeout=330,  # jax's deadline after ours (300 s)
             cluster_detection_method="deactivate",
         )
     ]
@@ -498,13 +509,77 @@ def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env
             runtime.ENV_INIT_TIMEOUT: "1",
         },
     )
-    with pytest.raises(RuntimeError, match="did not answer within 1 s"):
+    with pytest.raises(runtime.JobError, match="did not answer within 1 s"):
         runtime.initialize_distributed()
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen(1)
         clean_env.setenv(runtime.ENV_COORDINATOR, f"127.0.0.1:{busy.getsockname()[1]}")
         clean_env.setenv(runtime.ENV_PROCESS_ID, "0")
-        with pytest.raises(RuntimeError, match="in use"):
+        with pytest.raises(runtime.JobError, match="in use"):
             runtime.initialize_distributed()
+    clean_env.setenv(runtime.ENV_COORDINATOR, "nonexistent.invalid:29517")
+    with pytest.raises(runtime.JobError, match="'nonexistent.invalid' does not resolve"):
+        runtime.initialize_distributed()
     assert calls == []  # jax would have aborted the process
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({**SLURM, "SLURM_PROCID": "7", "SLURM_NTASKS": "4"}, "SLURM_PROCID=7 is not a process id"),
+        (
+            {runtime.ENV_COORDINATOR: "127.0.0.1:1", runtime.ENV_NUM_PROCESSES: "2"}
+            | {runtime.ENV_PROCESS_ID: "5"},
+            "SPARSECOMM_PROCESS_ID=5 is not a process id of a job of 2",
+        ),
+        ({runtime.ENV_NUM_PROCESSES: "2"}, "SPARSECOMM_COORDINATOR and SPARSECOMM_PROCESS_ID not"),
+        (
+            {runtime.ENV_COORDINATOR: "h:1", runtime.ENV_NUM_PROCESSES: "two"}
+            | {runtime.ENV_PROCESS_ID: "0"},
+            "SPARSECOMM_NUM_PROCESSES='two' is not an integer",
+        ),
+        ({**SLURM, "SLURM_NTASKS": "x"}, "could not be read by jax"),
+    ],
+)
+def test_a_job_that_cannot_be_is_refused_in_one_line(clean_env, env, message):
+    """Ids outside 0..n-1, missing or non-numeric variables: refused before anyone
+    waits (the launcher's and the schedulers')."""
+    _set(clean_env, env)
+    with pytest.raises(runtime.JobError, match=message):
+        runtime.distributed_args()
+
+
+def test_a_batch_script_without_srun_runs_alone_and_says_so(clean_env, capsys):
+    """``sbatch --ntasks 4`` running python directly: SLURM's variables are there but no
+    srun step; the process runs alone at once instead of waiting for three others."""
+    _set(clean_env, {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"})
+    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
+    assert runtime.initialize_distributed() == (0, 1)
+    assert "not started by srun" in capsys.readouterr().err
+    clean_env.setenv("SLURM_STEP_ID", "4294967294")  # the batch step
+    assert runtime.detect_scheduler() is None
+
+
+ALONE = "from sparsecomm_jax import runtime; runtime.initialize_distributed(); print('joined')"
+
+
+def test_a_job_that_never_assembles_ends_in_one_line(clean_env):
+    """Process 0 of 2 whose partner never starts: it says what it waits for, then ends
+    with one line and exit status 2 when the timeout passes (jax would abort with a
+    C++ stack)."""
+    env = {
+        **os.environ,
+        runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+        runtime.ENV_NUM_PROCESSES: "2",
+        runtime.ENV_PROCESS_ID: "0",
+        runtime.ENV_INIT_TIMEOUT: "3",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", ALONE], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "joined" not in proc.stdout, proc.stderr[-2000:]
+    assert len(lines) == 2, lines
+    assert "process 0 of 2: waiting for the job's other processes" in lines[0]
+    assert lines[1].startswith("error: process 0 of 2: the job did not assemble")

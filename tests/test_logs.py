@@ -15,6 +15,7 @@ from test_data import write_corpus
 from experiments import runlog
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
+from sparsecomm_jax import checkpoint
 
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
 
@@ -100,13 +101,71 @@ def test_lines_are_on_disk_before_the_log_closes(tmp_path):
     log = runlog.StepLog(tmp_path)
     log.write({"step": 0, "loss": 1.5})
     assert json.loads((tmp_path / "steps.jsonl").read_text()) == {"step": 0, "loss": 1.5}
+    log.write({"step": 1, "loss": 1.25})
     log.close()
-    resumed = runlog.StepLog(tmp_path, append=True)  # --resume continues the lines
+    with open(tmp_path / "steps.jsonl", "a") as f:
+        f.write('{"step": 2, "lo')  # the line a killed run leaves half-written
+    resumed = runlog.StepLog(tmp_path, start=1)  # --resume from step 1: keeps step 0 only
     resumed.write({"step": 1, "loss": float("nan")})  # a skipped step: strict JSON null
     resumed.close()
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
     assert json.loads(lines[1])["loss"] is None and "NaN" not in lines[1]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+    assert read_scalars(tmp_path)["train/loss"] == {0: 1.5}
+
+
+TINY = ["--model", "lstm_lm", "--vocab", "64", "--dim", "8", "--hidden", "8", "--batch", "8"]
+TINY += ["--seq-len", "4", "--devices", "2", "--warmup", "0"]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
+    """Interrupted after 3 steps (checkpoints at 2 and 3), resumed from step 2: every step
+    has one line and one scalar, and they are the uninterrupted run's."""
+    full = tmp_path / "full"
+    assert main([*TINY, "--steps", "4", "--log-dir", str(full)]) == 0
+    logs, ck = tmp_path / "logs", ["--checkpoint-dir", str(tmp_path / "ck")]
+    assert (
+        main([*TINY, "--steps", "3", "--checkpoint-every", "1", "--log-dir", str(logs), *ck]) == 0
+    )
+    args = [*TINY, "--steps", "4", "--log-dir", str(logs), *ck, "--resume", "--resume-step", "2"]
+    assert main([*args, "--profile-steps", "0:2"]) == 0
+    assert "ends before step 2, where this resumed run starts: no trace" in capsys.readouterr().err
+    lines = [json.loads(x) for x in (logs / "steps.jsonl").read_text().splitlines()]
+    expected = [json.loads(x) for x in (full / "steps.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2, 3]
+    assert [x["loss"] for x in lines] == [x["loss"] for x in expected]
+    assert len(list(logs.glob("events.out.tfevents.*"))) == 1
+    assert read_scalars(logs)["train/loss"] == read_scalars(full)["train/loss"]
+    assert not (logs / "trace").exists()
+
+
+def test_a_fresh_run_replaces_the_folders_logs(tmp_path):
+    for steps in ("3", "2"):
+        assert main([*TINY, "--steps", steps, "--log-dir", str(tmp_path)]) == 0
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_log_folder_in_use_is_refused(tmp_path, capsys):
+    with checkpoint.DirectoryLock(tmp_path):  # another run writing there
+        assert main([*TINY, "--steps", "1", "--log-dir", str(tmp_path)]) == 2
+    assert f"--log-dir {tmp_path} is in use by another run" in _one_line(capsys)
+    assert not (tmp_path / "steps.jsonl").exists()
+
+
+@pytest.mark.parametrize("inside", [".", "logs"])
+def test_logs_inside_the_checkpoint_folder_are_refused(tmp_path, inside, capsys):
+    ck = ["--checkpoint-dir", str(tmp_path)]
+    assert main([*TINY, "--steps", "1", *ck, "--log-dir", str(tmp_path / inside)]) == 2
+    assert "is inside --checkpoint-dir" in _one_line(capsys)
 
 
 @pytest.mark.parametrize(

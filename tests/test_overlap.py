@@ -77,10 +77,10 @@ def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
     assert [p for p, *_ in timeline].count("fetch") > 1  # the guard fetched again
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2])
 def test_many_overlapped_steps_on_processes(tmp_path, nproc):
-    """12 steps on 2 and 4 gloo processes: no deadlock, no collective mismatch (only the
-    late program communicates while the next step computes), losses equal embrace's."""
+    """12 steps on 2 gloo processes: no deadlock, no collective mismatch (only the late
+    program communicates while the next step computes), losses equal embrace's."""
     import json
     import subprocess
     import sys

@@ -64,13 +64,21 @@ def test_search_skips_thresholds_whose_buckets_keep_no_entry(monkeypatch):
     assert record["bucket_bytes"] == valid[0] > fusion.candidate_thresholds(sizes)[0]
 
 
-def test_auto_bucket_run_records_the_threshold():
-    result = train_and_evaluate(RunConfig(**TINY, bucket_mb="auto"), progress=False)
+def test_auto_bucket_run_records_the_threshold_and_resumes_with_it(tmp_path):
+    """The search's threshold is in the result and in the checkpoint folder's record: the
+    same command with ``--resume`` takes it instead of searching anew (which could pick
+    another and change the trajectory)."""
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    result = train_and_evaluate(RunConfig(**TINY, bucket_mb="auto", **ck), progress=False)
     search = result["bucket_search"]
     assert search["evaluations"] == len(search["step_s"]) >= 1
     assert str(search["bucket_bytes"]) in search["step_s"]
     assert float(result["config"]["bucket_mb"]) * 2**20 == search["bucket_bytes"]
     assert len(result["losses"]) == 2
+    again = RunConfig(**{**TINY, "steps": 3}, bucket_mb="auto", resume=True, **ck)
+    resumed = train_and_evaluate(again, progress=False)
+    assert resumed["start_step"] == 2 and "bucket_search" not in resumed
+    assert resumed["config"]["bucket_mb"] == result["config"]["bucket_mb"]
 
 
 @pytest.mark.parametrize("value", ["-1", "big"])

@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
-from sparsecomm_jax import aggregators, nn, runtime
+from sparsecomm_jax import aggregators, checkpoint, nn, runtime
 from sparsecomm_jax.embedding.access import PLAIN
 from tests.conftest import REPO
 from tests.helpers import assert_trees_close
@@ -106,6 +105,25 @@ def library_run(model, strategy, steps):
     return losses, ts.host_params(state)
 
 
+def test_id_keys_the_batch_lacks_and_empty_batches_are_errors():
+    """A misspelt id key (``token`` for ``tokens``) would turn the id check off."""
+    params = init(BagOfWords())
+    ts = sc.make_train_step(
+        nn.loss_with_embeddings(make_loss(BagOfWords())),
+        optax.sgd(LR),
+        runtime.data_mesh(N),
+        params,
+        "embrace",
+        embedding_paths=nn.embedding_paths(params),
+        id_keys=("token",),
+    )
+    with pytest.raises(ValueError, match=r"id_keys names \['token'\], which the batch does not"):
+        ts.place_batch(batch_at(0))
+    empty = {k: v[:0] for k, v in batch_at(0).items()}
+    with pytest.raises(ValueError, match=r"batch\['tokens'\] has no examples"):
+        ts.place_batch(empty)
+
+
 def test_embedding_paths_of_a_flax_model():
     assert nn.embedding_paths(init(BagOfWords())) == (("params", "embed", "embedding"),)
     assert nn.embedding_paths(init(BagOfWords())["params"]) == (("embed", "embedding"),)
@@ -158,20 +176,36 @@ def test_topk_a2a_in_a_hand_written_shard_map_step(tmp_path):
         )
     )
     opt_state, agg_state, losses = opt.init(params), agg.init(params), []
+    ckpt = checkpoint.Checkpointer(tmp_path / "ck", every=steps // 2)
     for s in range(steps):
         params, opt_state, agg_state, loss = step(params, opt_state, agg_state, batch_at(s))
         losses.append(float(loss))
+        ckpt.save(s + 1, (params, opt_state, agg_state))  # any pytree, saved when due
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
     residual = np.asarray(agg_state.residual["params"]["embed"]["embedding"])
     assert residual.shape == (N, V, D)  # every worker's residual, as one global array
     assert len({w.tobytes() for w in residual}) == N  # and they differ
     assert np.all(np.abs(residual).sum(axis=(1, 2)) > 0)
-    path = os.path.join(tmp_path, "residuals")
-    with ocp.StandardCheckpointer() as checkpointer:  # what a checkpoint of it keeps
-        checkpointer.save(path, {"residual": agg_state.residual})
-        checkpointer.wait_until_finished()
-        restored = checkpointer.restore(path)
-    np.testing.assert_array_equal(restored["residual"]["params"]["embed"]["embedding"], residual)
+
+    # exact resume: the midway checkpoint, restored into the shapes and shardings of the
+    # loop's state (the final one: its values are overwritten), continues to the same
+    # losses and the same final state, bit for bit
+    like = checkpoint.abstract((params, opt_state, agg_state))
+    (params2, opt_state2, agg_state2), start = ckpt.restore(like, step=steps // 2)
+    assert start == steps // 2
+    assert agg_state2.residual["params"]["embed"]["embedding"].sharding.spec == P("data")
+    resumed = []
+    for s in range(start, steps):
+        params2, opt_state2, agg_state2, loss = step(params2, opt_state2, agg_state2, batch_at(s))
+        resumed.append(float(loss))
+    ckpt.close()
+    assert resumed == losses[start:]
+    for a, b in zip(
+        jax.tree.leaves((params, opt_state, agg_state)),
+        jax.tree.leaves((params2, opt_state2, agg_state2)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_shard_read_outside_a_step_names_the_fix():

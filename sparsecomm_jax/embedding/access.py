@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jax_core
 
 PyTree = Any
@@ -182,6 +183,56 @@ def _reads_program(loss_fn, treedef, shapes, mask, widths, vocabs, attend_error)
 
     program = jax_core.jaxpr_as_fun(jax.make_jaxpr(ids_of)(*shapes))
     return tuple(kinds), program
+
+
+def param_dependent_tables(loss_fn, params, batch, mask) -> frozenset[int]:
+    """The tables some of whose read ids are computed from the parameters (a model that
+    picks rows by a learned score): planning them on the host, where the model runs on
+    zeros, cannot see those ids. Found once per model and shapes from the dependences
+    of the traced reads program (which outputs need which parameter leaves).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"embed": jnp.zeros((8, 2)), "score": jnp.zeros(8)}
+        >>> def loss(p, b, ops):  # ids shifted by a learned argmax
+        ...     return ops.lookup(p["embed"], b["x"] + jnp.argmax(p["score"])).sum()
+        >>> mask = {"embed": True, "score": False}
+        >>> param_dependent_tables(loss, params, {"x": jnp.zeros(4, int)}, mask)
+        frozenset({0})
+    """
+    leaves, treedef = jax.tree.flatten((params, batch))
+    shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+    flags = tuple(bool(f) for f in jax.tree.leaves(mask))
+    return _param_dependent(loss_fn, treedef, shapes, flags, len(jax.tree.leaves(params)))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_dependent(loss_fn, treedef, shapes, flags, num_params) -> frozenset[int]:
+    params_shapes = treedef.unflatten(shapes)[0]
+    mask = jax.tree.structure(params_shapes).unflatten(flags)
+    p_leaves = jax.tree.leaves(params_shapes)
+    widths = {i: s.shape[1] for i, (s, f) in enumerate(zip(p_leaves, flags, strict=True)) if f}
+    vocabs = {i: s.shape[0] for i, (s, f) in enumerate(zip(p_leaves, flags, strict=True)) if f}
+    kinds: list[tuple[str, int]] = []
+
+    def ids_of(*leaves):
+        params, batch = treedef.unflatten(leaves)
+        table_of = {id(x): i for i, x in enumerate(jax.tree.leaves(params)) if i in widths}
+
+        def attend(table, h):
+            return jnp.zeros((*h.shape[:-1], vocabs[table_of[id(table)]]), h.dtype)
+
+        reads = logged_reads(loss_fn, params, batch, mask, widths, "", attend)
+        kinds[:] = [(r.kind, r.table) for r in reads if r.kind != ATTEND]
+        return [r.ids for r in reads if r.kind != ATTEND]
+
+    jaxpr = jax.make_jaxpr(ids_of)(*shapes).jaxpr
+    dependent = set()
+    for j, (_, table) in enumerate(kinds):
+        _, used = pe.dce_jaxpr(jaxpr, [k == j for k in range(len(kinds))])
+        if any(used[:num_params]):
+            dependent.add(table)
+    return frozenset(dependent)
 
 
 def answered_loss(loss_fn, mask, attend: Callable | None = None, attend_error: str = ""):

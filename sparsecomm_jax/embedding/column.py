@@ -62,8 +62,14 @@ def distinct_reads(reads: list[HostReads], tables, workers: int) -> dict[int, in
     }
 
 
+def distinct_bound(reads: HostReads, table, workers: int) -> int:
+    """Every id a worker reads (its lookups and the shared ones) distinct: min(n, V)."""
+    look, common = reads[table.index]
+    return min(look.shape[1] + common.size, table.vocab)
+
+
 CAPACITY = CapacityPolicy(
-    distinct_reads, "distinct rows of one table on one worker", grow_by_eighth
+    distinct_reads, "distinct rows of one table on one worker", grow_by_eighth, distinct_bound
 )
 
 

@@ -66,11 +66,16 @@ class CapacityPolicy(NamedTuple):
         to (pipelined steps); ``tables`` the ``Table`` records to plan.
       what: what a slot holds, for the error when a fixed capacity is too small.
       grow: ``grow(need) -> capacity`` when the current capacity is exceeded.
+      bound: ``bound(reads, table, workers) -> slots``: the most any batch of these
+        read shapes can need, whatever its ids: the capacity of a table whose ids are
+        computed from the parameters (the host cannot see them). ``None``: the layout
+        finds out on the devices (a spill it recovers from).
     """
 
     need: Callable[[list[HostReads], tuple, int], dict[int, int]]
     what: str
     grow: Callable[[int], int]
+    bound: Callable[[HostReads, Any, int], int] | None = None
 
 
 class Layout(NamedTuple):

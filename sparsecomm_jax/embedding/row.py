@@ -68,7 +68,14 @@ def _bucket_need(reads: list[HostReads], tables, workers: int) -> dict[int, int]
     }
 
 
-CAPACITY = CapacityPolicy(_bucket_need, "distinct rows from one owner", next_power_of_two)
+def _bucket_bound(reads: HostReads, table, workers: int) -> int:
+    """Every id a worker reads distinct and owned by one worker: min(n, V/P)."""
+    return min(reads[table.index][0].shape[1], table.vocab // workers)
+
+
+CAPACITY = CapacityPolicy(
+    _bucket_need, "distinct rows from one owner", next_power_of_two, _bucket_bound
+)
 
 
 def bucket_plan(ids, vocab: int, num_workers: int, capacity: int):

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -30,13 +31,16 @@ from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 
 def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) -> None:
-    """Raises ``ValueError`` unless every sharded leaf's leading axis divides by P."""
+    """Raises ``ValueError`` unless every sharded leaf's leading axis is a positive
+    multiple of P (a batch of no examples has no mean loss)."""
     if not isinstance(batch, dict):
         raise ValueError(f"batch must be a dict of arrays, got {type(batch).__name__}")
     for key, x in batch.items():
         if key in replicated_keys:
             continue
         n = np.shape(x)[0] if np.ndim(x) else None
+        if n == 0:
+            raise ValueError(f"batch[{key!r}] has no examples (leading size 0)")
         if n is None or n % num_workers:
             raise ValueError(
                 f"batch[{key!r}] has leading size {n}, which must be divisible by the "
@@ -45,8 +49,18 @@ def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) 
 
 
 def id_leaves(batch: Batch, id_keys: Sequence[str] | None) -> dict[str, np.ndarray]:
-    """The batch entries that hold token ids (all integer entries when not named)."""
-    keys = [k for k in id_keys if k in batch] if id_keys is not None else batch
+    """The batch entries that hold token ids (all integer entries when not named).
+
+    Raises:
+      ValueError: ``id_keys`` names a key the batch does not have (a misspelt key would
+        turn the check off).
+    """
+    if id_keys is not None and (missing := [k for k in id_keys if k not in batch]):
+        raise ValueError(
+            f"id_keys names {missing}, which the batch does not have (its keys: "
+            f"{sorted(batch)}); name the keys that hold token ids"
+        )
+    keys = id_keys if id_keys is not None else batch
     return {
         k: np.asarray(batch[k])
         for k in keys
@@ -152,12 +166,26 @@ def capacity_fn(
 
     def capacity(*batches: Batch) -> tuple[int, ...]:
         reads = [reads_of(b) for b in batches]
+        unseen = access.param_dependent_tables(ctx.loss_fn, ctx.params, batches[0], ctx.table_mask)
         for policy, tables in policies:
             needs = policy.need(reads, tables, ctx.num_workers)
+            for t in tables:
+                if t.index in unseen and policy.bound and t.index in reads[0]:
+                    needs[t.index] = policy.bound(reads[0], t, ctx.num_workers)
+                    _warn_unseen(t.name, needs[t.index])
             current.update(grow_capacities(current, needs, ctx.capacity, policy))
         return tuple(current[t.index] for t in ctx.tables)
 
     return capacity
+
+
+def _warn_unseen(table: str, slots: int) -> None:
+    warnings.warn(
+        f"the ids the model reads of table {table} are computed from the parameters: "
+        f"planned on the host, they cannot be seen, so it gets the {slots} slots any batch "
+        "of this shape can need",
+        stacklevel=4,
+    )
 
 
 def grow_capacities(

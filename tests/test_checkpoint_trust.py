@@ -1,0 +1,212 @@
+"""No checkpoint is trusted by its name, nothing is deleted before the run goes ahead:
+each case as a user or an attacker would cause it, on the command line, against the
+losses of an uninterrupted run."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+import pytest
+from conftest import CACHE_SETTINGS, REPO
+
+from experiments.train import main
+from sparsecomm_jax import checkpoint
+
+TINY = ["--model", "lstm_lm", "--vocab", "64", "--dim", "8", "--hidden", "8", "--batch", "8"]
+TINY += ["--seq-len", "4", "--devices", "2", "--warmup", "0"]
+
+
+def run(*args: str, out: Path | None = None) -> int:
+    return main([*TINY, *args, *(["--out", str(out)] if out else [])])
+
+
+def losses(out: Path) -> list[float]:
+    return json.loads(out.read_text())["losses"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two runs' folders with checkpoints of steps 3 and 4 (of different seeds), and the
+    losses of an uninterrupted 6-step run of the first."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, seed in (("a", "0"), ("b", "1")):
+        ck = ["--checkpoint-dir", str(root / name), "--checkpoint-every", "1", "--seed", seed]
+        assert run("--steps", "4", *ck) == 0
+    assert run("--steps", "6", out=root / "full.json") == 0
+    return root, losses(root / "full.json")
+
+
+@pytest.fixture
+def folder(runs, tmp_path):
+    """A copy of run a's folder (steps 3 and 4) to tamper with."""
+    shutil.copytree(runs[0] / "a", tmp_path / "a", symlinks=True)
+    return tmp_path / "a"
+
+
+def resume(folder: Path, *args: str, out: Path | None = None) -> int:
+    return run("--steps", "6", "--checkpoint-dir", str(folder), "--resume", *args, out=out)
+
+
+def one_line(capsys) -> str:
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("how", ["copied", "linked", "renamed"])
+def test_another_runs_or_another_steps_checkpoint_is_refused(runs, folder, how, capsys):
+    """``cp -a b/4 a/4``, ``ln -s b/4 a/5``, ``mv a/4 a/5``: refused in one line, nothing
+    removed."""
+    other = runs[0] / "b" / "4"
+    if how == "copied":
+        shutil.rmtree(folder / "4")
+        shutil.copytree(other, folder / "4")
+    elif how == "linked":
+        (folder / "5").symlink_to(other, target_is_directory=True)
+    else:
+        (folder / "4").rename(folder / "5")
+    before = sorted(p.name for p in folder.iterdir())
+    assert resume(folder) == 2
+    message = one_line(capsys)
+    expected = "is a link to" if how == "linked" else "copied, linked or renamed"
+    assert expected in message and "move it away" in message or "remove the link" in message
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert other.is_dir()
+
+
+def test_resume_keeps_newer_checkpoints_until_it_saves(runs, folder, tmp_path, capsys):
+    """``--resume-step 3`` with nothing to run, or a log folder that fails, deletes
+    nothing; the run that goes ahead replaces step 4 with its own, equal to the
+    uninterrupted run's."""
+    assert resume(folder, "--resume-step", "3", "--steps", "3") == 2
+    assert "nothing to run" in one_line(capsys)
+    (tmp_path / "file").write_text("a file where the logs would go")
+    assert resume(folder, "--resume-step", "3", "--log-dir", str(tmp_path / "file")) == 2
+    assert "is a file" in one_line(capsys)
+    assert checkpoint.saved_steps(folder) == [3, 4]
+    out = tmp_path / "r.json"
+    assert resume(folder, "--resume-step", "3", out=out) == 0
+    assert losses(out) == runs[1][3:]
+    assert checkpoint.saved_steps(folder) == [3, 6]  # its own final step replaced step 4
+
+
+def test_a_damaged_newest_is_renamed_aside_not_deleted(runs, folder, tmp_path, capsys):
+    """A FIFO in place of a file of step 4 (which would block a reader forever), then a
+    deleted array index: each skipped with a note, the run resumes from step 3 exactly
+    and keeps the damaged step as ``4.damaged``."""
+    data = next(p for p in (folder / "4").rglob("*") if p.is_file() and p.parent.name == "d")
+    data.unlink()
+    os.mkfifo(data)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(code=resume(folder, out=tmp_path / "r")))
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the resume blocked on the FIFO"
+    err = capsys.readouterr().err
+    assert result["code"] == 0 and "checkpoint step 4 skipped" in err and "not a regular" in err
+    assert losses(tmp_path / "r") == runs[1][3:]
+    assert (folder / "4.damaged").is_dir() and (
+        folder / "4.damaged" / data.relative_to(folder / "4")
+    ).is_fifo()
+
+
+def test_a_deleted_array_index_falls_back(runs, folder, tmp_path, capsys):
+    (folder / "4" / checkpoint.STATE_ITEM / "_METADATA").unlink()
+    assert resume(folder, out=tmp_path / "r") == 0
+    assert "checkpoint step 4 skipped" in capsys.readouterr().err
+    assert losses(tmp_path / "r") == runs[1][3:]
+
+
+def test_a_failing_disk_is_raised_and_the_checkpoint_kept(runs, folder, monkeypatch, capsys):
+    """One EIO while reading an intact step 4 is the file system's failure, not damage:
+    one line, step 4 kept; the next try resumes from it."""
+    real, calls = ocp.CheckpointManager.item_metadata, []
+
+    def flaky(self, step):
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, step)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "item_metadata", flaky)
+    assert resume(folder) == 2
+    message = one_line(capsys)
+    assert "cannot read checkpoint step 4" in message and "it is kept" in message
+    assert checkpoint.saved_steps(folder) == [3, 4]
+    assert resume(folder, "--steps", "5") == 0
+    assert checkpoint.saved_steps(folder) == [4, 5]
+
+
+def test_a_linked_lock_file_is_refused_its_target_untouched(folder, tmp_path, capsys):
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    (folder / checkpoint.LOCK_FILE).unlink(missing_ok=True)
+    (folder / checkpoint.LOCK_FILE).symlink_to(precious)
+    assert resume(folder) == 2
+    assert "is a symbolic link; remove it" in one_line(capsys)
+    assert precious.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("record", ["[1, 2]", '"a run"', '{"lr": 1}', "fifo", "{"])
+def test_a_run_record_that_is_none_is_one_line(folder, record, capsys):
+    path = folder / checkpoint.RUN_FILE
+    path.unlink()
+    os.mkfifo(path) if record == "fifo" else path.write_text(record)
+    assert resume(folder) == 2
+    assert str(path) in one_line(capsys)
+
+
+def test_an_equivalent_table_update_resumes(tmp_path, capsys):
+    """``--table-update rows`` resumes a run of ``auto`` that chose rows; ``dense`` is
+    another trajectory and is refused, naming both."""
+    ck = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1", "--optimizer", "sgd"]
+    assert run("--steps", "2", "--strategy", "embrace", *ck) == 0
+    assert (
+        run("--steps", "3", "--strategy", "embrace", *ck, "--resume", "--table-update", "rows") == 0
+    )
+    assert checkpoint.saved_steps(tmp_path) == [2, 3]
+    capsys.readouterr()
+    assert (
+        run("--steps", "4", *ck, "--strategy", "embrace", "--resume", "--table-update", "dense")
+        == 2
+    )
+    assert "--table-update ('rows' there, 'dense' here)" in one_line(capsys)
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from experiments.train import cli
+sys.argv = ["train", *sys.argv[2:]]
+cli()
+"""
+
+
+@pytest.mark.parametrize("limit", [600, 3000])  # the run record fails; orbax's writers fail
+def test_a_full_disk_is_one_line_and_leaves_no_stray_file(tmp_path, limit):
+    """Files may grow to ``limit`` bytes only: the save fails in one line (no writer
+    thread's traceback), exit status 2, no temporary run record left behind. The output
+    goes through a pipe: the limit applies to files only."""
+    folder = tmp_path / "ck"
+    args = [*TINY, "--steps", "2", "--checkpoint-dir", str(folder), "--checkpoint-every", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_SETTINGS}  # files it writes
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(limit), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if "it/s" not in x and x]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: cannot write checkpoint step 1 into")
+    assert not list(folder.glob(".checkpoint_run.json.*"))
