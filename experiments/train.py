@@ -35,7 +35,7 @@ from experiments.config import OneLineErrors, RunConfig, add_arguments, from_nam
 from experiments.loop import run_overlapped, run_steps
 from experiments.record import result, write_json
 from experiments.startup import adaptive_link, choose_bucket
-from experiments.validate import check_outputs, table_update_of, validate
+from experiments.validate import as_flags, check_outputs, table_update_of, validate
 from models import get_workload
 from sparsecomm_jax import launch, parse_strategy, row_optimizers, runtime
 
@@ -85,7 +85,10 @@ def build(config: RunConfig):
     """The workload and ``TrainStep`` of ``config`` (JAX must be started); with
     ``--overlap`` an ``Overlapped`` trainer instead of the ``TrainStep``."""
     workload = get_workload(config.model, **config.model_overrides())
-    mesh = runtime.data_mesh(config.devices)
+    try:
+        mesh = runtime.data_mesh(config.devices)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
     params = workload.init(jax.random.key(config.seed))
     common = dict(
         replicated_keys=workload.replicated_keys,

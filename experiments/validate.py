@@ -48,16 +48,24 @@ def validate(config: RunConfig) -> None:
 # --------------------------------------------------------- the library's rules
 
 
+# Library argument names that a flag of another name sets.
+ARGUMENT_FLAGS = {"num_devices": "devices"}
+
+
 def as_flags(message: str) -> str:
     """A library message told in flags: ``table_update='rows'`` -> ``--table-update
-    rows``, ``strategy 'embrace'`` -> ``--strategy embrace``."""
+    rows``, ``num_devices=4`` -> ``--devices 4``, ``strategy 'embrace'`` ->
+    ``--strategy embrace``; a Python call the command line makes for the user
+    (``runtime.simulate_cpu_devices(8)``) -> the flag that makes it."""
     names = {f.name for f in dataclasses.fields(RunConfig)}
 
     def flag(m: re.Match) -> str:
-        name, value = m.group(1), m.group(2)
+        name = ARGUMENT_FLAGS.get(m.group(1), m.group(1))
+        value = m.group(2) if m.group(2) is not None else m.group(3)
         return f"--{name.replace('_', '-')} {value}" if name in names else m.group(0)
 
-    message = re.sub(r"\b([a-z_]+)='([^']*)'", flag, message)
+    message = re.sub(r"call runtime\.simulate_cpu_devices\((\d+)\)", r"pass --devices \1", message)
+    message = re.sub(r"\b([a-z_]+)=(?:'([^']*)'|(\d+|None)\b)", flag, message)
     return re.sub(r"\bstrategy '([^']*)'", r"--strategy \1", message)
 
 

@@ -138,7 +138,8 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
     if n > len(devices):
         raise ValueError(
             f"num_devices={n} but only {len(devices)} {jax.default_backend()} devices exist "
-            "(on CPU, pass --devices before JAX starts to simulate more)"
+            f"(on CPU, call runtime.simulate_cpu_devices({n}) before the first JAX "
+            "computation to simulate more)"
         )
     if not axis_name or not isinstance(axis_name, str):
         raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
@@ -152,9 +153,8 @@ def _check_spans_job(n: int) -> None:
     total, procs = jax.device_count(), jax.process_count()
     if procs > 1 and n != total:
         raise ValueError(
-            f"num_devices={n} (--devices) but this job of {procs} processes has {total} "
-            f"devices: a multi-process mesh uses every one; pass --devices {total} or leave "
-            "it out"
+            f"num_devices={n} but this job of {procs} processes has {total} devices: a "
+            f"multi-process mesh uses every one; pass num_devices={total}"
         )
 
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
+from experiments.validate import as_flags
 from sparsecomm_jax import launch, runtime
 
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)
@@ -368,16 +369,25 @@ def test_every_rank_refuses_a_mesh_smaller_than_the_job(tmp_path):
     out = tmp_path / "never.json"
     proc = _launch(2, 2, _train_cmd(out, devices=2), timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "error: num_devices=2 (--devices) but this job of 2 processes has 4" in proc.stdout
+    assert "error: --devices 2 but this job of 2 processes has 4" in proc.stdout
+    assert "pass --devices 4" in proc.stdout
     assert not out.exists()
 
 
 def test_mesh_must_span_a_multi_process_job(monkeypatch):
     """The rule uses only facts every process shares, so every rank decides alike."""
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ValueError, match=f"pass --devices {NUM_DEVICES}"):
+    with pytest.raises(ValueError, match=f"pass num_devices={NUM_DEVICES}"):  # Python words
         runtime.data_mesh(NUM_DEVICES // 2)
     assert runtime.data_mesh().size == NUM_DEVICES
+
+
+def test_errors_speak_to_the_caller():
+    """A Python caller is told the Python call, a command-line user the flag."""
+    with pytest.raises(ValueError, match=r"call runtime.simulate_cpu_devices\(16\)") as err:
+        runtime.data_mesh(16)
+    told = as_flags(str(err.value))
+    assert told.startswith("--devices 16 but only 8") and "pass --devices 16 before" in told
 
 
 def test_host_mesh_rows_are_hosts_and_local_collectives_stay_inside():

@@ -50,14 +50,17 @@ def test_row_updates_match_single_device(model, variant, opt, strategies):
         assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
 
 
-def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999):
+def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999, per="row"):
     """One device, numpy: Adam on the dense autodiff gradient, where a table's row moves
-    (and its moments and step count advance) only on steps that read it (lstm_lm,
-    untied: ``embed`` the inputs, ``softmax`` the targets and negatives); every other
-    parameter is read every step."""
+    (and its moments advance) only on steps that read it (lstm_lm, untied: ``embed`` the
+    inputs, ``softmax`` the targets and negatives); every other parameter is read every
+    step. The bias correction counts the steps that read a row (``per="row"``) or, as
+    PyTorch's ``SparseAdam``, every step of the parameter (``per="table"``);
+    ``lr(count before the step)`` when ``lr`` is a schedule."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     mu, nu = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
     count = jax.tree.map(lambda x: np.zeros(x.shape[:1], np.int64), params)
+    table_count = 0
     losses = []
     for step in range(steps):
         batch = w.batch_at(step)
@@ -76,10 +79,14 @@ def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999):
             g = np.asarray(g, np.float64)[rows]
             m[rows] = b1 * m[rows] + (1 - b1) * g
             v[rows] = b2 * v[rows] + (1 - b2) * g * g
+            before = c[rows].copy() if per == "row" else np.full_like(c[rows], table_count)
             c[rows] += 1
-            t = c[rows].reshape(-1, *([1] * (g.ndim - 1))) if g.ndim else c[rows]
+            t = (before + 1).reshape(-1, *([1] * (g.ndim - 1))) if g.ndim else before + 1
+            rate = np.asarray(lr(before), np.float64) if callable(lr) else lr
+            rate = rate.reshape(t.shape) if np.ndim(rate) else rate
             m_hat, v_hat = m[rows] / (1 - b1**t), v[rows] / (1 - b2**t)
-            p[rows] -= lr * m_hat / (np.sqrt(v_hat) + eps)
+            p[rows] -= rate * m_hat / (np.sqrt(v_hat) + eps)
+        table_count += 1
         losses.append(float(loss))
     return losses, params
 
@@ -91,14 +98,19 @@ def _at(tree, path):
     return tree
 
 
-@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
-def test_lazy_adam_matches_single_device_reference(strategy):
-    """(embrace_2d: the step counts, indexed by ids every worker holds, stay replicated.)"""
+@pytest.mark.parametrize(
+    "strategy, per, schedule",
+    [("embrace", "row", False), ("embrace_2d", "row", False), ("embrace", "table", True)],
+)
+def test_lazy_adam_matches_single_device_reference(strategy, per, schedule):
+    """Both bias-correction counts against numpy, one with a learning-rate schedule
+    (embrace_2d: the step counts, indexed by ids every worker holds, stay replicated)."""
     w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
     params = w.init(jax.random.key(3))
-    ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, 1e-2)
+    lr = optax.linear_schedule(1e-2, 2e-3, STEPS) if schedule else 1e-2
+    ref_losses, ref_params = _lazy_adam_reference(w, params, STEPS, lr, per=per)
     # eps keeps Adam from amplifying float noise in near-zero gradients
-    opt = row_optimizers.lazy_adam(1e-2, eps=1e-3)  # per-row counts, Adam on dense leaves
+    opt = row_optimizers.lazy_adam(lr, eps=1e-3, count=per)  # Adam on the dense leaves
     losses, got, _ = strategy_run(w, opt, params, STEPS, strategy, table_update="rows")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
@@ -222,7 +234,7 @@ def test_bad_input_fails_before_compiling():
     with pytest.raises(ValueError, match="table_update='rows' needs a strategy among"):
         sc.make_train_step(*args, "dense", table_update="rows", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' needs"):
-        sc.make_train_step(*args, "embrace", comm_dtype="bfloat16", **kw)
+        sc.make_train_step(*args, "embrace", comm_dtype="bfloat16", table_update="dense", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
         sc.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16", table_update="rows", **kw)
 

@@ -105,15 +105,43 @@ def put_rows(x: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
 
 def state_roles(optimizer: optax.GradientTransformation, opt_state: PyTree, params: PyTree):
     """The optimizer state with each leaf replaced by the leaf index of the parameter it
-    lies like (``optax.tree_map_params``), or ``NOT_A_PARAM`` (a step count)."""
+    lies like (``optax.tree_map_params``), or ``NOT_A_PARAM`` (a step count). The state
+    of ``optax.partition`` keeps its masked places (``optax.MaskedNode``, no leaf)."""
     leaves, treedef = jax.tree.flatten(params)
     indices = treedef.unflatten(list(range(len(leaves))))
+    not_a_param = lambda x: jax.tree.map(lambda _: NOT_A_PARAM, x)  # noqa: E731
+    return map_params(optimizer, lambda _, i: i, opt_state, indices, not_a_param)
+
+
+def map_params(
+    optimizer: optax.GradientTransformation,
+    f: Callable,
+    opt_state: PyTree,
+    tree: PyTree,
+    transform_non_params: Callable,
+    is_leaf: Callable | None = None,
+) -> PyTree:
+    """``optax.tree_map_params`` (``f(state leaf, leaf of tree)`` on the state leaves
+    that lie like parameters) that keeps the masked places of ``optax.partition``'s
+    state as they are (``optax.MaskedNode``, a subtree without leaves), wherever the
+    partition's labels put them."""
+
+    def masked(x):
+        return isinstance(x, optax.MaskedNode)
+
+    def stop(x):
+        return masked(x) or bool(is_leaf and is_leaf(x))
+
+    def keep_masked(leaf, other):
+        return leaf if masked(leaf) else f(leaf, other)
+
     return optax.tree_map_params(
         optimizer,
-        lambda _, i: i,
+        keep_masked,
         opt_state,
-        indices,
-        transform_non_params=lambda x: jax.tree.map(lambda _: NOT_A_PARAM, x),
+        tree,
+        transform_non_params=transform_non_params,
+        is_leaf=stop,
     )
 
 
@@ -285,6 +313,14 @@ def lazy_adam(
     return optax.GradientTransformation(init, update)
 
 
+def is_lazy(optimizer: optax.GradientTransformation, params: PyTree) -> bool:
+    """Whether ``optimizer`` holds a ``lazy_adam`` (in a chain or a partition): an
+    update defined on the rows a step reads, so it asks for the row-sparse update."""
+    state = jax.eval_shape(optimizer.init, _probe_tree(params, jax.random.key(0), 1.0))
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, LazyAdamState))
+    return any(isinstance(x, LazyAdamState) for x in nodes)
+
+
 # ------------------------------------------------ what an optimizer does to rows
 
 
@@ -354,19 +390,43 @@ def treats_rows_alone(optimizer: optax.GradientTransformation, params: PyTree) -
     return True
 
 
-def untouched_rows_stay(optimizer: optax.GradientTransformation, params: PyTree) -> bool:
-    """Whether under ``optimizer`` a row with a zero gradient keeps its value and state,
-    and the other rows move as if it were absent: then the row-sparse update (the row
-    view of the rows a step touched) equals the dense one. SGD, Adagrad, clipping by
-    global norm and schedules do; Adam, momentum and weight decay move every row.
-    Probed like ``treats_rows_alone``: rows [1, 3] of every leaf with a zero gradient."""
+def untouched_rows_stay(
+    optimizer: optax.GradientTransformation, params: PyTree, tables: PyTree | None = None
+) -> bool:
+    """Whether under ``optimizer`` a table row with a zero gradient keeps its value and
+    state, and the other rows move as if it were absent: then the row-sparse update
+    (the row view of the rows a step touched) equals the dense one. SGD, Adagrad,
+    clipping by global norm and schedules do; Adam, momentum and weight decay move every
+    row. Probed like ``treats_rows_alone``: rows [1, 3] of every table with a zero
+    gradient, the other leaves updated whole as the row update does.
+
+    Args:
+      optimizer: any optax optimizer (a chain, ``optax.partition`` of one per label).
+      params: a tree shaped like the parameters (only shapes and dtypes are read).
+      tables: a tree of bools like ``params``: the leaves that are tables (default:
+        every leaf of rank >= 1).
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> params = {"embed": jnp.zeros((8, 2)), "w": jnp.zeros(2)}
+        >>> untouched_rows_stay(optax.sgd(0.1), params)
+        True
+        >>> untouched_rows_stay(optax.adam(0.1), params)
+        False
+        >>> labels = {"embed": "table", "w": "dense"}  # the table by SGD, the rest by Adam
+        >>> per_label = optax.partition({"table": optax.sgd(0.1), "dense": optax.adam(0.1)}, labels)
+        >>> untouched_rows_stay(per_label, params, {"embed": True, "w": False})
+        True
+    """
+    is_table = jax.tree.map(lambda x: True, params) if tables is None else tables
     for scale, key in PROBE_SCALES:
         start = _probe_tree(params, jax.random.key(key), 1.0)
         p, state = _warm(optimizer, start, jax.random.key(0))
-        g = jax.tree.map(_zero_rows_1_3, _probe_tree(params, jax.random.key(key + 10), scale))
+        g = _probe_tree(params, jax.random.key(key + 10), scale)
+        g = jax.tree.map(lambda x, t: _zero_rows_1_3(x) if t else x, g, is_table)
         updates, dense_state = optimizer.update(g, state, p)
         dense = optax.apply_updates(p, updates)
-        rows = jax.tree.map(_picked_rows, g)
+        rows = jax.tree.map(lambda x, t: _picked_rows(x) if t else x, g, is_table)
         roles = state_roles(optimizer, state, p)
         sparse, sparse_state = rows_step(optimizer, p, state, rows, roles)
         if not (_close(dense, sparse) and _close(dense_state, sparse_state)):

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
+from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
@@ -247,8 +248,8 @@ def param_specs(ctx: StepContext) -> PyTree:
 def opt_specs(optimizer: optax.GradientTransformation, opt_state, specs: PyTree) -> PyTree:
     """The optimizer state's specs: a leaf that lies like a parameter takes its spec
     (cut to the leaf's rank: a per-row count of a row-wise table lies like its rows),
-    the rest is replicated."""
-    return optax.tree_map_params(
+    the rest is replicated (``optax.partition``'s masked places stay)."""
+    return map_params(
         optimizer,
         lambda leaf, spec: cut_spec(spec, np.ndim(leaf)),
         opt_state,

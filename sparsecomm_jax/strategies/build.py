@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import wire
-from sparsecomm_jax.embedding import update
+from sparsecomm_jax.embedding import row_optimizers, update
 from sparsecomm_jax.embedding.tables import TablePaths, find_tables, table_mask
 from sparsecomm_jax.embedding.update import TableUpdate
 from sparsecomm_jax.step import placement
@@ -159,6 +159,29 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
         )
 
 
+def choose_table_update(
+    requested: str | TableUpdate,
+    name: StrategyName,
+    optimizer,
+    params,
+    tables: PyTree,
+    comm_dtype: str,
+) -> TableUpdate:
+    """The ``TableUpdate`` of ``requested``: ``"auto"`` is ``ROWS`` where the strategy
+    updates rows and the row-sparse update equals the dense one for ``optimizer`` on
+    every table (``row_optimizers.untouched_rows_stay``, probed on small trees shaped
+    like ``params``; ``tables`` marks the table leaves), where ``optimizer`` is defined
+    on rows (``lazy_adam``) or where ``comm_dtype`` needs it; else ``DENSE``."""
+    if not (isinstance(requested, str) and requested == "auto"):
+        return update.get(requested)
+    if not name.strategy.row_updates or not any(jax.tree.leaves(tables)):
+        return update.DENSE
+    if comm_dtype != "float32" or row_optimizers.is_lazy(optimizer, params):
+        return update.ROWS
+    exact = row_optimizers.untouched_rows_stay(optimizer, params, tables)
+    return update.ROWS if exact else update.DENSE
+
+
 def make_aggregator(name: StrategyName, axis_name: str, density: float, comm_dtype: str, **options):
     """The aggregator of the dense layers: the named one; a table strategy's ``dense``
     mean travels as one flat buffer in ``comm_dtype`` (``aggregators.flat_allreduce``)."""
@@ -184,7 +207,7 @@ def make_train_step(
     capacity: int | None = None,
     density: float = 1.0,
     nonfinite: str = "skip",
-    table_update: str | TableUpdate = "dense",
+    table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
     **aggregator_options: Any,
 ) -> TrainStep:
@@ -220,10 +243,14 @@ def make_train_step(
         worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
         state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
-      table_update: ``"dense"`` (a dense gradient per table shard, every row updated;
+      table_update: ``"auto"`` (``"rows"`` where the strategy updates rows and that is
+        exact for ``optimizer``: a row whose gradient is zero keeps its value and state,
+        as under SGD, Adagrad, clipping by global norm, schedules, ``lazy_adam``; else
+        ``"dense"``), ``"dense"`` (a dense gradient per table shard, every row updated;
         exact for any optimizer) or ``"rows"`` (the optimizer on the rows a step reads
-        only, O(tokens x D); exact for SGD, Adagrad, clipping, schedules; see
-        ``embedding.row_optimizers``), or a ``TableUpdate`` value.
+        only, O(tokens x D); Adam and momentum then move only the rows a step reads, as
+        PyTorch's ``SparseAdam``; see ``embedding.row_optimizers``), or a
+        ``TableUpdate`` value. ``ts.table_update`` names the one chosen.
       comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
         dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
@@ -272,7 +299,7 @@ def make_context(
     capacity: int | None = None,
     density: float = 1.0,
     nonfinite: str = "skip",
-    table_update: str | TableUpdate = "dense",
+    table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
     **aggregator_options: Any,
 ) -> StepContext:
@@ -281,10 +308,10 @@ def make_context(
     check_arguments(loss_fn, optimizer, mesh, params)
     num = runtime.mesh_axis_size(mesh, axis_name)
     check_options(name, num, capacity, nonfinite)
-    table_update = update.get(table_update)
+    named = table_mask(params, embedding_paths)
+    table_update = choose_table_update(table_update, name, optimizer, params, named, comm_dtype)
     check_table_update(name, table_update, comm_dtype)
     aggregator = make_aggregator(name, axis_name, density, comm_dtype, **aggregator_options)
-    named = table_mask(params, embedding_paths)
     vocabs = tuple(sorted({t.vocab for t in find_tables(params, named, None)}))
     layout = name.strategy.layout
     mask = named if layout else jax.tree.map(lambda _: False, named)

@@ -41,7 +41,7 @@ def make_overlapped(
     embedding_paths: TablePaths = (),
     id_keys: Sequence[str] | None = None,
     nonfinite: str = "skip",
-    table_update: str | TableUpdate = "dense",
+    table_update: str | TableUpdate = "auto",
     **options: Any,
 ) -> Overlapped:
     """``embrace_2d`` with step t's late exchange beside step t+1's compute.
