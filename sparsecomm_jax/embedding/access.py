@@ -200,20 +200,54 @@ def param_dependent_tables(loss_fn, params, batch, mask) -> frozenset[int]:
         >>> param_dependent_tables(loss, params, {"x": jnp.zeros(4, int)}, mask)
         frozenset({0})
     """
+    reads, num_params, _ = _read_dependences(*_signature(loss_fn, params, batch, mask))
+    return frozenset(t for t, used in reads if any(used[:num_params]))
+
+
+def key_tables(loss_fn, params, batch, mask) -> dict[str, frozenset[int]]:
+    """Batch key -> the tables whose read ids it feeds (the ids a key holds may be cut or
+    reshaped on the way; keys that feed no table, labels say, are absent). Found once
+    per model and shapes from the dependences of the traced reads program.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"items": jnp.zeros((6, 2)), "users": jnp.zeros((9, 2))}
+        >>> def loss(p, b, ops):
+        ...     u, i = ops.lookup(p["users"], b["user"]), ops.lookup(p["items"], b["item"])
+        ...     return ((u * i).sum(-1) - b["label"]).mean()
+        >>> batch = {"user": jnp.zeros(4, int), "item": jnp.zeros(4, int), "label": jnp.zeros(4)}
+        >>> key_tables(loss, params, batch, {"items": True, "users": True})
+        {'item': frozenset({0}), 'user': frozenset({1})}
+    """
+    signature = _signature(loss_fn, params, batch, mask)
+    reads, num_params, batch_keys = _read_dependences(*signature)
+    found: dict[str, set[int]] = {}
+    for table, used in reads:
+        for key, u in zip(batch_keys, used[num_params:], strict=True):
+            if u:
+                found.setdefault(key, set()).add(table)
+    return {k: frozenset(v) for k, v in sorted(found.items())}
+
+
+def _signature(loss_fn, params, batch, mask) -> tuple:
+    """The hashable description of a reads program: loss, tree, shapes, table flags."""
     leaves, treedef = jax.tree.flatten((params, batch))
     shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
     flags = tuple(bool(f) for f in jax.tree.leaves(mask))
-    return _param_dependent(loss_fn, treedef, shapes, flags, len(jax.tree.leaves(params)))
+    return loss_fn, treedef, shapes, flags, len(jax.tree.leaves(params))
 
 
 @functools.lru_cache(maxsize=16)
-def _param_dependent(loss_fn, treedef, shapes, flags, num_params) -> frozenset[int]:
-    params_shapes = treedef.unflatten(shapes)[0]
+def _read_dependences(loss_fn, treedef, shapes, flags, num_params):
+    """``(reads, num_params, batch keys)``: per read of a table by ids (in call order)
+    ``(table, used)``, ``used`` a bool per input leaf (parameters, then the batch's)
+    that its ids depend on; the batch keys of the batch leaves, in order."""
+    params_shapes, batch_shapes = treedef.unflatten(shapes)
     mask = jax.tree.structure(params_shapes).unflatten(flags)
     p_leaves = jax.tree.leaves(params_shapes)
     widths = {i: s.shape[1] for i, (s, f) in enumerate(zip(p_leaves, flags, strict=True)) if f}
     vocabs = {i: s.shape[0] for i, (s, f) in enumerate(zip(p_leaves, flags, strict=True)) if f}
-    kinds: list[tuple[str, int]] = []
+    tables: list[int] = []
 
     def ids_of(*leaves):
         params, batch = treedef.unflatten(leaves)
@@ -223,16 +257,17 @@ def _param_dependent(loss_fn, treedef, shapes, flags, num_params) -> frozenset[i
             return jnp.zeros((*h.shape[:-1], vocabs[table_of[id(table)]]), h.dtype)
 
         reads = logged_reads(loss_fn, params, batch, mask, widths, "", attend)
-        kinds[:] = [(r.kind, r.table) for r in reads if r.kind != ATTEND]
+        tables[:] = [r.table for r in reads if r.kind != ATTEND]
         return [r.ids for r in reads if r.kind != ATTEND]
 
     jaxpr = jax.make_jaxpr(ids_of)(*shapes).jaxpr
-    dependent = set()
-    for j, (_, table) in enumerate(kinds):
-        _, used = pe.dce_jaxpr(jaxpr, [k == j for k in range(len(kinds))])
-        if any(used[:num_params]):
-            dependent.add(table)
-    return frozenset(dependent)
+    reads = []
+    for j, table in enumerate(tables):
+        _, used = pe.dce_jaxpr(jaxpr, [k == j for k in range(len(tables))])
+        reads.append((table, tuple(used)))
+    paths = jax.tree_util.tree_leaves_with_path(batch_shapes)
+    keys = tuple(str(getattr(path[0], "key", path[0])) for path, _ in paths)
+    return tuple(reads), num_params, keys
 
 
 def answered_loss(loss_fn, mask, attend: Callable | None = None, attend_error: str = ""):

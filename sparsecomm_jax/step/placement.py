@@ -8,7 +8,10 @@ every id lies in its table, how many slots each table's buffers need (each layou
 Example:
     >>> import numpy as np
     >>> from sparsecomm_jax.step import placement
-    >>> placement.check_ids({"tokens": np.array([[1, 2]])}, vocab=10, id_keys=None)
+    >>> placement.check_ids({"tokens": np.array([[1, 12]])}, {"tokens": [("embed", 10)]})
+    Traceback (most recent call last):
+    ...
+    ValueError: batch['tokens'] has ids in [1, 12], outside [0, 10) of table embed
 """
 
 from __future__ import annotations
@@ -49,47 +52,61 @@ def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) 
             )
 
 
-def id_leaves(batch: Batch, id_keys: Sequence[str] | None) -> dict[str, np.ndarray]:
-    """The batch entries that hold token ids (all integer entries when not named).
+def check_ids(batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str = "") -> None:
+    """``ValueError`` for any id outside its table: never a silent clamp.
+
+    Args:
+      batch: the host batch.
+      ranges: batch key -> the ``(table name, V)`` of each table it feeds; its ids
+        must lie in [0, V) of the smallest.
+      hint: added to the error (how to name the keys).
+    """
+    for key, tables in ranges.items():
+        ids = np.asarray(batch[key])
+        if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+            continue
+        name, vocab = min(tables, key=lambda t: t[1])
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(
+                f"batch[{key!r}] has ids in [{ids.min()}, {ids.max()}], outside [0, {vocab}) "
+                f"of table {name}{hint}"
+            )
+
+
+def id_ranges(ctx: StepContext, batch: Batch) -> tuple[dict[str, list[tuple[str, int]]], str]:
+    """Batch key -> the ``(name, V)`` of the tables its ids are checked against, and a
+    hint for the error: the tables ``ctx.id_keys`` maps it to, else those it feeds in
+    the loss (``access.key_tables``; a named key that feeds none: every table).
 
     Raises:
       ValueError: ``id_keys`` names a key the batch does not have (a misspelt key would
         turn the check off).
     """
-    if id_keys is not None and (missing := [k for k in id_keys if k not in batch]):
+    named = {t.index: (t.name, t.vocab) for t in ctx.id_tables}
+    keys = ctx.id_keys
+    if keys is not None and (missing := [k for k in keys if k not in batch]):
         raise ValueError(
             f"id_keys names {missing}, which the batch does not have (its keys: "
             f"{sorted(batch)}); name the keys that hold token ids"
         )
-    keys = id_keys if id_keys is not None else batch
-    return {
-        k: np.asarray(batch[k])
-        for k in keys
-        if np.issubdtype(np.asarray(batch[k]).dtype, np.integer)
-    }
-
-
-def check_ids(batch: Batch, vocab: int, id_keys: Sequence[str] | None) -> None:
-    """``ValueError`` for any token id outside [0, vocab): never a silent clamp."""
-    for key, ids in id_leaves(batch, id_keys).items():
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            hint = (
-                "; integer entries that are not token ids (labels, an ignore index such "
-                "as -100) must be left out by naming the id keys: id_keys=[...]"
-                if id_keys is None
-                else ""
-            )
-            raise ValueError(
-                f"batch[{key!r}] has token ids in [{ids.min()}, {ids.max()}], outside the "
-                f"vocabulary [0, {vocab}){hint}"
-            )
+    if isinstance(keys, dict):
+        return {k: [named[i] for i in tables] for k, tables in keys.items()}, ""
+    leaves, treedef = jax.tree.flatten(ctx.params)
+    mask = treedef.unflatten([i in named for i in range(len(leaves))])
+    fed = access.key_tables(ctx.loss_fn, ctx.params, batch, mask)
+    if keys is None:
+        return {k: [named[i] for i in fed[k]] for k in fed}, (
+            " (name each key's table with id_keys={key: table path} if this key holds "
+            "something else)"
+        )
+    return {k: [named[i] for i in fed.get(k, named)] for k in keys}, ""
 
 
 def check_host_batch(ctx: StepContext, batch: Batch) -> None:
     """Every check a batch passes before it is placed."""
     check_batch(batch, ctx.num_workers, ctx.replicated_keys)
-    if ctx.vocabs:
-        check_ids(batch, min(ctx.vocabs), ctx.id_keys)
+    if ctx.id_tables:
+        check_ids(batch, *id_ranges(ctx, batch))
 
 
 # ------------------------------------------------------------------- the batch

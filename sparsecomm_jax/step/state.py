@@ -101,9 +101,11 @@ class StepContext(NamedTuple):
       tables: the embedding tables the strategy places, each with its layout (empty
         for data-parallel strategies, which treat tables as dense parameters).
       table_mask: bool per parameter leaf: is it a table the strategy places?
-      vocabs: V of every embedding table named (data parallel too): the range ids are
-        checked against.
-      id_keys: batch keys holding token ids (``None``: every integer key).
+      id_tables: every embedding table named (data parallel too, layout ``None``): the
+        ranges ids are checked against.
+      id_keys: which batch keys hold ids: ``None`` (every integer key that feeds a table,
+        found from the loss), a tuple of keys (each checked against the tables it feeds),
+        or key -> the leaf indices of the tables it reads.
       capacity: fixed slots per static buffer (``None``: sized per batch).
       aggregator: reduces the data-parallel gradients (the dense layers).
       nonfinite: ``"skip"`` (keep the state, NaN loss), ``"error"`` (the same; callers
@@ -121,8 +123,8 @@ class StepContext(NamedTuple):
     replicated_keys: tuple[str, ...]
     tables: tuple[Table, ...]
     table_mask: PyTree
-    vocabs: tuple[int, ...]
-    id_keys: tuple[str, ...] | None
+    id_tables: tuple[Table, ...]
+    id_keys: tuple[str, ...] | dict[str, tuple[int, ...]] | None
     capacity: int | None
     aggregator: Aggregator
     nonfinite: str

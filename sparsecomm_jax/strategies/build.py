@@ -16,7 +16,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,8 +26,9 @@ from jax.sharding import Mesh
 
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import wire
-from sparsecomm_jax.embedding import row_optimizers, update
-from sparsecomm_jax.embedding.tables import TablePaths, find_tables, table_mask
+from sparsecomm_jax.embedding import layouts, row_optimizers, update
+from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.tables import Table, TablePaths, find_tables, table_mask
 from sparsecomm_jax.embedding.update import TableUpdate
 from sparsecomm_jax.step import placement
 from sparsecomm_jax.step.placement import first_replica
@@ -159,6 +160,70 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
         )
 
 
+def _table_name(path) -> str:
+    return path if isinstance(path, str) else "/".join(str(k) for k in path)
+
+
+def place_tables(
+    tables: tuple[Table, ...], table_layouts: Mapping[Any, str | Layout] | None, strategy: Strategy
+) -> tuple[Table, ...]:
+    """``tables`` with the layouts ``table_layouts`` gives them (by path or name).
+
+    Raises:
+      ValueError: a path that names no table, an unknown layout, or a strategy whose
+        step reads every table through one layout.
+    """
+    if not table_layouts:
+        return tables
+    if not strategy.any_layout:
+        mixed = [s.name for s in STRATEGIES.values() if s.any_layout]
+        raise ValueError(
+            f"table_layouts needs a strategy among {mixed}; strategy '{strategy.name}' "
+            "reads every table through one layout"
+        )
+    chosen = {_table_name(p): layouts.get(x) for p, x in table_layouts.items()}
+    if unknown := sorted(set(chosen) - {t.name for t in tables}):
+        raise ValueError(
+            f"table_layouts names {unknown}, which are not embedding tables; the tables: "
+            f"{[t.name for t in tables]}"
+        )
+    return tuple(t._replace(layout=chosen.get(t.name, t.layout)) for t in tables)
+
+
+def resolve_id_keys(
+    id_keys: Sequence[str] | Mapping[str, Any] | None, tables: Sequence[Table]
+) -> tuple[str, ...] | dict[str, tuple[int, ...]] | None:
+    """``id_keys`` as the step keeps it: ``None``, a tuple of keys, or key -> the leaf
+    indices of its tables (a table named by its path, a tuple of keys or ``"a/b/c"``, or
+    several of them).
+
+    Raises:
+      ValueError: a table path that names no embedding table (the message lists them).
+    """
+    if id_keys is None or isinstance(id_keys, str):
+        return None if id_keys is None else (id_keys,)
+    if not isinstance(id_keys, Mapping):
+        return tuple(id_keys)
+    index = {t.name: t.index for t in tables}
+
+    def table(path) -> int:
+        name = _table_name(path)
+        if name not in index:
+            raise ValueError(
+                f"id_keys maps a key to {name!r}, which is not an embedding table; the "
+                f"tables: {sorted(index)}"
+            )
+        return index[name]
+
+    def tables_of(paths) -> tuple[int, ...]:
+        several = isinstance(paths, list) or (
+            isinstance(paths, tuple) and paths and not isinstance(paths[0], str)
+        )
+        return tuple(table(p) for p in paths) if several else (table(paths),)
+
+    return {key: tables_of(paths) for key, paths in id_keys.items()}
+
+
 def choose_table_update(
     requested: str | TableUpdate,
     name: StrategyName,
@@ -203,12 +268,13 @@ def make_train_step(
     axis_name: str = "data",
     replicated_keys: Sequence[str] = (),
     embedding_paths: TablePaths = (),
-    id_keys: Sequence[str] | None = None,
+    id_keys: Sequence[str] | Mapping[str, Any] | None = None,
     capacity: int | None = None,
     density: float = 1.0,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
+    table_layouts: Mapping[Any, str | Layout] | None = None,
     **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
@@ -232,8 +298,11 @@ def make_train_step(
       replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
       embedding_paths: which parameters are V x D embedding tables: paths like
         ``[("embed",)]`` or a predicate ``(path, leaf) -> bool``.
-      id_keys: batch keys holding token ids (checked to lie in [0, V)); default: every
-        integer entry of the batch when there are tables.
+      id_keys: which batch keys hold ids, each checked to lie in [0, V) of its table:
+        default every integer key that feeds a table in the loss (found from it; a
+        label is left alone); a tuple of keys; or ``{key: table path}`` (a path like
+        ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``,
+        or a list of them), which also checks nothing else.
       capacity: slots of a layout's static buffers per table (``embrace_rowwise``: per
         (worker, owner) bucket; ``embrace``: distinct rows per worker; ``embrace_2d``:
         first-chunk positions); ``None`` sizes them per batch (a new program when one
@@ -253,6 +322,12 @@ def make_train_step(
         ``TableUpdate`` value. ``ts.table_update`` names the one chosen.
       comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
         dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
+      table_layouts: a layout per table, ``{table path: layout}`` (a path like
+        ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
+        a layout ``"column"``, ``"row"``, ``"replicated"`` or a ``Layout`` value), for
+        ``sparse_allgather``, ``embrace`` and ``embrace_rowwise``; the tables it leaves
+        out keep the strategy's layout. A planner's plan (``planner.plan_tables``) is
+        such a mapping.
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -279,6 +354,7 @@ def make_train_step(
         nonfinite=nonfinite,
         table_update=table_update,
         comm_dtype=comm_dtype,
+        table_layouts=table_layouts,
         **aggregator_options,
     )
     built = ENGINES[name.strategy.engine](ctx, name.strategy)
@@ -295,12 +371,13 @@ def make_context(
     axis_name: str = "data",
     replicated_keys: Sequence[str] = (),
     embedding_paths: TablePaths = (),
-    id_keys: Sequence[str] | None = None,
+    id_keys: Sequence[str] | Mapping[str, Any] | None = None,
     capacity: int | None = None,
     density: float = 1.0,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
+    table_layouts: Mapping[Any, str | Layout] | None = None,
     **aggregator_options: Any,
 ) -> StepContext:
     """Every argument of ``make_train_step`` checked, as the ``StepContext`` a step is
@@ -312,10 +389,10 @@ def make_context(
     table_update = choose_table_update(table_update, name, optimizer, params, named, comm_dtype)
     check_table_update(name, table_update, comm_dtype)
     aggregator = make_aggregator(name, axis_name, density, comm_dtype, **aggregator_options)
-    vocabs = tuple(sorted({t.vocab for t in find_tables(params, named, None)}))
+    id_tables = find_tables(params, named, None)
     layout = name.strategy.layout
     mask = named if layout else jax.tree.map(lambda _: False, named)
-    tables = find_tables(params, mask, layout)
+    tables = place_tables(find_tables(params, mask, layout), table_layouts, name.strategy)
     if name.strategy.needs_tables and not tables:
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "
@@ -330,8 +407,8 @@ def make_context(
         replicated_keys=tuple(replicated_keys),
         tables=tables,
         table_mask=mask,
-        vocabs=vocabs,
-        id_keys=None if id_keys is None else tuple(id_keys),
+        id_tables=id_tables,
+        id_keys=resolve_id_keys(id_keys, id_tables),
         capacity=capacity,
         aggregator=aggregator,
         nonfinite=nonfinite,

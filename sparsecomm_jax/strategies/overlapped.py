@@ -17,7 +17,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optax
@@ -39,7 +39,7 @@ def make_overlapped(
     axis_name: str = "data",
     replicated_keys: Sequence[str] = (),
     embedding_paths: TablePaths = (),
-    id_keys: Sequence[str] | None = None,
+    id_keys: Sequence[str] | Mapping[str, Any] | None = None,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
     **options: Any,

@@ -48,6 +48,8 @@ class Strategy(NamedTuple):
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
       engine: ``"shard_map"`` (``jax.jit`` of the step) or ``"pmap"``.
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
+      any_layout: each table may have a layout of its own (``table_layouts``): its
+        step reads every table through the table's layout.
     """
 
     name: str
@@ -59,6 +61,7 @@ class Strategy(NamedTuple):
     combines: bool = True
     engine: str = "shard_map"
     row_updates: bool = False
+    any_layout: bool = False
 
 
 STRATEGIES: dict[str, Strategy] = {
@@ -73,6 +76,7 @@ STRATEGIES: dict[str, Strategy] = {
             needs_tables=True,
             combines=False,
             row_updates=True,
+            any_layout=True,
         ),
         Strategy(
             "embrace",
@@ -80,6 +84,7 @@ STRATEGIES: dict[str, Strategy] = {
             layout=COLUMN,
             needs_tables=True,
             row_updates=True,
+            any_layout=True,
         ),
         Strategy(
             "embrace_rowwise",
@@ -87,6 +92,7 @@ STRATEGIES: dict[str, Strategy] = {
             layout=ROW,
             needs_tables=True,
             row_updates=True,
+            any_layout=True,
         ),
         Strategy(
             "embrace_2d",

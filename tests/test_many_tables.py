@@ -1,0 +1,146 @@
+"""Many tables of different sizes in one model: each batch key checked against the
+tables it feeds, a layout per table (column, row, replicated) mixed in one step and exact
+against single-device training, features sharing a table."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close
+
+import sparsecomm_jax as sc
+from sparsecomm_jax import runtime
+from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.embedding.access import PLAIN
+
+N, B, D = 8, 32, 8
+SIZES = {"user": 48, "item": 40, "tag": 16}  # rows of each table
+
+
+def init(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=(v, D)).astype(np.float32) for k, v in SIZES.items()}
+    params["w"] = rng.normal(size=(D,)).astype(np.float32)
+    return params
+
+
+def loss(params, batch, ops):
+    """Two towers and a bag of tags: ``item`` and ``seen`` share the item table, the
+    ``label`` key is an integer class that feeds no table."""
+    user = ops.lookup(params["user"], batch["user"])  # [B/P, D]
+    item = ops.lookup(params["item"], batch["item"])
+    seen = ops.lookup(params["item"], batch["seen"])
+    tags = ops.lookup(params["tag"], batch["tags"]).sum(axis=1)  # [B/P, 3, D] -> [B/P, D]
+    score = jnp.sum((user + tags) * (item - 0.5 * seen) * params["w"], axis=-1)
+    target = batch["label"].astype(jnp.float32) / 500.0
+    return jnp.mean((score - target) ** 2)
+
+
+def batch_at(step: int) -> dict:
+    rng = np.random.default_rng(100 + step)
+    return {
+        "user": rng.integers(0, SIZES["user"], B).astype(np.int32),
+        "item": rng.integers(0, SIZES["item"], B).astype(np.int32),
+        "seen": rng.integers(0, SIZES["item"], B).astype(np.int32),
+        "tags": rng.integers(0, SIZES["tag"], (B, 3)).astype(np.int32),
+        "label": rng.integers(0, 500, B).astype(np.int32),  # beyond every table: not ids
+    }
+
+
+PATHS = [(k,) for k in SIZES]
+
+
+def make(strategy="embrace", optimizer=None, **kw):
+    return sc.make_train_step(
+        loss,
+        optimizer or optax.sgd(0.05),
+        runtime.data_mesh(N),
+        init(),
+        strategy,
+        embedding_paths=PATHS,
+        **kw,
+    )
+
+
+def reference(optimizer, steps):
+    params, state = jax.tree.map(jnp.asarray, init()), optimizer.init(init())
+
+    @jax.jit
+    def step(params, state, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch, PLAIN)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    losses = []
+    for s in range(steps):
+        params, state, value = step(params, state, batch_at(s))
+        losses.append(float(value))
+    return losses, params
+
+
+MIXES = {
+    "column everywhere": {},
+    "one of each": {"user": "row", "item": "column", "tag": "replicated"},
+    "rows and a copy": {"user": "replicated", "item": "row", "tag": "row"},
+}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adagrad"])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_a_layout_per_table_equals_single_device(mix, opt):
+    optimizer = {"sgd": lambda: optax.sgd(0.05), "adagrad": lambda: optax.adagrad(0.1)}[opt]
+    ref_losses, ref_params = reference(optimizer(), 3)
+    ts = make("embrace", optimizer(), table_layouts=MIXES[mix])
+    assert ts.table_update == "rows"  # auto: exact for both
+    state, losses = ts.state, []
+    for s in range(3):
+        state, value = ts.step(state, ts.place_batch(batch_at(s)))
+        losses.append(sc.loss_value(value))
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_trees_close(ts.host_params(state), ref_params, rtol=1e-5, atol=1e-6)
+    for name in SIZES:  # each table lies as its layout says
+        expected = layouts.get(MIXES[mix].get(name, "column")).spec("data")
+        got = state.params[name].sharding.spec
+        assert (*got, None, None)[:2] == (*expected, None, None)[:2], name
+
+
+@pytest.mark.parametrize("strategy", ["dense", "embrace"])
+def test_each_key_is_checked_against_the_tables_it_feeds(strategy):
+    """The user key against the 48-row table, item and seen against the 40-row one; the
+    integer label feeds no table and is left alone."""
+    ts = make(strategy)
+    good = batch_at(0)
+    good["user"][0] = SIZES["user"] - 1  # valid for users, beyond the item table
+    ts.place_batch(good)
+    bad = batch_at(0)
+    bad["seen"][3] = SIZES["item"]
+    with pytest.raises(
+        ValueError, match=r"batch\['seen'\] has ids in \[\d+, 40\], outside \[0, 40\) of table item"
+    ):
+        ts.place_batch(bad)
+
+
+def test_named_id_keys_map_features_to_tables():
+    ts = make(
+        "embrace", id_keys={"user": ("user",), "item": "item", "seen": "item", "tags": ["tag"]}
+    )
+    batch = batch_at(1)
+    batch["label"][0] = -7  # not named: not checked
+    ts.place_batch(batch)
+    batch["tags"][0, 0] = 16
+    with pytest.raises(ValueError, match=r"batch\['tags'\] .* outside \[0, 16\) of table tag"):
+        ts.place_batch(batch)
+    with pytest.raises(ValueError, match=r"id_keys maps a key to 'items', which is not an embed"):
+        make("embrace", id_keys={"item": "items"})
+    with pytest.raises(ValueError, match=r"id_keys names \['users'\], which the batch does not"):
+        make("embrace", id_keys=("users",)).place_batch(batch_at(0))
+
+
+def test_table_layouts_are_checked():
+    with pytest.raises(ValueError, match=r"table_layouts names \['users'\], which are not"):
+        make("embrace", table_layouts={"users": "row"})
+    with pytest.raises(ValueError, match=r"unknown table layout 'diagonal'"):
+        make("embrace", table_layouts={"user": "diagonal"})
+    with pytest.raises(ValueError, match=r"table_layouts needs a strategy among"):
+        make("embrace_2d", table_layouts={"user": "row"})
