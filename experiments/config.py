@@ -140,6 +140,13 @@ class RunConfig:
         0, "shared negative samples per step; 0 = full softmax", at_least(0)
     )
     tie_embeddings: bool = _field(False, "tie the output table to the input table")
+    tables: str = _field(
+        "1000,1000,500,500,200,200,100,100",
+        "rows of each sparse feature's table, comma-separated (dlrm)",
+    )
+    bottom: str = _field("64", "hidden widths of the bottom MLP, comma-separated (dlrm)")
+    top: str = _field("64,32", "hidden widths of the top MLP, comma-separated (dlrm)")
+    multi_hot: int = _field(1, "ids per sparse feature, pooled by sum (dlrm)", at_least(1))
     zipf_exponent: float = _field(
         1.1, "Zipf exponent of the synthetic tokens (> 0)", finite_at_least(0, strict=True)
     )
@@ -205,7 +212,8 @@ class RunConfig:
         "",
         "folder of local data, nothing is downloaded: WikiText "
         "(wiki.{train,valid,test}.tokens) or PTB (ptb.{train,valid,test}.txt) "
-        "for the language models, cifar-10-batches-py/ for resnet and vgg",
+        "for the language models, cifar-10-batches-py/ for resnet and vgg, "
+        "a Criteo TSV train.txt for dlrm",
     )
     eval_every: int = _field(
         0,

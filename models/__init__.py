@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from models import bert, gpt2, lstm_lm, transformer, vision
+from models import bert, dlrm, gpt2, lstm_lm, transformer, vision
 from models.workload import Workload
 
 # name -> (config class, builder)
@@ -22,6 +22,7 @@ MODELS: dict[str, tuple[type, Callable[[Any], Workload]]] = {
     "gpt2": (gpt2.GPT2Config, gpt2.workload),
     "resnet": (vision.VisionConfig, lambda cfg: vision.workload("resnet", cfg)),
     "vgg": (vision.VisionConfig, lambda cfg: vision.workload("vgg", cfg)),
+    "dlrm": (dlrm.DLRMConfig, dlrm.workload),
 }
 
 

@@ -1,4 +1,5 @@
-"""Flax layers whose embedding tables every strategy can shard: ``Embed``.
+"""Flax layers whose embedding tables every strategy can shard: ``Embed`` and the pooled
+multi-hot ``EmbedBag``.
 
 ``Embed`` is a drop-in for ``flax.linen.Embed`` (same attributes, ``__call__(ids)`` and
 ``attend(query)``, the same parameter ``"embedding"``). Inside a strategy's step its
@@ -185,6 +186,54 @@ class Embed(linen.Embed):
         """As ``__call__``, for ids every worker holds identically (e.g. negatives
         shared by the batch): sharded strategies exchange them more cheaply."""
         return _lookup(self, self.embedding, inputs, shared=True)
+
+
+POOLINGS = ("sum", "mean")
+
+
+class EmbedBag(Embed):
+    """Pooled lookups of bags of ids (multi-hot features), like PyTorch's
+    ``nn.EmbeddingBag`` and TorchRec's pooled tables: one row per bag, the sum or the
+    mean of its ids' rows. Bags of different lengths are padded to one width ``L``:
+    the padded places hold ``padding_id`` (a valid row, never counted) or lie past the
+    bag's ``lengths``. Under every layout the rows come through the strategy's lookup,
+    so the row-sparse update stays exact (a padded place has a zero gradient).
+
+    Attributes:
+      num_embeddings, features, ...: as ``Embed``.
+      mode: ``"sum"`` or ``"mean"`` (an empty bag is zeros).
+      padding_id: the id of padded places, or ``None`` (use ``lengths``, or no padding).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> bag = EmbedBag(10, 2, mode="mean", padding_id=0)
+        >>> ids = jnp.array([[3, 5, 0], [7, 0, 0]])  # bags of 2 and 1 ids
+        >>> params = bag.init(jax.random.key(0), ids)
+        >>> table = params["params"]["embedding"]
+        >>> pooled = bag.apply(params, ids)
+        >>> bool(jnp.allclose(pooled[0], (table[3] + table[5]) / 2))
+        True
+    """
+
+    mode: str = "sum"
+    padding_id: int | None = None
+
+    def __call__(self, inputs: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        """Pooled rows ``[*inputs.shape[:-1], features]`` of bags ``inputs[..., L]``
+        (``lengths``: ids per bag, ``[*inputs.shape[:-1]]``)."""
+        if self.mode not in POOLINGS:
+            raise ValueError(f"EmbedBag mode must be one of {POOLINGS}, got {self.mode!r}")
+        rows = _lookup(self, self.embedding, inputs)  # [..., L, D]
+        counted = jnp.ones(inputs.shape, bool)
+        if self.padding_id is not None:
+            counted &= inputs != self.padding_id
+        if lengths is not None:
+            counted &= jnp.arange(inputs.shape[-1]) < jnp.asarray(lengths)[..., None]
+        weights = counted.astype(rows.dtype)[..., None]
+        pooled = jnp.sum(rows * weights, axis=-2)
+        if self.mode == "mean":
+            pooled = pooled / jnp.maximum(jnp.sum(weights, axis=-2), 1)
+        return pooled
 
 
 def _serve_flax_embed(next_fun, args, kwargs, context):

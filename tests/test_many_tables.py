@@ -1,7 +1,8 @@
 """Many tables of different sizes in one model: each batch key checked against the
 tables it feeds, a layout per table (column, row, replicated) mixed in one step and exact
-against single-device training, features sharing a table."""
+against single-device training, features sharing a table, pooled multi-hot bags."""
 
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from helpers import assert_trees_close
 
 import sparsecomm_jax as sc
-from sparsecomm_jax import runtime
+from sparsecomm_jax import nn, runtime
 from sparsecomm_jax.embedding import layouts
 from sparsecomm_jax.embedding.access import PLAIN
 
@@ -144,3 +145,60 @@ def test_table_layouts_are_checked():
         make("embrace", table_layouts={"user": "diagonal"})
     with pytest.raises(ValueError, match=r"table_layouts needs a strategy among"):
         make("embrace_2d", table_layouts={"user": "row"})
+
+
+class Bags(linen.Module):
+    """Two multi-hot features: tags pooled by their mean (bags padded with id 0), clicks
+    by their sum (bags cut by lengths)."""
+
+    @linen.compact
+    def __call__(self, batch):
+        tags = nn.EmbedBag(16, D, mode="mean", padding_id=0, name="tags")(batch["tags"])
+        clicks = nn.EmbedBag(40, D, mode="sum", name="clicks")(batch["clicks"], batch["lengths"])
+        return linen.Dense(1)(jnp.concatenate([tags, clicks], -1))[:, 0]
+
+
+def bag_batch(step: int) -> dict:
+    rng = np.random.default_rng(200 + step)
+    tags = rng.integers(1, 16, (B, 4))
+    tags[rng.random((B, 4)) < 0.4] = 0  # padded places
+    return {
+        "tags": tags.astype(np.int32),
+        "clicks": rng.integers(0, 40, (B, 5)).astype(np.int32),
+        "lengths": rng.integers(0, 6, B).astype(np.int32),  # empty bags too
+        "y": rng.normal(size=B).astype(np.float32),
+    }
+
+
+def bag_loss(params, batch):
+    return jnp.mean((Bags().apply(params, batch) - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("layout", ["column", "row", "replicated"])
+def test_pooled_bags_under_every_layout_equal_single_device(layout):
+    params = Bags().init(jax.random.key(1), bag_batch(0))
+    opt = optax.sgd(0.5)
+    ref, state = params, opt.init(params)
+    for s in range(3):
+        grads = jax.grad(bag_loss)(ref, bag_batch(s))
+        updates, state = opt.update(grads, state, ref)
+        ref = optax.apply_updates(ref, updates)
+    paths = nn.embedding_paths(params)
+    ts = sc.make_train_step(
+        nn.loss_with_embeddings(bag_loss),
+        opt,
+        runtime.data_mesh(N),
+        params,
+        "embrace",
+        embedding_paths=paths,
+        table_layouts={p: layout for p in paths},
+    )
+    assert ts.table_update == "rows"
+    state = ts.state
+    for s in range(3):
+        state, _ = ts.step(state, ts.place_batch(bag_batch(s)))
+    assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)
+    untouched = ~np.isin(np.arange(40), [bag_batch(s)["clicks"] for s in range(3)])
+    table = np.asarray(params["params"]["clicks"]["embedding"])
+    got = ts.host_params(state)["params"]["clicks"]["embedding"]
+    np.testing.assert_array_equal(got[untouched], table[untouched])

@@ -1,0 +1,292 @@
+"""DLRM: a recommendation model of many embedding tables, on Criteo-like data.
+
+Dense features go through the bottom MLP to a D-vector; each sparse feature is a bag of
+ids (one or several, ``multi_hot``) pooled from its own table (``nn.EmbedBag``, sum);
+the feature interaction is the dot product of every pair of those vectors; the top MLP
+turns them (with the bottom vector) into a click logit, trained by log loss.
+
+Data: synthetic by default (13 dense features, one Zipf-distributed sparse feature per
+table, a click drawn from a hidden logistic model of both, so the model can learn it),
+or the Criteo TSV format from a local file (``--data-dir D`` with ``D/train.txt``:
+label, 13 integer and 26 hexadecimal categorical columns, tab-separated, empty fields
+allowed), categorical values hashed into the tables. Held-out log loss, accuracy and
+AUC on the last tenth of the file (synthetic data: a held-out stream).
+
+Each sparse feature is its own batch key (``sparse_0``, ``sparse_1``, ...), so its ids
+are checked against its own table.
+
+Paper-scale config (Criteo Kaggle, DLRM's reference): 26 tables, D = 16-128, bottom MLP
+``512,256,64``, top ``512,256``; TorchRec's example uses D = 64.
+
+Example:
+    >>> import jax
+    >>> from models import dlrm
+    >>> w = dlrm.workload(dlrm.DLRMConfig(tables="50,40,30", dim=4, batch=8))
+    >>> float(w.loss(w.init(jax.random.key(0)), w.batch_at(0))) > 0
+    True
+
+References:
+    Naumov et al., "Deep Learning Recommendation Model for Personalization and
+    Recommendation Systems", 2019.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.data import _step_rng, zipf_probabilities
+from models.workload import Workload
+from sparsecomm_jax import nn
+
+DENSE_FEATURES = 13  # Criteo's integer columns
+CATEGORICAL = 26  # Criteo's categorical columns
+
+
+@dataclasses.dataclass(frozen=True)
+class DLRMConfig:
+    tables: str = "1000,1000,500,500,200,200,100,100"  # rows of each sparse feature's table
+    dim: int = 16  # D: every table's row width and the bottom MLP's output
+    bottom: str = "64"  # hidden widths of the bottom MLP (then D)
+    top: str = "64,32"  # hidden widths of the top MLP (then the logit)
+    multi_hot: int = 1  # ids per sparse feature (a bag, pooled by sum)
+    zipf_exponent: float = 1.1  # Zipf exponent of the synthetic ids
+    batch: int = 128  # global batch (samples per step)
+    data_dir: str = ""  # a folder with a Criteo TSV train.txt instead of synthetic data
+    seed: int = 0  # data and init seed
+
+
+def table_sizes(cfg: DLRMConfig) -> list[int]:
+    """Rows of each table, from ``cfg.tables`` (``ValueError`` naming what is wrong)."""
+    try:
+        sizes = [int(x) for x in cfg.tables.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--tables must be comma-separated row counts, got {cfg.tables!r}"
+        ) from None
+    if not sizes or min(sizes) < 2:
+        raise ValueError(f"--tables needs at least one table of >= 2 rows, got {cfg.tables!r}")
+    return sizes
+
+
+def _widths(text: str, flag: str) -> list[int]:
+    try:
+        widths = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated widths, got {text!r}") from None
+    if any(w < 1 for w in widths):
+        raise ValueError(f"{flag} widths must be >= 1, got {text!r}")
+    return widths
+
+
+class MLP(linen.Module):
+    widths: tuple[int, ...]
+    last_relu: bool = True
+
+    @linen.compact
+    def __call__(self, x):
+        for i, w in enumerate(self.widths):
+            x = linen.Dense(w)(x)
+            if i + 1 < len(self.widths) or self.last_relu:
+                x = linen.relu(x)
+        return x
+
+
+class DLRM(linen.Module):
+    """Bottom MLP, one pooled table per sparse feature, pairwise dot interaction, top MLP.
+
+    ``__call__(batch)`` -> click logits ``[B]``; ``batch["dense"]`` float[B, 13],
+    ``batch["sparse_f"]`` int[B, multi_hot] per feature ``f``.
+    """
+
+    sizes: tuple[int, ...]
+    dim: int
+    bottom: tuple[int, ...]
+    top: tuple[int, ...]
+
+    @linen.compact
+    def __call__(self, batch):
+        x = MLP((*self.bottom, self.dim))(batch["dense"])  # [B, D]
+        pooled = [
+            nn.EmbedBag(v, self.dim, mode="sum", name=f"sparse_{f}")(batch[f"sparse_{f}"])
+            for f, v in enumerate(self.sizes)
+        ]
+        z = jnp.stack([x, *pooled], axis=1)  # [B, F+1, D]
+        dots = jnp.einsum("bfd,bgd->bfg", z, z)
+        upper = jnp.triu_indices(z.shape[1], k=1)
+        features = jnp.concatenate([x, dots[:, upper[0], upper[1]]], axis=1)
+        return MLP((*self.top, 1), last_relu=False)(features)[:, 0]
+
+
+def log_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean binary cross-entropy of click ``labels`` (0/1) given ``logits``."""
+    logits = logits.astype(jnp.float32)
+    return jnp.mean(jnp.maximum(logits, 0) - logits * labels + jnp.log1p(jnp.exp(-jnp.abs(logits))))
+
+
+def auc(scores: jax.Array, labels: jax.Array) -> jax.Array:
+    """Area under the ROC curve: the chance that a random click scores above a random
+    non-click (ties count half); 0.5 when a batch has only one class."""
+    order = jnp.argsort(scores)
+    ranks = jnp.empty_like(scores).at[order].set(jnp.arange(1, scores.size + 1, dtype=scores.dtype))
+    same = scores[:, None] == scores[None, :]  # average ranks of ties
+    ranks = jnp.sum(jnp.where(same, ranks[None, :], 0), 1) / jnp.sum(same, 1)
+    pos = jnp.sum(labels)
+    neg = labels.size - pos
+    value = (jnp.sum(ranks * labels) - pos * (pos + 1) / 2) / jnp.maximum(pos * neg, 1)
+    return jnp.where((pos > 0) & (neg > 0), value, 0.5)
+
+
+# ------------------------------------------------------------------------- data
+
+
+def _batch(dense, sparse: list[np.ndarray], labels) -> dict[str, np.ndarray]:
+    out = {"dense": dense.astype(np.float32), "label": labels.astype(np.float32)}
+    out.update({f"sparse_{f}": ids.astype(np.int32) for f, ids in enumerate(sparse)})
+    return out
+
+
+def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
+    """``(batch_at, heldout)`` of Criteo-like synthetic data: log-normal counts as dense
+    features, Zipf ids per table, clicks from a hidden logistic model of both."""
+    sizes = table_sizes(cfg)
+    cdfs = [np.cumsum(zipf_probabilities(v, cfg.zipf_exponent)) for v in sizes]
+    hidden = np.random.default_rng([cfg.seed, 7])
+    w_dense = 2 * hidden.normal(size=DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
+    scores = [3 * hidden.normal(size=v) / np.sqrt(len(sizes)) for v in sizes]
+
+    def make(step: int, salt: int) -> dict[str, np.ndarray]:
+        rng = _step_rng(cfg.seed, step, salt)
+        dense = np.log1p(rng.lognormal(1.0, 1.0, (cfg.batch, DENSE_FEATURES)))
+        ids = [
+            np.minimum(np.searchsorted(c, rng.random((cfg.batch, cfg.multi_hot))), len(c) - 1)
+            for c in cdfs
+        ]
+        logit = (dense - 1.0) @ w_dense + sum(
+            s[i].mean(1) for s, i in zip(scores, ids, strict=True)
+        )
+        clicks = rng.random(cfg.batch) < 1 / (1 + np.exp(-logit))
+        return _batch(dense, ids, clicks)
+
+    def heldout(split: str, max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+        n = max_batches or 8
+        salt = {"valid": 1, "test": 2}.get(split)
+        return [make(k, salt) for k in range(n)] if salt else []
+
+    return (lambda step: make(step, 0)), heldout
+
+
+def read_criteo(path: str | Path, sizes: list[int], max_rows: int = 0) -> dict[str, np.ndarray]:
+    """A Criteo TSV file as arrays: ``label`` float[N], ``dense`` float[N, 13]
+    (``log(1 + max(x, 0))``, empty fields 0), ``sparse_f`` int[N, 1] (the hexadecimal
+    value of categorical column ``f`` hashed into ``sizes[f]`` rows, empty fields 0).
+
+    Raises:
+      ValueError: the file is missing, has a line of another shape or a field that is
+        not a number, naming the file and line.
+    """
+    if len(sizes) > CATEGORICAL:
+        raise ValueError(
+            f"Criteo data has {CATEGORICAL} categorical columns; --tables gives {len(sizes)}"
+        )
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"no Criteo file {str(path)!r} (label, 13 integer, 26 categorical columns)"
+        )
+    labels, dense, cats = [], [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, start=1):
+            fields = line.rstrip("\n").split("\t")
+            if len(fields) != 1 + DENSE_FEATURES + CATEGORICAL:
+                raise ValueError(
+                    f"{path}, line {n}: {len(fields)} fields, a Criteo line has "
+                    f"{1 + DENSE_FEATURES + CATEGORICAL} (tab-separated)"
+                )
+            try:
+                labels.append(int(fields[0]))
+                dense.append([int(x) if x else 0 for x in fields[1 : 1 + DENSE_FEATURES]])
+                cats.append([int(x, 16) if x else 0 for x in fields[1 + DENSE_FEATURES :]])
+            except ValueError as e:
+                raise ValueError(f"{path}, line {n}: {e}") from None
+            if max_rows and n >= max_rows:
+                break
+    if not labels:
+        raise ValueError(f"{path} holds no lines")
+    cats = np.asarray(cats, np.int64)
+    sparse = [(cats[:, f] % v)[:, None] for f, v in enumerate(sizes)]
+    dense = np.log1p(np.maximum(np.asarray(dense, np.float64), 0))
+    return _batch(dense, sparse, np.asarray(labels) > 0)
+
+
+def criteo_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
+    """``(batch_at, heldout)`` of ``cfg.data_dir/train.txt``: the first nine tenths in
+    seeded random batches, the last tenth held out."""
+    rows = read_criteo(Path(cfg.data_dir) / "train.txt", table_sizes(cfg))
+    n = len(rows["label"])
+    cut = max(1, n - n // 10)
+    if cut < cfg.batch:
+        raise ValueError(f"{cfg.data_dir}/train.txt has {n} lines, fewer than --batch {cfg.batch}")
+
+    def batch_at(step: int) -> dict[str, np.ndarray]:
+        idx = _step_rng(cfg.seed, step).integers(0, cut, cfg.batch)
+        return {k: v[idx] for k, v in rows.items()}
+
+    def heldout(split: str, max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+        if split != "valid" or n - cut < cfg.batch:
+            return []
+        starts = range(cut, n - cfg.batch + 1, cfg.batch)
+        batches = [{k: v[s : s + cfg.batch] for k, v in rows.items()} for s in starts]
+        return batches[:max_batches] if max_batches else batches
+
+    return batch_at, heldout
+
+
+def workload(cfg: DLRMConfig) -> Workload:
+    """DLRM as a ``Workload``: one ``EmbedBag`` table per sparse feature."""
+    sizes = table_sizes(cfg)
+    model = DLRM(
+        tuple(sizes),
+        cfg.dim,
+        tuple(_widths(cfg.bottom, "--bottom")),
+        tuple(_widths(cfg.top, "--top")),
+    )
+    if cfg.multi_hot < 1:
+        raise ValueError(f"--multi-hot must be >= 1, got {cfg.multi_hot}")
+    batch_at, heldout = (criteo_data if cfg.data_dir else synthetic_data)(cfg)
+
+    def init(key):
+        return model.init(key, batch_at(0))
+
+    def loss(params, batch, emb=None):
+        with nn.use_ops(emb):
+            return log_loss(model.apply(params, batch), batch["label"])
+
+    def metrics(params, batch):
+        logits = model.apply(params, batch)
+        correct = (logits > 0) == (batch["label"] > 0.5)
+        return {
+            "loss": log_loss(logits, batch["label"]),
+            "accuracy": jnp.mean(correct),
+            "auc": auc(logits, batch["label"]),
+        }
+
+    return Workload(
+        name="dlrm",
+        init=jax.jit(init),
+        loss=loss,
+        batch_at=batch_at,
+        replicated_keys=(),
+        items_per_step=cfg.batch,
+        items_name="samples",
+        embedding_paths=tuple(("params", f"sparse_{f}", "embedding") for f in range(len(sizes))),
+        config=dataclasses.asdict(cfg),
+        heldout=heldout,
+        metrics=metrics,
+    )

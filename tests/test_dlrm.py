@@ -1,0 +1,99 @@
+"""DLRM: the model under table strategies and mixed layouts against single-device
+training, its AUC against a pairwise numpy count, the Criteo TSV reader on generated
+files (good and malformed), and a command-line run on such a file."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_close, reference_run, strategy_run
+
+from experiments.train import main
+from models import dlrm, get_workload
+
+SMALL = dict(tables="64,48,24,16", dim=8, bottom="16", top="16", batch=32)
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("embrace", {}),
+        ("embrace_rowwise", {"multi_hot": 3}),
+        ("embrace", {"table_layouts": "mixed"}),
+    ],
+)
+def test_dlrm_equals_single_device(strategy, options):
+    options = dict(options)
+    w = get_workload("dlrm", **SMALL, multi_hot=options.pop("multi_hot", 1))
+    params = w.init(jax.random.key(0))
+    if options.get("table_layouts") == "mixed":  # one of each, the big table by rows
+        kinds = ["row", "column", "replicated", "replicated"]
+        options["table_layouts"] = dict(zip(w.embedding_paths, kinds, strict=True))
+    opt = optax.adagrad(0.1)
+    ref_losses, ref_params = reference_run(w, opt, params, 3)
+    losses, got, ts = strategy_run(w, opt, params, 3, strategy, **options)
+    assert ts.table_update == "rows"
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-5, atol=1e-6)
+
+
+def test_auc_counts_pairs():
+    rng = np.random.default_rng(0)
+    scores = np.round(rng.normal(size=200), 1).astype(np.float32)  # ties too
+    labels = (rng.random(200) < 0.3).astype(np.float32)
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairs = (pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()
+    assert float(dlrm.auc(scores, labels)) == pytest.approx(pairs, rel=1e-5)
+    assert float(dlrm.auc(scores, np.ones(200, np.float32))) == 0.5
+
+
+def write_criteo(path, lines: int, seed: int = 0) -> None:
+    """A file in the Criteo format: label, 13 integers, 26 hexadecimal values, some
+    fields empty."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(lines):
+        dense = [str(x) if rng.random() > 0.1 else "" for x in rng.integers(-2, 500, 13)]
+        cats = [f"{x:08x}" if rng.random() > 0.1 else "" for x in rng.integers(0, 2**32, 26)]
+        rows.append("\t".join([str(int(rng.random() < 0.25)), *dense, *cats]))
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_criteo_file_is_read_and_hashed(tmp_path):
+    write_criteo(tmp_path / "train.txt", 50)
+    rows = dlrm.read_criteo(tmp_path / "train.txt", [64, 48, 24, 16])
+    assert rows["dense"].shape == (50, 13) and rows["label"].shape == (50,)
+    assert np.all(rows["dense"] >= 0)  # log(1 + max(x, 0))
+    for f, v in enumerate([64, 48, 24, 16]):
+        assert rows[f"sparse_{f}"].shape == (50, 1)
+        assert 0 <= rows[f"sparse_{f}"].min() and rows[f"sparse_{f}"].max() < v
+    first = (tmp_path / "train.txt").read_text().splitlines()[0].split("\t")
+    assert rows["sparse_0"][0, 0] == (int(first[14], 16) if first[14] else 0) % 64
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("1\t2\t3", r"train.txt, line 2: 3 fields, a Criteo line has 40"),
+        ("x" + "\t0" * 39, "line 2"),
+    ],
+)
+def test_a_malformed_criteo_line_is_named(tmp_path, line, message):
+    write_criteo(tmp_path / "train.txt", 1)
+    with open(tmp_path / "train.txt", "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ValueError, match=message):
+        dlrm.read_criteo(tmp_path / "train.txt", [64])
+
+
+def test_dlrm_trains_on_a_criteo_file_from_the_command_line(tmp_path):
+    write_criteo(tmp_path / "train.txt", 400)
+    out = tmp_path / "r.json"
+    args = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "3"]
+    args += ["--tables", "64,48,24,16", "--dim", "8", "--batch", "32", "--optimizer", "adagrad"]
+    assert main([*args, "--data-dir", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["heldout"]["valid"]) >= {"loss", "accuracy", "auc"}
+    assert result["config"]["tables"] == "64,48,24,16" and result["samples_per_s"] > 0
