@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -178,6 +179,16 @@ class RunConfig:
     link_alpha_us: float = _field(
         50.0, "adaptive: latency per message of the cost model (microseconds)", finite_at_least(0)
     )
+    plan: str = _field(
+        "",
+        "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
+        "(the planner, on --link-gbit/--link-alpha-us and --plan-memory-mb) or a JSON "
+        'object {"table path": "column|row|replicated|dense"}; "" = the strategy\'s layout',
+        lambda v: check_plan(v),
+    )
+    plan_memory_mb: float = _field(
+        0.0, "tables' memory per worker the planner may use (0 = no limit)", finite_at_least(0)
+    )
     nonfinite: str = _field(
         "skip",
         "NaN/Inf gradient: skip the step (listed in "
@@ -272,6 +283,8 @@ NOT_TRAJECTORY = frozenset(
         "overwrite",
         "calibrate",
         "overlap",
+        "plan",
+        "plan_memory_mb",
         "out",
         "eval_every",
         "eval_batches",
@@ -306,6 +319,24 @@ def check_fields(config: RunConfig) -> None:
         problem = f.metadata.get("check") and f.metadata["check"](value)
         if problem:
             raise ValueError(f"{flag} {problem}")
+
+
+PLAN_LAYOUTS = ("column", "row", "replicated", "dense")
+
+
+def check_plan(value: str) -> str | None:
+    """The problem with a ``--plan`` value, or ``None``."""
+    if value in ("", "auto"):
+        return None
+    try:
+        plan = json.loads(value)
+    except ValueError:
+        return f"must be auto or a JSON object of table path -> layout, got {value!r}"
+    if not isinstance(plan, dict) or not all(isinstance(k, str) for k in plan):
+        return f"must be a JSON object of table path -> layout, got {value!r}"
+    if bad := sorted({str(v) for v in plan.values()} - set(PLAN_LAYOUTS)):
+        return f"has layouts {bad}; choose among {list(PLAN_LAYOUTS)}"
+    return None
 
 
 class OneLineErrors(argparse.ArgumentParser):

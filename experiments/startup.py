@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,7 @@ import numpy as np
 
 from experiments.config import RunConfig
 from models import get_workload
-from sparsecomm_jax import place_for_step, runtime
+from sparsecomm_jax import place_for_step, planner, runtime
 from sparsecomm_jax.comm import costmodel, fusion
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.topk import local_cost
@@ -127,6 +129,47 @@ def calibrated_link(devices: int) -> dict[str, Any]:
     link fitted before training."""
     link, points = costmodel.calibrate(runtime.data_mesh(devices))
     return {"alpha": link.alpha, "beta": link.beta, "points": points}
+
+
+# Optimizer state per parameter entry, for the planner's memory.
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "lazy_adam": 2}
+
+
+def plan_link(config: RunConfig) -> Link:
+    """The link the planner prices layouts on: ``--link-gbit`` and ``--link-alpha-us``,
+    or with ``--link-gbit 0`` the one calibrated on this cluster."""
+    if config.link_gbit > 0:
+        return Link.from_bandwidth(config.link_gbit, config.link_alpha_us * 1e-6)
+    fitted = calibrated_link(config.devices)
+    return Link(fitted["alpha"], fitted["beta"])
+
+
+def choose_plan(config: RunConfig, batches: int = 4) -> tuple[RunConfig, dict[str, Any]]:
+    """``--plan auto``: the config with the planner's layouts as its ``--plan`` (JSON),
+    and the plan's record (printed on rank 0).
+
+    Args:
+      config: a run with ``plan == "auto"``.
+      batches: sample batches the tables' ids are measured on.
+    """
+    workload = get_workload(config.model, **config.model_overrides())
+    params = workload.init(jax.random.key(config.seed))
+    stats = planner.table_stats(
+        workload.loss,
+        params,
+        workload.embedding_paths,
+        [workload.batch_at(s) for s in range(batches)],
+        config.devices,
+        workload.replicated_keys,
+    )
+    memory = config.plan_memory_mb * 2**20 or None
+    plan = planner.plan_tables(
+        stats, config.devices, plan_link(config), memory, OPTIMIZER_SLOTS[config.optimizer]
+    )
+    if jax.process_index() == 0:
+        print(plan.table(), file=sys.stderr)
+    chosen = dataclasses.replace(config, plan=json.dumps(plan.layouts()))
+    return chosen, plan.to_json()
 
 
 def adaptive_link(config: RunConfig) -> Link:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -34,7 +35,7 @@ from experiments.checkpoints import claim_checkpoint_dir, resumed_config, start_
 from experiments.config import OneLineErrors, RunConfig, add_arguments, from_namespace
 from experiments.loop import run_overlapped, run_steps
 from experiments.record import result, write_json
-from experiments.startup import adaptive_link, choose_bucket
+from experiments.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.validate import as_flags, check_outputs, table_update_of, validate
 from models import get_workload
 from sparsecomm_jax import launch, parse_strategy, row_optimizers, runtime
@@ -108,6 +109,7 @@ def build(config: RunConfig):
         config.strategy,
         capacity=config.capacity or None,
         comm_dtype=config.comm_dtype,
+        table_layouts=json.loads(config.plan) if config.plan else None,
         **common,
         **_aggregator_options(config),
     )
@@ -148,7 +150,9 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         if not config.devices:  # --devices left out: every device of the job
             config = dataclasses.replace(config, devices=jax.device_count())
             validate(config)
-        search = None
+        search = plan = None
+        if config.plan == "auto":  # a layout per table, on the link's cost model
+            config, plan = choose_plan(config)
         if config.bucket_mb == "auto":  # the fusion threshold of least measured step time
             config, search = choose_bucket(config, build)
         workload, ts = build(config)
@@ -163,6 +167,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         record.update(hooks.finish(state))
         if search:
             record["bucket_search"] = search
+        if plan:
+            record["plan"] = plan
         return record
     finally:
         if ckpt:

@@ -117,6 +117,12 @@ def _check_combinations(config: RunConfig) -> None:
         )
     if config.overlap:
         _check_overlap(config)
+    if config.plan and not parse_strategy(config.strategy).strategy.any_layout:
+        mixed = [n for n, s in STRATEGIES.items() if s.any_layout]
+        raise ValueError(
+            f"--plan places each table by its own layout: use a strategy among {mixed}, "
+            f"not --strategy {config.strategy}"
+        )
 
 
 def _check_overlap(config: RunConfig) -> None:

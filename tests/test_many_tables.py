@@ -84,6 +84,7 @@ MIXES = {
     "column everywhere": {},
     "one of each": {"user": "row", "item": "column", "tag": "replicated"},
     "rows and a copy": {"user": "replicated", "item": "row", "tag": "row"},
+    "one data parallel": {"user": "column", "item": "row", "tag": "dense"},
 }
 
 
@@ -100,8 +101,9 @@ def test_a_layout_per_table_equals_single_device(mix, opt):
         losses.append(sc.loss_value(value))
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(ts.host_params(state), ref_params, rtol=1e-5, atol=1e-6)
-    for name in SIZES:  # each table lies as its layout says
-        expected = layouts.get(MIXES[mix].get(name, "column")).spec("data")
+    for name in SIZES:  # each table lies as its layout says (data parallel: replicated)
+        chosen = MIXES[mix].get(name, "column")
+        expected = layouts.get("replicated" if chosen == "dense" else chosen).spec("data")
         got = state.params[name].sharding.spec
         assert (*got, None, None)[:2] == (*expected, None, None)[:2], name
 

@@ -81,13 +81,15 @@ def recording_ops(
     ``supply(read, table)`` as the rows.
 
     ``attend`` computes ``attend(table, h)``, by default ``h @ table.T``. Tables are
-    recognised by identity among the leaves of ``params`` flagged in ``mask``. With
-    ``attend_error``, ``attend`` raises ``ValueError(attend_error)`` (strategies that
-    cannot serve it).
+    recognised by identity among the leaves of ``params`` flagged in ``mask``; a leaf
+    that is not flagged (a table the step keeps data parallel) is read plainly, not
+    logged. With ``attend_error``, ``attend`` raises ``ValueError(attend_error)``
+    (strategies that cannot serve it).
     """
     attend_fn = attend or (lambda t, h: h @ t.T)
     leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)
     index = {id(x): i for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f}
+    plain = {id(x) for x, f in zip(leaves, flags, strict=True) if not f}
 
     def which(table) -> int:
         if id(table) not in index:
@@ -99,6 +101,8 @@ def recording_ops(
 
     def access(kind):
         def fn(table, ids):
+            if id(table) in plain:
+                return _take(table, ids)
             read = Read(kind, which(table), ids)
             log.append(read)
             return supply(read, table)
@@ -106,6 +110,8 @@ def recording_ops(
         return fn
 
     def attend_logged(table, h):
+        if id(table) in plain:
+            return h @ table.T
         if attend_error:
             raise ValueError(attend_error)
         log.append(Read(ATTEND, which(table), None))

@@ -160,6 +160,9 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
         )
 
 
+DENSE_TABLE = "dense"  # in table_layouts: the table is data parallel, an ordinary parameter
+
+
 def _table_name(path) -> str:
     return path if isinstance(path, str) else "/".join(str(k) for k in path)
 
@@ -167,7 +170,9 @@ def _table_name(path) -> str:
 def place_tables(
     tables: tuple[Table, ...], table_layouts: Mapping[Any, str | Layout] | None, strategy: Strategy
 ) -> tuple[Table, ...]:
-    """``tables`` with the layouts ``table_layouts`` gives them (by path or name).
+    """``tables`` with the layouts ``table_layouts`` gives them (by path or name);
+    ``"dense"`` makes a table's layout ``None``: an ordinary parameter of the step, its
+    gradient dense and in the dense layers' all-reduce.
 
     Raises:
       ValueError: a path that names no table, an unknown layout, or a strategy whose
@@ -181,7 +186,10 @@ def place_tables(
             f"table_layouts needs a strategy among {mixed}; strategy '{strategy.name}' "
             "reads every table through one layout"
         )
-    chosen = {_table_name(p): layouts.get(x) for p, x in table_layouts.items()}
+    chosen = {
+        _table_name(p): None if x == DENSE_TABLE else layouts.get(x)
+        for p, x in table_layouts.items()
+    }
     if unknown := sorted(set(chosen) - {t.name for t in tables}):
         raise ValueError(
             f"table_layouts names {unknown}, which are not embedding tables; the tables: "
@@ -324,7 +332,8 @@ def make_train_step(
         dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
       table_layouts: a layout per table, ``{table path: layout}`` (a path like
         ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
-        a layout ``"column"``, ``"row"``, ``"replicated"`` or a ``Layout`` value), for
+        a layout ``"column"``, ``"row"``, ``"replicated"``, a ``Layout`` value, or
+        ``"dense"``: an ordinary parameter, its gradient in the dense all-reduce), for
         ``sparse_allgather``, ``embrace`` and ``embrace_rowwise``; the tables it leaves
         out keep the strategy's layout. A planner's plan (``planner.plan_tables``) is
         such a mapping.
@@ -393,6 +402,10 @@ def make_context(
     layout = name.strategy.layout
     mask = named if layout else jax.tree.map(lambda _: False, named)
     tables = place_tables(find_tables(params, mask, layout), table_layouts, name.strategy)
+    if dense := {t.index for t in tables if t.layout is None}:  # data parallel, as parameters
+        tables = tuple(t for t in tables if t.layout is not None)
+        leaves, treedef = jax.tree.flatten(mask)
+        mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
     if name.strategy.needs_tables and not tables:
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "

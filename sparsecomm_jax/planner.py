@@ -1,0 +1,306 @@
+"""A layout for each embedding table, chosen on the alpha-beta model of the link.
+
+Planning is apart from the collectives: ``table_stats`` measures what the tables see
+(V, D, and from sample batches, the ids each worker reads per step), ``plan_tables``
+picks each table's layout to minimise the modelled step time within the memory of a
+worker, and the plan's ``layouts()`` go to ``make_train_step(table_layouts=...)``.
+
+The layouts and what a step costs one worker under each (b = 4 bytes a float, P
+workers, n ids read per worker, C the slots the layout's exchange is padded to,
+``s`` optimizer slots per parameter):
+
+=========== ================================ ================= ===================
+layout      bytes per step                   messages          memory
+=========== ================================ ================= ===================
+dense       2(P-1)/P V D b (the all-reduce   (shared)          V D b (1 + s)
+            of the dense layers) + a dense
+            V x D update
+replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per read   V D b (1 + s)
+            the ids and gradient rows)
+column      (P-1) C (4 + 2 D b / P)          3(P-1) per step   V D b (1 + s) / P
+row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
+=========== ================================ ================= ===================
+
+Tables of one layout share its exchange (``embedding.gradients``), so a layout's
+messages are paid once per step whatever number of tables it holds; the search
+therefore tries every set of sharded layouts and gives each table its cheapest layout
+within the set. Column needs D, row needs V divisible by P.
+
+Example:
+    >>> from sparsecomm_jax import planner
+    >>> from sparsecomm_jax.comm.costmodel import Link
+    >>> stats = [planner.TableStats("big", 100_000, 64, 512, 400, 60),
+    ...          planner.TableStats("tiny", 16, 64, 512, 16, 4)]
+    >>> plan = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0))
+    >>> plan.layouts()  # the tiny table joins the big one's exchange
+    {'big': 'row', 'tiny': 'row'}
+    >>> slow = Link.from_bandwidth(1.0)
+    >>> planner.plan_tables(stats, 4, slow, memory_bytes=1e6)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: no layout of the tables fits 1000000.0 bytes per worker; ...
+
+References:
+    Ivchenko et al., "TorchRec: a PyTorch Domain Library for Recommendation Systems",
+    RecSys 2022 (the sharding planner); Li et al., "EmbRace", ICPP 2022.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from sparsecomm_jax.comm.costmodel import Link
+from sparsecomm_jax.embedding import access, row
+from sparsecomm_jax.embedding.layout import distinct_per_worker
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
+
+FLOAT = 4  # bytes
+# Seconds per table entry of a dense table's update on the host (gradient, optimizer,
+# apply: about 4 passes of 0.2 ns; one jitted pass over 8M float32 takes 1.2-2 ms).
+DENSE_UPDATE_S = 0.8e-9
+LAYOUT_NAMES = ("dense", "replicated", "column", "row")
+SHARDED = ("column", "row")
+
+
+class TableStats(NamedTuple):
+    """What a table sees per step, per worker.
+
+    Attributes:
+      name: the table's path joined by ``/``.
+      vocab: V. dim: D.
+      reads: ids read per worker per step (every read, duplicates included).
+      distinct: the most distinct ids one worker reads in a step (column's slots).
+      bucket: the most distinct ids one worker asks of one owner (row's slots).
+      lookups: how many reads of the table the loss makes (replicated pays per read).
+    """
+
+    name: str
+    vocab: int
+    dim: int
+    reads: int
+    distinct: int
+    bucket: int
+    lookups: int = 1
+
+
+class Choice(NamedTuple):
+    """One table's layout and what it costs one worker per step."""
+
+    table: str
+    layout: str
+    bytes: float
+    seconds: float
+    memory: float
+
+
+class Plan(NamedTuple):
+    """A layout per table; ``seconds`` the modelled step time of the tables."""
+
+    choices: tuple[Choice, ...]
+    seconds: float
+    memory: float
+    workers: int
+
+    def layouts(self) -> dict[str, str]:
+        """``{table name: layout}``, for ``make_train_step(table_layouts=...)``."""
+        return {c.table: c.layout for c in self.choices}
+
+    def table(self) -> str:
+        """The plan as a text table (one line per table, then the total)."""
+        lines = [f"{'table':<32} {'layout':<10} {'MB/step':>9} {'ms/step':>8} {'memory MB':>10}"]
+        for c in self.choices:
+            lines.append(
+                f"{c.table:<32} {c.layout:<10} {c.bytes / 1e6:>9.3f} {c.seconds * 1e3:>8.3f} "
+                f"{c.memory / 1e6:>10.2f}"
+            )
+        lines.append(
+            f"{'(one worker of ' + str(self.workers) + ')':<43} {'':>9} "
+            f"{self.seconds * 1e3:>8.3f} {self.memory / 1e6:>10.2f}"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "seconds": self.seconds,
+            "memory": self.memory,
+            "tables": [c._asdict() for c in self.choices],
+        }
+
+
+def table_stats(
+    loss_fn: Callable,
+    params: Any,
+    embedding_paths: Any,
+    batches: Sequence[dict],
+    workers: int,
+    replicated_keys: Sequence[str] = (),
+) -> list[TableStats]:
+    """Each table's ``TableStats`` from sample ``batches`` (host-side, the model on
+    zeros, as the steps plan their buffers; the largest need over the sample).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, emb)``.
+      params: the parameters. embedding_paths: as ``make_train_step``.
+      batches: a few global batches.
+      workers: P.
+      replicated_keys: batch keys every worker sees whole.
+    """
+    mask = table_mask(params, embedding_paths)
+    tables = find_tables(params, mask, None)
+    reads_of = access.host_reads(loss_fn, params, mask, replicated_keys, workers)
+    samples = [reads_of(b) for b in batches]
+    lookups = _lookups_per_table(loss_fn, params, batches[0], mask)
+    stats = []
+    for t in tables:
+        seen = [s for s in samples if t.index in s]
+        if not seen:
+            stats.append(TableStats(t.name, t.vocab, t.dim, 0, 0, 0, 0))
+            continue
+        reads = max(s[t.index][0].shape[1] + s[t.index][1].size for s in seen)
+        distinct = max(int(distinct_per_worker(s, t.index).max(initial=0)) for s in seen)
+        bucket = max(row.bucket_slots(list(s[t.index][0]), t.vocab, workers) for s in seen)
+        stats.append(
+            TableStats(t.name, t.vocab, t.dim, reads, distinct, bucket, lookups.get(t.index, 1))
+        )
+    return stats
+
+
+def _lookups_per_table(loss_fn, params, batch, mask) -> dict[int, int]:
+    """Table leaf index -> how many reads of it the loss makes."""
+    pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(mask), strict=True))
+    widths = {i: np.shape(x)[1] for i, (x, f) in enumerate(pairs) if f}
+    vocabs = {i: np.shape(x)[0] for i, (x, f) in enumerate(pairs) if f}
+    reads = access.traced_reads(loss_fn, params, batch, mask, widths, vocabs)
+    counts: dict[int, int] = {}
+    for r in reads:
+        counts[r.table] = counts.get(r.table, 0) + 1
+    return counts
+
+
+def layout_cost(
+    stats: TableStats, layout: str, workers: int, link: Link, optimizer_slots: int = 1
+) -> Choice | None:
+    """What ``layout`` costs one worker per step for this table (``None``: the layout
+    cannot hold it, its split dimension not divisible by P)."""
+    p, v, d = workers, stats.vocab, stats.dim
+    whole = v * d * FLOAT * (1 + optimizer_slots)
+    if layout == "dense":
+        nbytes = 2 * (p - 1) / p * v * d * FLOAT
+        seconds = nbytes * link.beta + v * d * DENSE_UPDATE_S
+        return Choice(stats.name, layout, nbytes, seconds, whole)
+    if layout == "replicated":
+        nbytes = (p - 1) * stats.reads * (d * FLOAT + 4)
+        seconds = nbytes * link.beta + stats.lookups * 2 * (p - 1) * link.alpha
+        return Choice(stats.name, layout, nbytes, seconds, whole)
+    if layout == "column":
+        if d % p:
+            return None
+        nbytes = (p - 1) * stats.distinct * (4 + 2 * d * FLOAT / p)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
+    if layout == "row":
+        if v % p:
+            return None
+        nbytes = (p - 1) * stats.bucket * (4 + 2 * d * FLOAT)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
+    raise ValueError(f"unknown layout {layout!r}; choose among {LAYOUT_NAMES}")
+
+
+def group_seconds(layouts: set[str], workers: int, link: Link) -> float:
+    """The messages of the sharded layouts' exchanges: 3(P-1) each per step."""
+    return sum(3 * (workers - 1) * link.alpha for name in layouts if name in SHARDED)
+
+
+def plan_tables(
+    stats: Sequence[TableStats],
+    workers: int,
+    link: Link,
+    memory_bytes: float | None = None,
+    optimizer_slots: int = 1,
+    layouts: Sequence[str] = LAYOUT_NAMES,
+) -> Plan:
+    """Each table's layout, minimising the modelled step time within ``memory_bytes``
+    of tables (and their optimizer state) per worker.
+
+    Args:
+      stats: ``table_stats(...)``.
+      workers: P.
+      link: the alpha-beta model (``costmodel.calibrate`` or ``Link.from_bandwidth``).
+      memory_bytes: the tables' memory per worker (``None``: no limit).
+      optimizer_slots: optimizer state per parameter entry (SGD 0, Adagrad 1, Adam 2).
+      layouts: the layouts to choose from.
+
+    Returns:
+      The ``Plan`` of least modelled time.
+
+    Raises:
+      ValueError: no assignment fits ``memory_bytes``.
+    """
+    local = [name for name in layouts if name not in SHARDED]
+    sharded = [name for name in layouts if name in SHARDED]
+    best: Plan | None = None
+    for k in range(len(sharded) + 1):
+        for group in itertools.combinations(sharded, k):
+            plan = _plan_within(stats, workers, link, optimizer_slots, [*local, *group])
+            if plan is None:
+                continue
+            plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
+            if plan is not None and (best is None or plan.seconds < best.seconds):
+                best = plan
+    if best is None:
+        raise ValueError(
+            f"no layout of the tables fits {memory_bytes} bytes per worker; give more "
+            "memory or more workers"
+        )
+    return best
+
+
+def _plan_within(stats, workers, link, slots, allowed) -> Plan | None:
+    choices = []
+    for s in stats:
+        options = [c for c in (layout_cost(s, x, workers, link, slots) for x in allowed) if c]
+        if not options:
+            return None
+        choices.append(min(options, key=lambda c: c.seconds))
+    return _total(choices, workers, link)
+
+
+def _total(choices: list[Choice], workers: int, link: Link) -> Plan:
+    used = {c.layout for c in choices}
+    seconds = sum(c.seconds for c in choices) + group_seconds(used, workers, link)
+    return Plan(tuple(choices), seconds, sum(c.memory for c in choices), workers)
+
+
+def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan | None:
+    """Moves tables to a sharded layout of ``group``, the most memory saved per second
+    added first, until the plan fits (``None`` when it cannot)."""
+    if memory_bytes is None or plan.memory <= memory_bytes:
+        return plan
+    choices = list(plan.choices)
+    while sum(c.memory for c in choices) > memory_bytes:
+        moves = []
+        for i, (c, s) in enumerate(zip(choices, stats, strict=True)):
+            if c.layout in SHARDED:
+                continue
+            for x in group:
+                new = layout_cost(s, x, workers, link, slots)
+                if new is not None:
+                    saved = c.memory - new.memory
+                    moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))
+        if not moves:
+            return None
+        _, i, new = max(moves, key=lambda m: m[0])
+        choices[i] = new
+    return _total(choices, workers, link)
+
+
+def save(plan: Plan, path: str) -> None:
+    """Writes the plan as JSON."""
+    with open(path, "w") as f:
+        json.dump(plan.to_json(), f, indent=1)

@@ -1,0 +1,89 @@
+"""The planner: the layouts it picks on the cost model (tiny tables data parallel, big
+ones sharded, memory respected, divisibility respected), the statistics it measures
+from sample batches, and ``--plan`` on the command line."""
+
+import json
+
+import jax
+import pytest
+
+from experiments.train import main
+from models import get_workload
+from sparsecomm_jax import planner
+from sparsecomm_jax.comm.costmodel import Link
+
+SLOW = Link.from_bandwidth(1.0)
+
+
+def stats(name, vocab, dim=16, reads=256, distinct=None, bucket=None):
+    distinct = min(vocab, reads) if distinct is None else distinct
+    bucket = -(-distinct // 4) if bucket is None else bucket
+    return planner.TableStats(name, vocab, dim, reads, distinct, bucket)
+
+
+def test_tiny_tables_stay_data_parallel_and_big_ones_are_sharded():
+    plan = planner.plan_tables([stats("big", 1_000_000), stats("tiny", 8)], 4, SLOW)
+    assert plan.layouts()["big"] in planner.SHARDED and plan.layouts()["tiny"] == "dense"
+    costs = {
+        x: planner.layout_cost(stats("big", 1_000_000), x, 4, SLOW).seconds
+        for x in planner.LAYOUT_NAMES
+    }
+    assert costs["dense"] > 100 * costs[plan.layouts()["big"]]  # a dense 1M-row table
+
+
+def test_memory_moves_tables_to_a_sharded_layout():
+    mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
+    free = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0))
+    assert set(free.layouts().values()) == {"dense"}  # a fast link: dense is cheapest
+    tight = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0), memory_bytes=free.memory / 2)
+    assert tight.memory <= free.memory / 2 and tight.seconds >= free.seconds
+    assert any(x in planner.SHARDED for x in tight.layouts().values())
+    with pytest.raises(ValueError, match="no layout of the tables fits"):
+        planner.plan_tables(mid, 4, SLOW, memory_bytes=1000)
+
+
+def test_a_split_dimension_not_divisible_is_never_chosen():
+    odd = stats("odd", 1_000_002, dim=6)  # neither V nor D divides by 4
+    assert planner.layout_cost(odd, "column", 4, SLOW) is None
+    assert planner.layout_cost(odd, "row", 4, SLOW) is None
+    assert planner.plan_tables([odd], 4, SLOW).layouts()["odd"] in ("dense", "replicated")
+
+
+def test_statistics_from_sample_batches():
+    w = get_workload("dlrm", tables="64,8", dim=8, batch=32, multi_hot=3)
+    params = w.init(jax.random.key(0))
+    batches = [w.batch_at(s) for s in range(2)]
+    found = planner.table_stats(w.loss, params, w.embedding_paths, batches, 4)
+    assert [s.name for s in found] == [f"params/sparse_{f}/embedding" for f in range(2)]
+    for s, vocab in zip(found, (64, 8), strict=True):
+        assert (s.vocab, s.dim, s.reads, s.lookups) == (vocab, 8, 32 // 4 * 3, 1)
+        assert 1 <= s.bucket <= s.distinct <= min(vocab, s.reads)
+    assert found[1].distinct <= 8  # a tiny table: every row at most
+
+
+def test_plan_auto_on_the_command_line(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "2"]
+    args += ["--tables", "4096,16", "--dim", "8", "--batch", "32", "--optimizer", "adagrad"]
+    assert main([*args, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
+    assert "params/sparse_0/embedding" in capsys.readouterr().err  # the plan, printed
+    result = json.loads(out.read_text())
+    layouts = json.loads(result["config"]["plan"])
+    assert layouts == {t["table"]: t["layout"] for t in result["plan"]["tables"]}
+    assert layouts["params/sparse_1/embedding"] == "dense"
+    assert main([*args, "--plan", json.dumps(layouts), "--out", str(out)]) == 0  # replayed
+    assert json.loads(out.read_text())["losses"] == result["losses"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--plan", "auto", "--strategy", "dense"], "--plan places each table by its own"),
+        (["--plan", "{nope"], "--plan must be auto or a JSON object"),
+        (["--plan", '{"x": "diagonal"}'], "has layouts ['diagonal']"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(flags, message, capsys):
+    assert main(["--model", "dlrm", "--devices", "2", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
