@@ -40,6 +40,13 @@ FULL_SIZES: dict[str, dict[str, Any]] = {
     "gpt2": dict(vocab=50_257, dim=768, heads=12, layers=12, seq_len=512, batch=8),
     "resnet": dict(width=64, blocks=2, batch=128),
     "vgg": dict(width=64, blocks=2, batch=128),
+    "dlrm": dict(
+        tables="1000000,500000,100000,50000,10000,5000,1000,100",
+        dim=64,
+        bottom="512,256",
+        top="512,256",
+        batch=2048,
+    ),
 }
 SMALL_SIZES = dict(vocab=200, dim=16, hidden=16, heads=2, seq_len=8, batch=4, width=4)
 
