@@ -47,10 +47,8 @@ CASES = [
     ],
     ("clip+schedule", "dense", {}, "dense"),
     ("clip+schedule", "topk_a2a", {"density": 1.0}, "dense"),
-    ("clip+schedule", "embrace+topk_allgather", {"density": 1.0}, "rows"),
     ("clip+schedule", "embrace_2d", {"table_update": "dense"}, "dense"),
     ("adamw", "embrace", {}, "dense"),
-    ("adamw", "embrace_2d", {}, "dense"),
     ("lamb", "embrace_rowwise", {}, "dense"),
     ("per label", "embrace", {}, "rows"),
 ]
