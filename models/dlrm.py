@@ -155,10 +155,13 @@ def _batch(dense, sparse: list[np.ndarray], labels) -> dict[str, np.ndarray]:
 
 def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
     """``(batch_at, heldout)`` of Criteo-like synthetic data: log-normal counts as dense
-    features, Zipf ids per table, clicks from a hidden logistic model of both."""
+    features, Zipf ids per table scattered over its rows by a fixed permutation (as
+    Criteo's hashed ids are: the frequent ids are not the first rows), clicks from a
+    hidden logistic model of both."""
     sizes = table_sizes(cfg)
     cdfs = [np.cumsum(zipf_probabilities(v, cfg.zipf_exponent)) for v in sizes]
     hidden = np.random.default_rng([cfg.seed, 7])
+    hashed = [hidden.permutation(v) for v in sizes]
     w_dense = 2 * hidden.normal(size=DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
     scores = [3 * hidden.normal(size=v) / np.sqrt(len(sizes)) for v in sizes]
 
@@ -166,8 +169,8 @@ def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
         rng = _step_rng(cfg.seed, step, salt)
         dense = np.log1p(rng.lognormal(1.0, 1.0, (cfg.batch, DENSE_FEATURES)))
         ids = [
-            np.minimum(np.searchsorted(c, rng.random((cfg.batch, cfg.multi_hot))), len(c) - 1)
-            for c in cdfs
+            h[np.minimum(np.searchsorted(c, rng.random((cfg.batch, cfg.multi_hot))), len(c) - 1)]
+            for c, h in zip(cdfs, hashed, strict=True)
         ]
         logit = (dense - 1.0) @ w_dense + sum(
             s[i].mean(1) for s, i in zip(scores, ids, strict=True)

@@ -1,0 +1,116 @@
+"""The planner judged on measured time: its plan against hand-picked plans, per table mix.
+
+    python -m experiments.plan_check --mix dlrm --nproc 4 --bandwidth 1gbit \\
+        --out-dir runs/plan_check
+
+For each mix of DLRM tables (``MIXES``: a few large tables, many small ones, the DLRM
+mix of 100 to 100k rows), every hand-picked plan runs on the emulated cluster
+(``experiments.cluster``, one ``--bandwidth`` link per worker) under ``--strategy
+embrace --plan JSON``, then the planner's own (``--plan auto``, priced on the link
+calibrated on the same cluster). The hand plans: each layout for every table
+(``column``, ``row``, ``replicated``, ``dense``), and the larger half of the tables
+sharded (column or row) with the smaller half ``replicated`` or ``dense``. Prints samples
+per second of each plan and the planner's ratio to the best hand plan; writes
+``plan_check_<mix>.json`` and ``.csv`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from experiments import sweep
+from experiments.config import RunConfig
+from models import get_workload
+from sparsecomm_jax import planner
+
+# table rows, D, ids per feature, global batch; SGD on every table (a row-sparse update)
+MIXES: dict[str, dict[str, Any]] = {
+    "few_large": dict(tables="400000,200000,100000", dim=64, multi_hot=4, batch=512),
+    "many_small": dict(
+        tables=",".join(["2000", "1000", "400", "200", "100"] * 5), dim=16, multi_hot=1, batch=512
+    ),
+    "dlrm": dict(
+        tables="100000,50000,20000,10000,5000,1000,500,100", dim=64, multi_hot=1, batch=512
+    ),
+}
+MODEL = ["--model", "dlrm", "--bottom", "256,128", "--top", "256,128", "--optimizer", "sgd"]
+
+
+def table_names(mix: dict[str, Any], workers: int) -> list[tuple[str, int]]:
+    """``(name, rows)`` of each table of a mix, as plans name them."""
+    config = RunConfig(model="dlrm", devices=workers, **mix)
+    workload = get_workload("dlrm", **config.model_overrides())
+    params = workload.init(jax.random.key(0))
+    stats = planner.table_stats(
+        workload.loss, params, workload.embedding_paths, [workload.batch_at(0)], workers
+    )
+    return [(s.name, s.vocab) for s in stats]
+
+
+def hand_plans(tables: list[tuple[str, int]]) -> dict[str, dict[str, str]]:
+    """The hand-picked plans: one layout everywhere, and the larger half sharded with the
+    smaller half kept whole (replicated, or an ordinary data-parallel parameter)."""
+    plans = {name: {t: name for t, _ in tables} for name in planner.LAYOUT_NAMES}
+    by_size = sorted(tables, key=lambda t: -t[1])
+    large = {t for t, _ in by_size[: (len(tables) + 1) // 2]}
+    for big in planner.SHARDED:
+        for small in ("replicated", "dense"):
+            plans[f"{big}+{small}"] = {t: big if t in large else small for t, _ in tables}
+    return plans
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mix", choices=sorted(MIXES), required=True)
+    parser.add_argument("--nproc", type=int, default=4, help="processes (one worker each)")
+    parser.add_argument("--bandwidth", default="1gbit", help="each worker's link (tc rate)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm-up)")
+    parser.add_argument("--out-dir", default="runs/plan_check")
+    args = parser.parse_args(argv)
+
+    mix = MIXES[args.mix]
+    flags = [*MODEL, "--strategy", "embrace", "--steps", str(args.steps), "--warmup", "2"]
+    for key, value in mix.items():
+        flags += [f"--{key.replace('_', '-')}", str(value)]
+    plans: dict[str, Any] = hand_plans(table_names(mix, args.nproc))
+    plans["planner"] = "auto"
+    out = Path(args.out_dir)
+
+    def one(name: str, plan: Any) -> dict[str, Any]:
+        value = plan if plan == "auto" else json.dumps(plan)
+        extra = ["--plan", value] + (["--link-gbit", "0"] if plan == "auto" else [])
+        row = sweep.measure(
+            [*flags, *extra],
+            out / f"{args.mix}_{name}.json",
+            args.nproc,
+            args.bandwidth,
+            plan=name,
+        )
+        if plan == "auto":
+            result = json.loads((out / f"{args.mix}_{name}.json").read_text())
+            row["chosen"] = {c["table"]: c["layout"] for c in result["plan"]["tables"]}
+        return row
+
+    rows = sweep.grid(list(plans.items()), one, f"plans of {args.mix}")
+    ok = [r for r in rows if "error" not in r]
+    hand = [r for r in ok if r["plan"] != "planner"]
+    best = max(hand, key=lambda r: r["throughput"], default=None)
+    auto = next((r for r in ok if r["plan"] == "planner"), None)
+    for r in ok:
+        print(f"{r['plan']:>22}  {r['throughput']:9.1f} {r['unit']}  {r['bytes']:>11,} B/step")
+    ratio = auto["throughput"] / best["throughput"] if auto and best else None
+    if ratio is not None:
+        print(f"planner / best hand plan ({best['plan']}): {ratio:.3f}; chose {auto['chosen']}")
+    sweep.save_rows(
+        rows, out, f"plan_check_{args.mix}", {"mix": mix, "args": vars(args), "ratio": ratio}
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
