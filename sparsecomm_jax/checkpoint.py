@@ -291,6 +291,10 @@ def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
     return {_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
+def _one_dimension_differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) == 2 and (a[0] == b[0]) != (a[1] == b[1])
+
+
 def _check_shapes(saved: PyTree, target: PyTree, where: str) -> None:
     """Each array of ``target`` against the saved one of the same key path."""
     ours, theirs = _shapes(target), _shapes(saved)
@@ -303,11 +307,18 @@ def _check_shapes(saved: PyTree, target: PyTree, where: str) -> None:
         )
     for name, shape in ours.items():
         if theirs[name] != shape:
-            hint = (
-                " (per-worker residuals: resume error-feedback runs on the same number of devices)"
-                if name.startswith("agg_state")
-                else ""
-            )
+            if name.startswith("agg_state"):
+                hint = (
+                    " (per-worker residuals: resume error-feedback runs on the same number of "
+                    "devices)"
+                )
+            elif _one_dimension_differs(theirs[name], shape):
+                hint = (
+                    " (if it is an embedding table stored padded to a multiple of the workers: "
+                    "resume it on a device count that pads it to the same size)"
+                )
+            else:
+                hint = ""
             raise MismatchError(
                 f"{where}: array {name} has shape {theirs[name]}, this run needs {shape}{hint}"
             )

@@ -110,12 +110,22 @@ def embedding_paths(params: PyTree) -> tuple[tuple[str, ...], ...]:
 # ---------------------------------------------------------------------- the table
 
 
+def _is_part_of(part: int, whole: int) -> bool:
+    """``part`` is ``whole`` split k ways, rounded up (a table padded to a multiple of k):
+    ``ceil(whole / k) == part`` for some k (the least k with ``ceil(whole / k) <= part``)."""
+    k = -(-whole // part)
+    return -(-whole // k) == part
+
+
 def _is_shard_of(shape: tuple[int, ...], vocab: int, features: int) -> bool:
-    """A column shard (V, D/k) or a row shard (V/k, D) of a V x D table."""
+    """A column shard (V, D/k) or a row shard (V/k, D) of a V x D table (k workers; the
+    split dimension rounded up where the table is stored padded)."""
     if len(shape) != 2 or 0 in shape:
         return False
     rows, cols = shape
-    return (rows == vocab and features % cols == 0) or (cols == features and vocab % rows == 0)
+    return (rows == vocab and _is_part_of(cols, features)) or (
+        cols == features and _is_part_of(rows, vocab)
+    )
 
 
 def _check_table(module: linen.Embed, shape: tuple[int, ...]) -> None:

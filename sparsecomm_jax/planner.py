@@ -24,7 +24,8 @@ row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
 Tables of one layout share its exchange (``embedding.gradients``), so a layout's
 messages are paid once per step whatever number of tables it holds; the search
 therefore tries every set of sharded layouts and gives each table its cheapest layout
-within the set. Column needs D, row needs V divisible by P.
+within the set. A table whose D (column) or V (row) does not divide by P is priced
+at its padded size.
 
 Example:
     >>> from sparsecomm_jax import planner
@@ -186,10 +187,12 @@ def _lookups_per_table(loss_fn, params, batch, mask) -> dict[int, int]:
 
 def layout_cost(
     stats: TableStats, layout: str, workers: int, link: Link, optimizer_slots: int = 1
-) -> Choice | None:
-    """What ``layout`` costs one worker per step for this table (``None``: the layout
-    cannot hold it, its split dimension not divisible by P)."""
+) -> Choice:
+    """What ``layout`` costs one worker per step for this table (a sharded layout at
+    the table's padded size, ``layout.padded_shape``: its split dimension rounded up to
+    a multiple of P)."""
     p, v, d = workers, stats.vocab, stats.dim
+    v_padded, d_padded = -(-v // p) * p, -(-d // p) * p
     whole = v * d * FLOAT * (1 + optimizer_slots)
     if layout == "dense":
         nbytes = 2 * (p - 1) / p * v * d * FLOAT
@@ -200,15 +203,11 @@ def layout_cost(
         seconds = nbytes * link.beta + stats.lookups * 2 * (p - 1) * link.alpha
         return Choice(stats.name, layout, nbytes, seconds, whole)
     if layout == "column":
-        if d % p:
-            return None
-        nbytes = (p - 1) * stats.distinct * (4 + 2 * d * FLOAT / p)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
+        nbytes = (p - 1) * stats.distinct * (4 + 2 * d_padded * FLOAT / p)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / d * d_padded / p)
     if layout == "row":
-        if v % p:
-            return None
         nbytes = (p - 1) * stats.bucket * (4 + 2 * d * FLOAT)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / v * v_padded / p)
     raise ValueError(f"unknown layout {layout!r}; choose among {LAYOUT_NAMES}")
 
 
@@ -262,11 +261,11 @@ def plan_tables(
 
 
 def _plan_within(stats, workers, link, slots, allowed) -> Plan | None:
+    if not allowed:
+        return None
     choices = []
     for s in stats:
-        options = [c for c in (layout_cost(s, x, workers, link, slots) for x in allowed) if c]
-        if not options:
-            return None
+        options = [layout_cost(s, x, workers, link, slots) for x in allowed]
         choices.append(min(options, key=lambda c: c.seconds))
     return _total(choices, workers, link)
 
@@ -290,9 +289,8 @@ def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan 
                 continue
             for x in group:
                 new = layout_cost(s, x, workers, link, slots)
-                if new is not None:
-                    saved = c.memory - new.memory
-                    moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))
+                saved = c.memory - new.memory
+                moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))
         if not moves:
             return None
         _, i, new = max(moves, key=lambda m: m[0])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, strategy_run
+from helpers import assert_trees_close, reference_run, strategy_run
 from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
@@ -194,13 +194,19 @@ def test_embrace_memory_is_a_shard():
 # ------------------------------------------------------------------- bad input
 
 
-def test_indivisible_tables_are_rejected():
-    w = get_workload("lstm_lm", vocab=64, dim=12, hidden=8, seq_len=4, batch=8)
-    with pytest.raises(ValueError, match=r"D \(columns\) = 12, not divisible by the 8"):
-        _make("embrace", w)
-    w = get_workload("lstm_lm", vocab=60, dim=16, hidden=8, seq_len=4, batch=8)
-    with pytest.raises(ValueError, match=r"V \(rows\) = 60, not divisible by the 8"):
-        _make("embrace_rowwise", w)
+@pytest.mark.parametrize("strategy, vocab, dim", [("embrace", 64, 12), ("embrace_rowwise", 60, 16)])
+def test_indivisible_tables_are_padded_and_equal_single_device(strategy, vocab, dim):
+    """D = 12 column-wise and V = 60 row-wise over 8 workers: stored padded, trained
+    exactly, given back V x D; the pipelined step refuses to pad."""
+    w = get_workload("lstm_lm", vocab=vocab, dim=dim, hidden=8, seq_len=4, batch=8)
+    params = w.init(jax.random.key(0))
+    ref_losses, ref_params = reference_run(w, optax.sgd(0.5), params, 2)
+    losses, got, _ = strategy_run(w, optax.sgd(0.5), params, 2, strategy)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
+    if strategy == "embrace":
+        with pytest.raises(ValueError, match=r"D \(columns\) = 12, not divisible by the 8"):
+            _make("embrace_2d", w)
 
 
 @pytest.mark.parametrize("strategy", ["dense", "dense_pmap", "embrace", "embrace_rowwise"])

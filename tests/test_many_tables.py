@@ -85,6 +85,7 @@ MIXES = {
     "one of each": {"user": "row", "item": "column", "tag": "replicated"},
     "rows and a copy": {"user": "replicated", "item": "row", "tag": "row"},
     "one data parallel": {"user": "column", "item": "row", "tag": "dense"},
+    "all data parallel": dict.fromkeys(SIZES, "dense"),  # what a plan of small tables gives
 }
 
 
@@ -204,3 +205,90 @@ def test_pooled_bags_under_every_layout_equal_single_device(layout):
     table = np.asarray(params["params"]["clicks"]["embedding"])
     got = ts.host_params(state)["params"]["clicks"]["embedding"]
     np.testing.assert_array_equal(got[untouched], table[untouched])
+
+
+# Tables whose split dimension does not divide by the 8 workers: stored padded.
+ODD = {"a": (13, 6), "b": (21, 8), "c": (11, 6)}  # (V, D): c is read by a full softmax
+ODD_MIXES = {
+    "a, c by columns, b by rows": {"a": "column", "b": "row", "c": "column"},
+    "a, c by rows, b by columns": {"a": "row", "b": "column", "c": "row"},
+}
+ODD_OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),  # the row update
+    "adam": lambda: optax.adam(0.05),  # the dense update, every stored row moved
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.05)),
+}
+
+
+def odd_init(seed: int = 3) -> dict:
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in ODD.items()}
+    params["m"] = rng.normal(size=(6, 8)).astype(np.float32)
+    return params
+
+
+def odd_loss(params, batch, ops):
+    a = ops.lookup(params["a"], batch["a"])  # [B/P, 6]
+    b = ops.lookup(params["b"], batch["b"])  # [B/P, 8]
+    logits = ops.attend(params["c"], a)  # [B/P, 11]
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], 1)
+    return jnp.mean(nll) + jnp.mean(jnp.sum((a @ params["m"]) * b, -1) ** 2)
+
+
+def odd_batch(step: int) -> dict:
+    rng = np.random.default_rng(300 + step)
+    return {
+        "a": rng.integers(0, 13, B).astype(np.int32),
+        "b": rng.integers(0, 21, B).astype(np.int32),
+        "y": rng.integers(0, 11, B).astype(np.int32),
+    }
+
+
+@pytest.mark.parametrize("opt", sorted(ODD_OPTIMIZERS))
+@pytest.mark.parametrize("mix", sorted(ODD_MIXES))
+def test_tables_not_divisible_by_the_workers_are_padded_and_exact(mix, opt):
+    optimizer = ODD_OPTIMIZERS[opt]
+    params, state = jax.tree.map(jnp.asarray, odd_init()), optimizer().init(odd_init())
+    ref_losses = []
+    for s in range(3):
+        value, grads = jax.value_and_grad(odd_loss)(params, odd_batch(s), PLAIN)
+        updates, state = optimizer().update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ref_losses.append(float(value))
+    ts = sc.make_train_step(
+        odd_loss,
+        optimizer(),
+        runtime.data_mesh(N),
+        odd_init(),
+        "embrace",
+        embedding_paths=[(k,) for k in ODD],
+        table_layouts=ODD_MIXES[mix],
+    )
+    state, losses = ts.state, []
+    for s in range(3):
+        state, value = ts.step(state, ts.place_batch(odd_batch(s)))
+        losses.append(sc.loss_value(value))
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    got = ts.host_params(state)  # cut back to V x D
+    assert {k: got[k].shape for k in ODD} == ODD
+    assert_trees_close(got, params, rtol=1e-4, atol=1e-5)
+    for k, (v, d) in ODD.items():  # stored padded; the padding still zero
+        stored = np.asarray(state.params[k])
+        assert stored.shape[0] % N == 0 if ODD_MIXES[mix][k] == "row" else stored.shape[1] % N == 0
+        assert not np.any(stored[v:]) and not np.any(stored[:, d:]), k
+    bad = odd_batch(0)
+    bad["a"][0] = 13  # a padded row is not a valid id
+    with pytest.raises(ValueError, match=r"outside \[0, 13\) of table a"):
+        ts.place_batch(bad)
+
+
+def test_the_pipelined_step_refuses_a_table_it_would_pad():
+    with pytest.raises(ValueError, match=r"table a has D \(columns\) = 6, not divisible by the 8"):
+        sc.make_train_step(
+            odd_loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(N),
+            odd_init(),
+            "embrace_2d",
+            embedding_paths=[(k,) for k in ODD],
+        )

@@ -42,11 +42,17 @@ def test_memory_moves_tables_to_a_sharded_layout():
         planner.plan_tables(mid, 4, SLOW, memory_bytes=1000)
 
 
-def test_a_split_dimension_not_divisible_is_never_chosen():
+def test_a_split_dimension_not_divisible_is_priced_padded():
     odd = stats("odd", 1_000_002, dim=6)  # neither V nor D divides by 4
-    assert planner.layout_cost(odd, "column", 4, SLOW) is None
-    assert planner.layout_cost(odd, "row", 4, SLOW) is None
-    assert planner.plan_tables([odd], 4, SLOW).layouts()["odd"] in ("dense", "replicated")
+    even = stats("even", 1_000_002, dim=8)  # D as odd's padded to 8
+    slots = 1  # parameters and one optimizer slot, 4 bytes each
+    row = planner.layout_cost(odd, "row", 4, SLOW, slots)
+    assert row.memory == 1_000_004 * 6 * 4 * (1 + slots) / 4  # V padded to 1_000_004
+    column = planner.layout_cost(odd, "column", 4, SLOW, slots)
+    assert column.memory == 1_000_002 * 8 * 4 * (1 + slots) / 4  # D padded to 8
+    assert column.bytes == planner.layout_cost(even, "column", 4, SLOW, slots).bytes
+    tight = planner.plan_tables([odd], 4, SLOW, memory_bytes=20e6)  # the whole needs 48 MB
+    assert tight.layouts()["odd"] in planner.SHARDED
 
 
 def test_statistics_from_sample_batches():

@@ -8,7 +8,9 @@ layout's ``back`` sends the rows' gradients to their owners. The result per tabl
 list of ``(ids, rows)`` pairs at the owner; ``embedding.update`` turns them into the
 optimizer's gradient (a dense shard, or the rows alone). A full softmax (``emb.attend``)
 is differentiated through the layout's ``attend``; that dense part joins the pairs as
-every row of the shard.
+every row of the shard. A table stored padded (``layout.padded_shape``) is read as its
+V x D: the rows cut to D, the logits of a full softmax to V; the padding's gradient is
+zero.
 
 Example:
     >>> # inside shard_map, per worker:
@@ -32,20 +34,36 @@ import jax.numpy as jnp
 from sparsecomm_jax.comm.vma import vary
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.access import ATTEND
+from sparsecomm_jax.embedding.layout import padded_shape
 
 F32 = jnp.float32
 
 
 def layout_attend(tables, axis: str):
-    """``attend(table, h)`` of each table's layout, picked by the table's identity."""
-    by_index = {t.index: t.layout for t in tables}
+    """``attend(table, h)`` of each table's layout, picked by the table's identity: ``h``
+    padded to the stored width, the logits cut to the table's V (``padded_shape``)."""
+    by_index = {t.index: t for t in tables}
 
     def attend_for(params):
         leaves = jax.tree.leaves(params)
-        layout_of = {id(leaves[i]): layout for i, layout in by_index.items()}
-        return lambda table, h: layout_of[id(table)].attend(table, h, axis)
+        table_of = {id(leaves[i]): t for i, t in by_index.items()}
+
+        def attend(shard, h):
+            t = table_of[id(shard)]
+            width = padded_shape(t, jax.lax.axis_size(axis))[1]
+            logits = t.layout.attend(shard, pad_last(h, width), axis)  # [..., V padded]
+            return logits[..., : t.vocab]
+
+        return attend
 
     return attend_for
+
+
+def pad_last(x, width: int):
+    """``x`` with zeros appended to its last dimension up to ``width`` (``x`` itself
+    when it has that width)."""
+    extra = width - x.shape[-1]
+    return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
 
 
 def table_gradients(
@@ -100,6 +118,7 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
     """Each layout's ``fetch`` on the reads of its tables; the rows back in read order
     and one ``back`` for all of them."""
     order = [k for k, r in enumerate(reads) if r.kind != ATTEND]
+    dims = {t.index: t.dim for t in tables}
     groups: dict[str, tuple[Any, list[int]]] = {}
     for k in order:
         layout = next(t.layout for t in tables if t.index == reads[k].table)
@@ -113,9 +132,10 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
         )
         rows.update(zip(ks, fetched.rows, strict=True))
         backs.append((ks, fetched.back))
+    stored = {k: rows[k].shape[-1] for k in order}  # a padded table's rows are wider
 
     def back(grads):
-        by_read = dict(zip(order, grads, strict=True))
+        by_read = {k: pad_last(g, stored[k]) for k, g in zip(order, grads, strict=True)}
         return [pair for ks, b in backs for pair in b([by_read[k] for k in ks])]
 
-    return [rows[k] for k in order], back
+    return [rows[k][..., : dims[reads[k].table]] for k in order], back

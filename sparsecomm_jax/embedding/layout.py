@@ -13,7 +13,8 @@ A ``Layout`` is a value, one per file (``column.COLUMN``, ``row.ROW``,
    read them (padding ids lie outside the shard).
 
 Besides the trio a layout says where its tables live (``spec``), which dimension it
-splits (``split_dim``, checked to divide by P), how a full softmax reads a table
+splits (``split_dim``; a table is stored padded to a multiple of P there, see
+``padded_shape``), how a full softmax reads a table
 (``attend``, differentiated by autodiff, and ``sum_dense`` that sums that dense gradient
 over the workers), and how a row gradient lies as global arrays (``row_specs``, for the
 row-sparse update). ``embedding.gradients`` drives the trio; ``embedding.update`` turns
@@ -107,8 +108,32 @@ class Layout(NamedTuple):
     row_specs: Callable[[str], tuple[P, P]]
 
 
+def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:
+    """The shape a table is stored in: the dimension its layout splits rounded up to a
+    multiple of P (``(V, D)`` when it divides, or for a replicated table).
+
+    The padding is zeros that nothing reads: ids stay below V, and a step gives the
+    model the first D columns of a row and the first V logits of a full softmax. Its
+    gradient is zero, so its values stay zero under every optax optimizer and it adds
+    nothing to a global norm.
+
+    Example:
+        >>> from sparsecomm_jax.embedding import column, row, tables
+        >>> padded_shape(tables.Table(0, "t", 10, 6, row.ROW), 4)
+        (12, 6)
+        >>> padded_shape(tables.Table(0, "t", 10, 6, column.COLUMN), 4)
+        (10, 8)
+    """
+    shape = [table.vocab, table.dim]
+    split = table.layout.split_dim
+    if split is not None:
+        shape[split] = -(-shape[split] // num_workers) * num_workers
+    return shape[0], shape[1]
+
+
 def check_divisible(table: Any, num_workers: int) -> None:
-    """``ValueError`` unless the dimension a table's layout splits divides by P."""
+    """``ValueError`` unless the dimension a table's layout splits divides by P (the
+    pipelined steps, which do not pad)."""
     dim = table.layout.split_dim
     if dim is None:
         return
@@ -116,7 +141,8 @@ def check_divisible(table: Any, num_workers: int) -> None:
     if size % num_workers:
         raise ValueError(
             f"embedding table {table.name} has {what} = {size}, not divisible by the "
-            f"{num_workers} workers of the {table.layout.name}-wise layout"
+            f"{num_workers} workers of the {table.layout.name}-wise layout; the pipelined "
+            f"steps do not pad tables (embrace, embrace_rowwise and sparse_allgather do)"
         )
 
 

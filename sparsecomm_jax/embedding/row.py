@@ -1,4 +1,5 @@
-"""Row-wise tables: worker j owns rows ``[jV/P, (j+1)V/P)`` (torchrec's row-wise).
+"""Row-wise tables: worker j owns rows ``[jV/P, (j+1)V/P)`` (torchrec's row-wise; V is
+rounded up to a multiple of P by zero rows nothing reads, ``layout.padded_shape``).
 
 The layout's trio, per read:
 
@@ -50,7 +51,7 @@ def bucket_slots(worker_ids: list[np.ndarray], vocab: int, num_workers: int) -> 
     Example: P=2, V=8 (4 rows each); worker 0 asks [1, 1, 2, 5], worker 1 asks [6, 7, 7]:
     worker 0 needs 2 slots at owner 0 and 1 at owner 1; worker 1 needs 2 at owner 1 -> 2.
     """
-    rows = vocab // num_workers
+    rows = -(-vocab // num_workers)  # rows per owner (a padded table: V/P rounded up)
     need = 0
     for ids in worker_ids:
         uniq = np.unique(np.asarray(ids).ravel())
@@ -70,7 +71,7 @@ def _bucket_need(reads: list[HostReads], tables, workers: int) -> dict[int, int]
 
 def _bucket_bound(reads: HostReads, table, workers: int) -> int:
     """Every id a worker reads distinct and owned by one worker: min(n, V/P)."""
-    return min(reads[table.index][0].shape[1], table.vocab // workers)
+    return min(reads[table.index][0].shape[1], -(-table.vocab // workers))
 
 
 CAPACITY = CapacityPolicy(

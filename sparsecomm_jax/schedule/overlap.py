@@ -464,7 +464,7 @@ def build(ctx: StepContext) -> Overlapped:
             "optax.clip_by_global_norm, a trust ratio): use make_train_step(..., "
             "'embrace_2d') instead, which is exact with it"
         )
-    state, specs = placement.place_state(ctx)
+    state, specs = placement.place_state(ctx, pad=False)
     kinds = split_roles(ctx, state.opt_state)
     progs = _programs(ctx, specs, kinds)
     place = placement.batch_placer(

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
-from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
+from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec, padded_shape
 from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
@@ -285,13 +285,39 @@ def initial_agg_state(ctx: StepContext, host_params):
     return jax.tree.map(lambda s: np.zeros((ctx.num_workers, *s.shape), s.dtype), shapes)
 
 
-def place_state(ctx: StepContext) -> tuple[TrainState, TrainState]:
+def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
+    """``params`` with each table padded with zero rows or columns to the shape it is
+    stored in (``layout.padded_shape``: its split dimension a multiple of P)."""
+    leaves, treedef = jax.tree.flatten(params)
+    for t in ctx.tables:
+        rows, cols = padded_shape(t, ctx.num_workers)
+        leaves[t.index] = np.pad(leaves[t.index], ((0, rows - t.vocab), (0, cols - t.dim)))
+    return treedef.unflatten(leaves)
+
+
+def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
+    """``params`` with each stored table cut back to its V x D (``pad_tables`` undone)."""
+    leaves, treedef = jax.tree.flatten(params)
+    for t in ctx.tables:
+        leaves[t.index] = leaves[t.index][: t.vocab, : t.dim]
+    return treedef.unflatten(leaves)
+
+
+def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainState]:
     """The initial state on the devices, and its ``PartitionSpec`` tree (the carry of
-    a pipelined step is per worker)."""
+    a pipelined step is per worker).
+
+    Args:
+      ctx: the step's context.
+      pad: store a table whose split dimension does not divide by P padded
+        (``pad_tables``); ``False`` refuses it (the pipelined steps).
+    """
     specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
     for t in ctx.tables:
-        check_divisible(t, ctx.num_workers)
+        if not pad:
+            check_divisible(t, ctx.num_workers)
+    host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
     agg_state = initial_agg_state(ctx, host)
     state = TrainState(host, opt_state, agg_state)

@@ -43,7 +43,7 @@ NONFINITE = ("skip", "error", "off")
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
-    state, specs = placement.place_state(ctx)
+    state, specs = placement.place_state(ctx, pad=strategy.any_layout)
     step = strategy.step(ctx, specs)
     policies = (
         [(strategy.capacity, ctx.tables)]
@@ -54,7 +54,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         step=jax.jit(step, donate_argnums=0),
         state=state,
         place_batch=placement.batch_placer(ctx, policies, strategy.lookahead),
-        host_params=lambda s: jax.tree.map(runtime.to_host, s.params),
+        host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
     )
@@ -406,7 +406,7 @@ def make_context(
         tables = tuple(t for t in tables if t.layout is not None)
         leaves, treedef = jax.tree.flatten(mask)
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
-    if name.strategy.needs_tables and not tables:
+    if name.strategy.needs_tables and not tables and not dense:  # all "dense": data parallel
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "
             "(parameter paths or a predicate) that name at least one V x D table"
