@@ -7,6 +7,7 @@ import json
 import jax
 import pytest
 
+from experiments import plan_check
 from experiments.train import main
 from models import get_workload
 from sparsecomm_jax import planner
@@ -93,3 +94,17 @@ def test_bad_plans_are_one_line_errors(flags, message, capsys):
     assert main(["--model", "dlrm", "--devices", "2", "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_the_hand_plans_and_medians_of_the_plan_check():
+    tables = [("a", 1000), ("b", 10), ("c", 100)]
+    plans = plan_check.hand_plans(tables)
+    mixed = {f"{big}+{small}" for big in ("column", "row") for small in ("replicated", "dense")}
+    assert set(plans) == {*planner.LAYOUT_NAMES, *mixed}
+    assert plans["row+dense"] == {"a": "row", "c": "row", "b": "dense"}  # the larger half
+    assert all(set(p) == {"a", "b", "c"} for p in plans.values())
+    rows = [{"plan": "x", "throughput": t} for t in (3.0, 1.0, 2.0)] + [
+        {"plan": "y", "throughput": 5.0}
+    ]
+    got = {r["plan"]: (r["throughput"], r["rounds"]) for r in plan_check.median_rows(rows)}
+    assert got == {"x": (2.0, [1.0, 2.0, 3.0]), "y": (5.0, [5.0])}
