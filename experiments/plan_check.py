@@ -12,7 +12,7 @@ calibrated on the same cluster). The hand plans: each layout for every table
 sharded (column or row) with the smaller half ``replicated`` or ``dense``. Every plan
 runs once per round (``--repeats`` rounds, the median counts). Prints samples per second
 of each plan and the planner's ratio to the best hand plan; writes
-``plan_check_<mix>.json`` and ``.csv`` into ``--out-dir``.
+``plan_check_<mix>.json``, ``.csv`` and ``.png`` into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,23 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def plot(rows: list[dict[str, Any]], mix: str, path: Path) -> None:
+    """A bar per plan (median throughput, each round a dot); the planner's bar dark."""
+    plt = sweep.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    names = [r["plan"] for r in rows]
+    colors = ["tab:blue" if n == "planner" else "lightgray" for n in names]
+    ax.bar(names, [r["throughput"] for r in rows], color=colors)
+    for k, r in enumerate(rows):
+        ax.plot([k] * len(r["rounds"]), r["rounds"], "k.", markersize=4)
+    ax.set_ylabel(rows[0]["unit"].replace("_", " ") if rows else "")
+    ax.set_title(f"plans of the {mix} mix")
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mix", choices=sorted(MIXES), required=True)
@@ -121,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"planner / best hand plan ({best['plan']}): {ratio:.3f}; chose {auto['chosen']}")
     extra = {"mix": mix, "args": vars(args), "ratio": ratio, "runs": rows}
     sweep.save_rows(ok, out, f"plan_check_{args.mix}", extra)
+    if ok:
+        plot(ok, args.mix, out / f"plan_check_{args.mix}.png")
     return 0
 
 

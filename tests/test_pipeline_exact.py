@@ -88,7 +88,7 @@ def test_tied_tables_equal_embrace(name):
     _assert_same_run(_workload(name), steps=4)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "lstm_lm"])
+@pytest.mark.parametrize("name", ["lstm_lm"])  # a full softmax: test_tied_tables_equal_embrace
 def test_step_after_a_skipped_step(name):
     """Step 1 is skipped (Inf gradients); step 2 reads rows of the unchanged tables."""
     losses = _assert_same_run(

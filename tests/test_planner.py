@@ -96,7 +96,7 @@ def test_bad_plans_are_one_line_errors(flags, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
-def test_the_hand_plans_and_medians_of_the_plan_check():
+def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     tables = [("a", 1000), ("b", 10), ("c", 100)]
     plans = plan_check.hand_plans(tables)
     mixed = {f"{big}+{small}" for big in ("column", "row") for small in ("replicated", "dense")}
@@ -108,3 +108,6 @@ def test_the_hand_plans_and_medians_of_the_plan_check():
     ]
     got = {r["plan"]: (r["throughput"], r["rounds"]) for r in plan_check.median_rows(rows)}
     assert got == {"x": (2.0, [1.0, 2.0, 3.0]), "y": (5.0, [5.0])}
+    medians = [{**r, "unit": "samples_per_s"} for r in plan_check.median_rows(rows)]
+    plan_check.plot(medians, "x", tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

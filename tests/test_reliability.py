@@ -27,7 +27,8 @@ from sparsecomm_jax import checkpoint, runtime
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16, warmup=0)
 # one strategy per kind of state: per-device replicas, sharded columns, sharded rows,
 # the pipelined carry, per-worker residuals
-RESUMABLE = ["dense_pmap", "embrace", "embrace_rowwise", "embrace_2d", "topk_a2a"]
+# embrace_rowwise's row state resumes in test_row_updates (on another device count too).
+RESUMABLE = ["dense_pmap", "embrace", "embrace_2d", "topk_a2a"]
 
 
 @pytest.mark.parametrize("strategy", RESUMABLE)

@@ -22,8 +22,8 @@ the pairs into the optimizer's gradient. Adding a layout is one file and one val
 
 Example:
     >>> from sparsecomm_jax.embedding import column
-    >>> column.COLUMN.spec("data")
-    PartitionSpec(None, 'data')
+    >>> tuple(column.COLUMN.spec("data"))  # rows whole, columns split over "data"
+    (None, 'data')
 
 References:
     Li et al., "EmbRace", ICPP 2022 (column-wise); Mudigere et al., "High-performance,

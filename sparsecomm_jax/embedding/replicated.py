@@ -9,8 +9,8 @@ Every worker holds the whole table. The layout's trio:
 
 Example:
     >>> from sparsecomm_jax.embedding import replicated
-    >>> replicated.REPLICATED.spec("data")
-    PartitionSpec()
+    >>> tuple(replicated.REPLICATED.spec("data"))  # every worker the whole table
+    ()
 
 References:
     Sergeev and Del Balso, "Horovod", 2018 (all-gather of sparse gradients).
