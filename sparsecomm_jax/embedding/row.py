@@ -7,10 +7,12 @@ The layout's trio, per read:
    (``bucket_slots``), rounded up to a power of two (``CAPACITY``);
 2. **fetch**: a worker buckets its distinct ids by owner (``bucket_plan``, ``C`` slots per
    owner), one all-to-all sends each owner the ids asked of it, the owner takes those
-   rows, and one all-to-all returns them; each position picks its row. Ids every worker
+   rows, and one all-to-all returns them; each position picks its row. The buckets of
+   every lookup of every row-wise table travel side by side in those two all-to-alls
+   (``fetch_many``). Ids every worker
    holds (shared negatives) are filled in by their owners and summed (``psum``);
 3. **back**: the gradients of equal ids are summed before they leave, and the reverse
-   all-to-all brings each owner the gradient rows of its ids.
+   all-to-all (one for every lookup) brings each owner the gradient rows of its ids.
 
 Duplicate ids travel once, so the bytes follow the distinct ids of a batch (far fewer
 than its tokens for Zipf-distributed text) and never grow with V.
@@ -134,22 +136,70 @@ def fetch_one(shard, ids, axis: str, capacity: int, wire=F32):
       ``(rows float[*ids.shape, D], back)``: ``back(g)`` -> (ids in my shard int[P*C],
       summed gradient rows float[P*C, D]), padding ids = V/P.
     """
-    num, (rows_per, width) = jax.lax.axis_size(axis), shard.shape
-    flat = ids.reshape(-1)  # int[n]
-    cap = min(capacity, flat.shape[0])
-    send, pos = bucket_plan(flat, rows_per * num, num, cap)  # int[P, C], int[n]
-    asked = jax.lax.all_to_all(send, axis, 0, 0)  # int[P, C]: ids others want of me
-    local = jnp.where(asked >= 0, asked - jax.lax.axis_index(axis) * rows_per, rows_per)
-    found = jnp.take(shard, local, axis=0, mode="fill", fill_value=0)  # float[P, C, D]
-    got = comm_wire.a2a(found, axis, wire).reshape(num * cap, width)  # float[P*C, D]
-    rows = jnp.take(got, pos, axis=0).reshape(*ids.shape, width)
+    (rows,), back = fetch_many([shard], [ids], [capacity], axis, wire)
+    return rows, lambda g: back([g])[0]
 
-    def back(g):  # duplicates summed before the reverse exchange
-        g_got = jnp.zeros((num * cap, width), F32).at[pos].add(g.reshape(-1, width))
-        g_found = comm_wire.a2a(g_got.reshape(num, cap, width), axis, wire)  # [P, C, D]
-        return local.reshape(-1), g_found.reshape(-1, width)
+
+def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F32):
+    """``fetch_one`` for several reads (of one or several tables) through one exchange:
+    the buckets of every read side by side in one all-to-all of ids, the rows found in
+    one all-to-all back, and the gradients in one all-to-all on the way back.
+
+    Args:
+      shards: per read, float[V/P, D] (this worker's rows of the table it reads; the
+        widths may differ).
+      ids: per read, int[...] this worker's ids.
+      capacities: per read, C (slots per (worker, owner) bucket).
+      axis: the mesh axis.
+      wire: the dtype rows travel in.
+
+    Returns:
+      ``(rows, back)``: per read float[*ids.shape, D]; ``back(grads)`` -> per read
+      ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``.
+    """
+    num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    caps = [min(c, i.size) for c, i in zip(capacities, ids, strict=True)]
+    plans = [
+        bucket_plan(i.reshape(-1), t.shape[0] * num, num, c)  # int[P, C], int[n]
+        for t, i, c in zip(shards, ids, caps, strict=True)
+    ]
+    asked = jax.lax.all_to_all(jnp.concatenate([s for s, _ in plans], 1), axis, 0, 0)
+    starts = np.cumsum([0, *caps])  # asked: int[P, sum C], the ids others want of me
+    local = [
+        jnp.where(a >= 0, a - me * t.shape[0], t.shape[0])
+        for t, a in zip(shards, _split(asked, starts), strict=True)
+    ]  # per read int[P, C]
+    found = [
+        jnp.take(t, loc, axis=0, mode="fill", fill_value=0).reshape(num, -1)
+        for t, loc in zip(shards, local, strict=True)
+    ]  # per read float[P, C * D]
+    widths = [t.shape[1] for t in shards]
+    ends = np.cumsum([0, *(c * w for c, w in zip(caps, widths, strict=True))])
+    got = comm_wire.a2a(jnp.concatenate(found, 1), axis, wire)  # float[P, sum C * D]
+    rows = [
+        jnp.take(block.reshape(num * c, w), pos, axis=0).reshape(*i.shape, w)
+        for block, c, w, (_, pos), i in zip(
+            _split(got, ends), caps, widths, plans, ids, strict=True
+        )
+    ]
+
+    def back(grads):  # duplicates summed before the reverse exchange
+        sums = [
+            jnp.zeros((num * c, w), F32).at[pos].add(g.reshape(-1, w)).reshape(num, c * w)
+            for g, c, w, (_, pos) in zip(grads, caps, widths, plans, strict=True)
+        ]
+        back_got = comm_wire.a2a(jnp.concatenate(sums, 1), axis, wire)  # [P, sum C * D]
+        return [
+            (loc.reshape(-1), block.reshape(-1, w))
+            for loc, block, w in zip(local, _split(back_got, ends), widths, strict=True)
+        ]
 
     return rows, back
+
+
+def _split(x, bounds) -> list:
+    """The column blocks ``x[:, bounds[k]:bounds[k + 1]]``."""
+    return [x[:, int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def fetch_shared_one(shard, ids, axis: str, wire=F32):
@@ -170,18 +220,33 @@ def fetch_shared_one(shard, ids, axis: str, wire=F32):
 
 
 def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
-    """Every read of the row-wise tables, each through its own exchange."""
-    fetched = [
-        fetch_one(shards[r.table], r.ids, axis, capacity[r.table], wire)
-        if r.kind == LOOKUP
-        else fetch_shared_one(shards[r.table], r.ids, axis, wire)
-        for r in reads
-    ]
+    """Every read of the row-wise tables: the lookups of every table through one exchange
+    (``fetch_many``), each shared read through its own sum."""
+    look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
+    shared = [k for k, r in enumerate(reads) if r.kind != LOOKUP]
+    rows: dict[int, jax.Array] = {}
+    look_back = None
+    if look:
+        got, look_back = fetch_many(
+            [shards[reads[k].table] for k in look],
+            [reads[k].ids for k in look],
+            [capacity[reads[k].table] for k in look],
+            axis,
+            wire,
+        )
+        rows.update(zip(look, got, strict=True))
+    shared_backs = {}
+    for k in shared:
+        rows[k], shared_backs[k] = fetch_shared_one(
+            shards[reads[k].table], reads[k].ids, axis, wire
+        )
 
     def back(grads):
-        return [(r.table, b(g)) for r, (_, b), g in zip(reads, fetched, grads, strict=True)]
+        pairs = dict(zip(look, look_back([grads[k] for k in look]), strict=True)) if look else {}
+        pairs.update({k: b(grads[k]) for k, b in shared_backs.items()})
+        return [(reads[k].table, pairs[k]) for k in range(len(reads))]
 
-    return Fetched([rows for rows, _ in fetched], back)
+    return Fetched([rows[k] for k in range(len(reads))], back)
 
 
 def attend(shard, h, axis: str):
