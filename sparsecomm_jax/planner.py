@@ -18,14 +18,13 @@ dense       2(P-1)/P V D b (the all-reduce   (shared)          V D b (1 + s)
 replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per read   V D b (1 + s)
             the ids and gradient rows)
 column      (P-1) C (4 + 2 D b / P)          3(P-1) per step   V D b (1 + s) / P
-row         (P-1) C (4 + 2 D b)              3(P-1) per read   V D b (1 + s) / P
+row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
 =========== ================================ ================= ===================
 
-The column-wise tables share one exchange (``embedding.column.fetch``), so its
-messages are paid once per step whatever number of tables it holds; the search
-therefore tries the plans with and without column-wise tables and gives each table its
-cheapest layout within the set. The row-wise layout exchanges each read on its own
-(``embedding.row.fetch``): its messages are paid per read. A table whose D (column) or
+The tables of one sharded layout share its exchange (``embedding.column.fetch``,
+``embedding.row.fetch_many``), so a layout's messages are paid once per step whatever
+number of tables it holds; the search therefore tries every set of sharded layouts and
+gives each table its cheapest layout within the set. A table whose D (column) or
 V (row) does not divide by P is priced at its padded size.
 
 Example:
@@ -34,8 +33,8 @@ Example:
     >>> stats = [planner.TableStats("big", 100_000, 64, 512, 400, 60),
     ...          planner.TableStats("tiny", 16, 64, 512, 16, 4)]
     >>> plan = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0))
-    >>> plan.layouts()  # 16 rows all-reduced cost less than an exchange of their own
-    {'big': 'row', 'tiny': 'dense'}
+    >>> plan.layouts()  # the tiny table joins the big one's exchange
+    {'big': 'row', 'tiny': 'row'}
     >>> slow = Link.from_bandwidth(1.0)
     >>> planner.plan_tables(stats, 4, slow, memory_bytes=1e6)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -206,16 +205,15 @@ def layout_cost(
     if layout == "column":
         nbytes = (p - 1) * stats.distinct * (4 + 2 * d_padded * FLOAT / p)
         return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / d * d_padded / p)
-    if layout == "row":  # an exchange per read
+    if layout == "row":
         nbytes = (p - 1) * stats.bucket * (4 + 2 * d * FLOAT)
-        seconds = nbytes * link.beta + stats.lookups * 3 * (p - 1) * link.alpha
-        return Choice(stats.name, layout, nbytes, seconds, whole / v * v_padded / p)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / v * v_padded / p)
     raise ValueError(f"unknown layout {layout!r}; choose among {LAYOUT_NAMES}")
 
 
 def group_seconds(layouts: set[str], workers: int, link: Link) -> float:
-    """The messages of the shared exchange of the column-wise tables: 3(P-1) per step."""
-    return 3 * (workers - 1) * link.alpha if "column" in layouts else 0.0
+    """The messages of the sharded layouts' exchanges: 3(P-1) each per step."""
+    return sum(3 * (workers - 1) * link.alpha for name in layouts if name in SHARDED)
 
 
 def plan_tables(
