@@ -60,6 +60,55 @@ def test_lookup_matches_blocks_reference(layout):
     np.testing.assert_array_equal(got, np.concatenate(blocks))
 
 
+def test_row_reads_of_two_tables_share_one_exchange_and_match_blocks():
+    """Two row-wise tables of different widths read through one exchange
+    (``row.fetch_many``): each worker gets its rows, each owner the gradient rows of its
+    ids summed over the workers; the program has three all-to-alls, not six."""
+    rng = np.random.default_rng(5)
+    tables = [
+        rng.normal(size=(16, 4)).astype(np.float32),
+        rng.normal(size=(24, 2)).astype(np.float32),
+    ]
+    ids = [
+        rng.integers(0, 16, (N * 3,)).astype(np.int32),
+        rng.integers(0, 24, (N * 2, 2)).astype(np.int32),
+    ]
+    grads = [
+        rng.normal(size=(N * 3, 4)).astype(np.float32),
+        rng.normal(size=(N * 2, 2, 2)).astype(np.float32),
+    ]
+    mesh = runtime.data_mesh(N)
+
+    def body(t0, t1, i0, i1, g0, g1):
+        rows, back = row.fetch_many([t0, t1], [i0, i1], [3, 4], "data")
+        summed = []
+        for (local, sums), t in zip(back([g0, g1]), (t0, t1), strict=True):  # at the owner
+            summed.append(jnp.zeros(t.shape).at[local].add(sums, mode="drop"))
+        return (*rows, *summed)
+
+    row_spec, data = P("data", None), P("data")
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(row_spec, row_spec) + (data,) * 4,
+            out_specs=(data, data, row_spec, row_spec),
+            check_vma=False,
+        )
+    )
+    args = [runtime.put_global(t, mesh, row_spec) for t in tables]
+    args += [runtime.put_global(x, mesh, data) for x in (*ids, *grads)]
+    r0, r1, s0, s1 = (np.asarray(x) for x in fn(*args))
+    np.testing.assert_array_equal(r0, tables[0][ids[0]])  # blocks: every worker's ids
+    np.testing.assert_array_equal(r1, tables[1][ids[1]])
+    for got, table, i, g in zip((s0, s1), tables, ids, grads, strict=True):
+        want = np.zeros_like(table)
+        np.add.at(want, i.reshape(-1), g.reshape(-1, table.shape[1]))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    kinds = [c.kind for c in hlo.collectives(fn, *args)]
+    assert kinds == ["all-to-all"] * 3  # ids, rows, gradients: one each for both tables
+
+
 @pytest.mark.parametrize("layout", ["column", "row"])
 def test_shared_lookup_and_attend(layout):
     rng = np.random.default_rng(1)

@@ -176,10 +176,10 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
     widths = [t.shape[1] for t in shards]
     ends = np.cumsum([0, *(c * w for c, w in zip(caps, widths, strict=True))])
     got = comm_wire.a2a(jnp.concatenate(found, 1), axis, wire)  # float[P, sum C * D]
-    rows = [
-        jnp.take(block.reshape(num * c, w), pos, axis=0).reshape(*i.shape, w)
-        for block, c, w, (_, pos), i in zip(
-            _split(got, ends), caps, widths, plans, ids, strict=True
+    rows = [  # each in its table's dtype (tables of several dtypes travel together)
+        jnp.take(block.reshape(num * c, w), pos, axis=0).reshape(*i.shape, w).astype(t.dtype)
+        for block, c, w, (_, pos), i, t in zip(
+            _split(got, ends), caps, widths, plans, ids, shards, strict=True
         )
     ]
 
