@@ -314,8 +314,8 @@ def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainSt
     """
     specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
-    for t in ctx.tables:
-        if not pad:
+    if not pad:
+        for t in ctx.tables:
             check_divisible(t, ctx.num_workers)
     host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
