@@ -15,8 +15,8 @@ import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
-from sparsecomm_jax.embedding import column, row
-from sparsecomm_jax.embedding.access import PLAIN
+from sparsecomm_jax.embedding import column, replicated, row
+from sparsecomm_jax.embedding.access import LOOKUP, PLAIN, Read
 
 LAYOUTS = {"column": column.COLUMN, "row": row.ROW}
 
@@ -107,6 +107,53 @@ def test_row_reads_of_two_tables_share_one_exchange_and_match_blocks():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     kinds = [c.kind for c in hlo.collectives(fn, *args)]
     assert kinds == ["all-to-all"] * 3  # ids, rows, gradients: one each for both tables
+
+
+def test_replicated_reads_of_two_tables_share_one_all_gather_each_way():
+    """Every worker's (id, gradient row) pairs of two replicated tables of different
+    widths reach every worker, worker after worker, through one all-gather of ids and one
+    of rows."""
+    rng = np.random.default_rng(6)
+    tables = [
+        rng.normal(size=(10, 3)).astype(np.float32),
+        rng.normal(size=(7, 5)).astype(np.float32),
+    ]
+    ids = [
+        rng.integers(0, 10, (N * 2,)).astype(np.int32),
+        rng.integers(0, 7, (N, 3)).astype(np.int32),
+    ]
+    grads = [
+        rng.normal(size=(N * 2, 3)).astype(np.float32),
+        rng.normal(size=(N, 3, 5)).astype(np.float32),
+    ]
+    mesh = runtime.data_mesh(N)
+
+    def body(t0, t1, i0, i1, g0, g1):
+        reads = [Read(LOOKUP, 0, i0), Read(LOOKUP, 1, i1)]
+        fetched = replicated.fetch({0: t0, 1: t1}, reads, {}, "data")
+        (_, (a0, r0)), (_, (a1, r1)) = fetched.back([g0, g1])
+        return (*fetched.rows, a0, r0, a1, r1)
+
+    data = P("data")
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), P()) + (data,) * 4,
+            out_specs=(data, data, P(), P(), P(), P()),
+        )
+    )
+    args = [runtime.put_global(t, mesh, P()) for t in tables]
+    args += [runtime.put_global(x, mesh, data) for x in (*ids, *grads)]
+    rows0, rows1, a0, r0, a1, r1 = (np.asarray(x) for x in fn(*args))
+    np.testing.assert_array_equal(rows0, tables[0][ids[0]])
+    np.testing.assert_array_equal(rows1, tables[1][ids[1]])
+    np.testing.assert_array_equal(a0, ids[0])  # every worker's ids, in worker order
+    np.testing.assert_array_equal(a1, ids[1].reshape(-1))
+    np.testing.assert_array_equal(r0, grads[0])
+    np.testing.assert_array_equal(r1, grads[1].reshape(-1, 5))
+    kinds = [c.kind for c in hlo.collectives(fn, *args)]
+    assert kinds == ["all-gather"] * 2  # ids, rows: one each for both tables
 
 
 @pytest.mark.parametrize("layout", ["column", "row"])

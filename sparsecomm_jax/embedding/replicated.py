@@ -5,7 +5,9 @@ Every worker holds the whole table. The layout's trio:
 1. **plan**: nothing to plan (no static buffer depends on the ids);
 2. **fetch**: a local ``take``, no communication;
 3. **back**: every worker's (id, gradient row) pairs are all-gathered, so each replica
-   receives the same pairs and applies the same update. The bytes grow with P.
+   receives the same pairs and applies the same update; the pairs of every read of
+   every replicated table travel in one all-gather of ids and one of rows. The bytes
+   grow with P.
 
 Example:
     >>> from sparsecomm_jax.embedding import replicated
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
@@ -30,7 +33,9 @@ F32 = jnp.float32
 
 
 def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
-    """Local rows; the way back all-gathers every worker's pairs (typed replicated).
+    """Local rows; the way back all-gathers every worker's pairs (typed replicated), the
+    pairs of every read of every replicated table in one all-gather of ids and one of
+    gradient rows.
 
     Per worker (P=2): w0 reads id 3 (gradient row a), w1 id 3 (row b); after ``back``
     both hold ids [3, 3] and rows [a, b], which the update sums.
@@ -38,13 +43,23 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
     rows = [jnp.take(shards[r.table], r.ids, axis=0) for r in reads]
 
     def back(grads):
+        if not reads:
+            return []
+        num = jax.lax.axis_size(axis)
+        sizes = [r.ids.size for r in reads]
+        widths = [g.shape[-1] for g in grads]
+        flat_ids = jnp.concatenate([r.ids.reshape(-1) for r in reads])  # int[sum n]
+        all_ids = jax.lax.all_gather(flat_ids, axis, to="invarying")  # int[P, sum n]
+        flat_rows = jnp.concatenate([g.reshape(-1).astype(F32) for g in grads])
+        all_rows = comm_wire.gather(flat_rows[None], axis, wire, to="invarying")  # [P, L]
+        id_ends = np.cumsum([0, *sizes])
+        row_ends = np.cumsum([0, *(n * w for n, w in zip(sizes, widths, strict=True))])
         out = []
-        for read, g in zip(reads, grads, strict=True):
-            flat = read.ids.reshape(-1)  # int[n]
-            all_ids = jax.lax.all_gather(flat, axis, tiled=True, to="invarying")  # int[P*n]
-            all_rows = comm_wire.gather(g.reshape(flat.shape[0], -1), axis, wire, to="invarying")
-            out.append((read.table, (all_ids, all_rows)))  # the same on every worker
-        return out
+        for k, read in enumerate(reads):  # each read's pairs, worker after worker
+            ids = all_ids[:, id_ends[k] : id_ends[k + 1]].reshape(-1)  # int[P*n]
+            block = all_rows[:, row_ends[k] : row_ends[k + 1]]  # float[P, n*D]
+            out.append((read.table, (ids, block.reshape(num * sizes[k], widths[k]))))
+        return out  # the same on every worker
 
     return Fetched(rows, back)
 
