@@ -601,7 +601,9 @@ class Checkpointer:
         """``restore`` of a library step's state, placed like ``ts.state``.
 
         Replicated state restores onto any device count; sharded tables onto any count
-        that divides their sharded dimension. Per-worker residuals need the same count.
+        that stores them at the same size (that divides their sharded dimension, or pads
+        it to the same multiple: ``layout.padded_shape``) under the same layout.
+        Per-worker residuals need the same count.
         """
         tree, s = self.restore(portable(ts, ts.state), step, on_skip)
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])

@@ -15,17 +15,17 @@ layout      bytes per step                   messages          memory
 dense       2(P-1)/P V D b (the all-reduce   (shared)          V D b (1 + s)
             of the dense layers) + a dense
             V x D update
-replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per read   V D b (1 + s)
+replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per step   V D b (1 + s)
             the ids and gradient rows)
 column      (P-1) C (4 + 2 D b / P)          3(P-1) per step   V D b (1 + s) / P
 row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
 =========== ================================ ================= ===================
 
-The tables of one sharded layout share its exchange (``embedding.column.fetch``,
-``embedding.row.fetch_many``), so a layout's messages are paid once per step whatever
-number of tables it holds; the search therefore tries every set of sharded layouts and
-gives each table its cheapest layout within the set. A table whose D (column) or
-V (row) does not divide by P is priced at its padded size.
+The tables of one layout share its exchange (``embedding.column.fetch``,
+``embedding.row.fetch_many``, ``embedding.replicated.fetch``), so a layout's messages
+are paid once per step whatever number of tables it holds; the search therefore tries
+every set of sharded layouts and gives each table its cheapest layout within the set. A
+table whose D (column) or V (row) does not divide by P is priced at its padded size.
 
 Example:
     >>> from sparsecomm_jax import planner
@@ -198,10 +198,9 @@ def layout_cost(
         nbytes = 2 * (p - 1) / p * v * d * FLOAT
         seconds = nbytes * link.beta + v * d * DENSE_UPDATE_S
         return Choice(stats.name, layout, nbytes, seconds, whole)
-    if layout == "replicated":
+    if layout == "replicated":  # its messages: group_seconds, once for every table
         nbytes = (p - 1) * stats.reads * (d * FLOAT + 4)
-        seconds = nbytes * link.beta + stats.lookups * 2 * (p - 1) * link.alpha
-        return Choice(stats.name, layout, nbytes, seconds, whole)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole)
     if layout == "column":
         nbytes = (p - 1) * stats.distinct * (4 + 2 * d_padded * FLOAT / p)
         return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / d * d_padded / p)
@@ -212,8 +211,10 @@ def layout_cost(
 
 
 def group_seconds(layouts: set[str], workers: int, link: Link) -> float:
-    """The messages of the sharded layouts' exchanges: 3(P-1) each per step."""
-    return sum(3 * (workers - 1) * link.alpha for name in layouts if name in SHARDED)
+    """The messages of the layouts' shared exchanges: 3(P-1) per step for each sharded
+    layout, 2(P-1) for the replicated tables' two all-gathers."""
+    sharded = sum(3 * (workers - 1) * link.alpha for name in layouts if name in SHARDED)
+    return sharded + (2 * (workers - 1) * link.alpha if "replicated" in layouts else 0.0)
 
 
 def plan_tables(

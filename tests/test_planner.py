@@ -35,7 +35,7 @@ def test_tiny_tables_stay_data_parallel_and_big_ones_are_sharded():
 def test_memory_moves_tables_to_a_sharded_layout():
     mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
     free = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0))
-    assert set(free.layouts().values()) == {"dense"}  # a fast link: dense is cheapest
+    assert set(free.layouts().values()) <= {"dense", "replicated"}  # fast: whole tables
     tight = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0), memory_bytes=free.memory / 2)
     assert tight.memory <= free.memory / 2 and tight.seconds >= free.seconds
     assert any(x in planner.SHARDED for x in tight.layouts().values())

@@ -291,7 +291,8 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     leaves, treedef = jax.tree.flatten(params)
     for t in ctx.tables:
         rows, cols = padded_shape(t, ctx.num_workers)
-        leaves[t.index] = np.pad(leaves[t.index], ((0, rows - t.vocab), (0, cols - t.dim)))
+        if (rows, cols) != (t.vocab, t.dim):  # no copy of a table that divides
+            leaves[t.index] = np.pad(leaves[t.index], ((0, rows - t.vocab), (0, cols - t.dim)))
     return treedef.unflatten(leaves)
 
 

@@ -65,7 +65,8 @@ class TrainStep(NamedTuple):
       step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function or a
         ``jax.pmap`` one (``step.lower(...)`` gives its program); ``loss`` is the mean
         loss over the global batch, a scalar (``loss_value`` reads it).
-      state: the initial ``TrainState``, placed on the devices.
+      state: the initial ``TrainState``, placed on the devices (a table whose split
+        dimension does not divide by P stored padded: read it through ``host_params``).
       place_batch: host batch (global, identical on every process) -> device batch;
         validates it first.
       host_params: ``state -> params`` as ordinary numpy arrays (sharded tables

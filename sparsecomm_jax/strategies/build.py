@@ -344,8 +344,8 @@ def make_train_step(
 
     Raises:
       ValueError: unknown strategy, axis not in the mesh, embedding strategy without
-        tables, table not divisible by P, bad capacity or density, a combination the
-        strategy cannot make.
+        tables, a table not divisible by P under a pipelined strategy (the others pad
+        it), bad capacity or density, a combination the strategy cannot make.
     """
     name = parse_strategy(strategy)
     ctx = make_context(
