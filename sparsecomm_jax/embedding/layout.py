@@ -115,10 +115,11 @@ def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:
     The padding is zeros that nothing reads: ids stay below V, and a step gives the
     model the first D columns of a row and the first V logits of a full softmax. Its
     gradient is zero, so under an optimizer that treats entries alone or reduces by
-    sums and norms (SGD, Adagrad, Adam(W), LAMB, clipping by global norm) it stays zero
-    and changes nothing. An optimizer that takes a mean over a whole table
-    (``optax.centralize``, ``optax.adafactor``'s block RMS) would see the zeros: there
-    the padded table is not exact; give such a table a size that divides by P.
+    sums and norms (SGD, Adam and AdamW with clipping by global norm are tested;
+    Adagrad and LAMB are of the same kind) it stays zero and changes nothing. An
+    optimizer that takes a mean over a whole table (``optax.centralize``,
+    ``optax.adafactor``'s block RMS) would see the zeros: there the padded table is not
+    exact; give such a table a size that divides by P.
 
     Example:
         >>> from sparsecomm_jax.embedding import column, row, tables
