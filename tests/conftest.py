@@ -41,6 +41,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 NUM_DEVICES = 8
 runtime.simulate_cpu_devices(NUM_DEVICES)
+# Start the backend now: an in-process run (experiments.train.main with --devices 4)
+# that came first in a worker would otherwise start it with its own count, and every
+# test after it in that worker would see 4 devices (which tests a worker gets varies).
+jax.devices()
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
