@@ -29,6 +29,7 @@ from experiments import sweep
 from experiments.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import planner
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 # table rows, D, ids per feature, global batch; SGD on every table (a row-sparse update)
 MIXES: dict[str, dict[str, Any]] = {
@@ -43,15 +44,12 @@ MIXES: dict[str, dict[str, Any]] = {
 MODEL = ["--model", "dlrm", "--bottom", "256,128", "--top", "256,128", "--optimizer", "sgd"]
 
 
-def table_names(mix: dict[str, Any], workers: int) -> list[tuple[str, int]]:
+def table_names(mix: dict[str, Any]) -> list[tuple[str, int]]:
     """``(name, rows)`` of each table of a mix, as plans name them."""
-    config = RunConfig(model="dlrm", devices=workers, **mix)
-    workload = get_workload("dlrm", **config.model_overrides())
+    workload = get_workload("dlrm", **RunConfig(model="dlrm", **mix).model_overrides())
     params = workload.init(jax.random.key(0))
-    stats = planner.table_stats(
-        workload.loss, params, workload.embedding_paths, [workload.batch_at(0)], workers
-    )
-    return [(s.name, s.vocab) for s in stats]
+    found = find_tables(params, table_mask(params, workload.embedding_paths), None)
+    return [(t.name, t.vocab) for t in found]
 
 
 def hand_plans(tables: list[tuple[str, int]]) -> dict[str, dict[str, str]]:
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [*MODEL, "--strategy", "embrace", "--steps", str(args.steps), "--warmup", "2"]
     for key, value in mix.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
-    plans: dict[str, Any] = hand_plans(table_names(mix, args.nproc))
+    plans: dict[str, Any] = hand_plans(table_names(mix))
     plans["planner"] = "auto"
     out = Path(args.out_dir)
 

@@ -97,6 +97,9 @@ def test_bad_plans_are_one_line_errors(flags, message, capsys):
 
 
 def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
+    small = dict(tables="30,10", dim=4, multi_hot=1, batch=8)
+    names = [f"params/sparse_{f}/embedding" for f in range(2)]
+    assert plan_check.table_names(small) == list(zip(names, (30, 10), strict=True))
     tables = [("a", 1000), ("b", 10), ("c", 100)]
     plans = plan_check.hand_plans(tables)
     mixed = {f"{big}+{small}" for big in ("column", "row") for small in ("replicated", "dense")}
