@@ -60,23 +60,26 @@ def test_lookup_matches_blocks_reference(layout):
     np.testing.assert_array_equal(got, np.concatenate(blocks))
 
 
+def _two_tables(seed: int, shapes: list, id_shapes: list):
+    """Random tables of ``shapes`` (V, D), ids of ``id_shapes`` into each, and a gradient
+    row per id: fresh inputs for a two-table exchange."""
+    rng = np.random.default_rng(seed)
+    tables = [rng.normal(size=s).astype(np.float32) for s in shapes]
+    ids = [
+        rng.integers(0, v, i).astype(np.int32) for (v, _), i in zip(shapes, id_shapes, strict=True)
+    ]
+    grads = [
+        rng.normal(size=(*i, d)).astype(np.float32)
+        for (_, d), i in zip(shapes, id_shapes, strict=True)
+    ]
+    return tables, ids, grads
+
+
 def test_row_reads_of_two_tables_share_one_exchange_and_match_blocks():
     """Two row-wise tables of different widths read through one exchange
     (``row.fetch_many``): each worker gets its rows, each owner the gradient rows of its
     ids summed over the workers; the program has three all-to-alls, not six."""
-    rng = np.random.default_rng(5)
-    tables = [
-        rng.normal(size=(16, 4)).astype(np.float32),
-        rng.normal(size=(24, 2)).astype(np.float32),
-    ]
-    ids = [
-        rng.integers(0, 16, (N * 3,)).astype(np.int32),
-        rng.integers(0, 24, (N * 2, 2)).astype(np.int32),
-    ]
-    grads = [
-        rng.normal(size=(N * 3, 4)).astype(np.float32),
-        rng.normal(size=(N * 2, 2, 2)).astype(np.float32),
-    ]
+    tables, ids, grads = _two_tables(5, [(16, 4), (24, 2)], [(N * 3,), (N * 2, 2)])
     mesh = runtime.data_mesh(N)
 
     def body(t0, t1, i0, i1, g0, g1):
@@ -113,19 +116,7 @@ def test_replicated_reads_of_two_tables_share_one_all_gather_each_way():
     """Every worker's (id, gradient row) pairs of two replicated tables of different
     widths reach every worker, worker after worker, through one all-gather of ids and one
     of rows."""
-    rng = np.random.default_rng(6)
-    tables = [
-        rng.normal(size=(10, 3)).astype(np.float32),
-        rng.normal(size=(7, 5)).astype(np.float32),
-    ]
-    ids = [
-        rng.integers(0, 10, (N * 2,)).astype(np.int32),
-        rng.integers(0, 7, (N, 3)).astype(np.int32),
-    ]
-    grads = [
-        rng.normal(size=(N * 2, 3)).astype(np.float32),
-        rng.normal(size=(N, 3, 5)).astype(np.float32),
-    ]
+    tables, ids, grads = _two_tables(6, [(10, 3), (7, 5)], [(N * 2,), (N, 3)])
     mesh = runtime.data_mesh(N)
 
     def body(t0, t1, i0, i1, g0, g1):
