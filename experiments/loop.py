@@ -55,6 +55,8 @@ class RunLog(NamedTuple):
     runs: dict  # (state, batch) structure -> steps run with it
     compile_s: float
     per_step: tuple = ()  # the programs that together make one step (default: the most run)
+    place_times: list = []  # seconds per step on the host before it runs: data, checks, placement
+    wall_times: list = []  # seconds from the start of placing a step's batch to its loss
 
 
 def _diverged(step: int) -> FloatingPointError:
@@ -126,18 +128,22 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
     structure (a new row-wise capacity or the pipelined carry makes a new one);
     ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and trace around steps."""
-    log = RunLog([], [], [], {}, {}, 0.0)
+    log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
     for step in bar:
         if hooks:
             hooks.before_step(step)
+        begin = time.perf_counter()
         batch = place_for_step(ts, workload.batch_at, step, config.steps)
+        log.place_times.append(time.perf_counter() - begin)
         key = jax.tree.structure((state, batch))
         program, log = _compiled(ts, log, state, batch)
         t = time.perf_counter()
         state, loss = program(state, batch)
         log.losses.append(loss_value(loss))
-        log.times.append(time.perf_counter() - t)
+        end = time.perf_counter()
+        log.times.append(end - t)
+        log.wall_times.append(end - begin)
         if not math.isfinite(log.losses[-1]):
             _after_nonfinite(config, ts, state, step, log)
             state = state._replace(carry=())  # the early-fetched rows may hold NaN

@@ -34,6 +34,11 @@ def peak_memory(compiled) -> int | None:
         return None
 
 
+def _median(values: list, warmup: int) -> float | None:
+    """The median of ``values`` after the first ``warmup`` (all when that leaves none)."""
+    return statistics.median(values[warmup:] or values) if values else None
+
+
 def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> dict:
     """The JSON record of a finished run (see ``experiments.train.train_and_evaluate``):
     bytes and collectives of the steady-state program (the one run most; the
@@ -50,6 +55,9 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "losses": log.losses,
         "step_times_s": log.times,
         "step_time_s": step_time,
+        "place_times_s": log.place_times,
+        "place_time_s": _median(log.place_times, config.warmup),
+        "wall_time_s": _median(log.wall_times, config.warmup),
         f"{workload.items_name}_per_s": workload.items_per_step / step_time,
         "comm_bytes_per_step": hlo.total_bytes(colls),
         "collectives": [c.as_dict() for c in colls],
