@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.config import RunConfig
-from sparsecomm_jax import checkpoint, loss_value, place_for_step
+from sparsecomm_jax import checkpoint, loss_value, placed_batches
 from sparsecomm_jax.step.finish import finite
 
 _finite = jax.jit(finite)  # one reduction on the devices
@@ -55,8 +56,9 @@ class RunLog(NamedTuple):
     runs: dict  # (state, batch) structure -> steps run with it
     compile_s: float
     per_step: tuple = ()  # the programs that together make one step (default: the most run)
-    place_times: list = []  # seconds per step on the host before it runs: data, checks, placement
-    wall_times: list = []  # seconds from the start of placing a step's batch to its loss
+    place_times: list = []  # seconds per step waiting for its batch (placed on a host thread)
+    wall_times: list = []  # seconds from asking for a step's batch to its loss
+    last_key: Any = None  # the (state, batch) structure of the last step run
 
 
 def _diverged(step: int) -> FloatingPointError:
@@ -126,34 +128,45 @@ def _compiled(ts, log: RunLog, state, batch) -> tuple[Any, RunLog]:
 
 def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool, hooks=None):
     """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
-    structure (a new row-wise capacity or the pipelined carry makes a new one);
-    ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and trace around steps."""
+    structure (a new row-wise capacity or the pipelined carry makes a new one), each
+    step's batch placed on a host thread while the step before runs
+    (``placed_batches``); ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and
+    trace around steps."""
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
-    for step in bar:
-        if hooks:
-            hooks.before_step(step)
-        begin = time.perf_counter()
-        batch = place_for_step(ts, workload.batch_at, step, config.steps)
-        log.place_times.append(time.perf_counter() - begin)
-        key = jax.tree.structure((state, batch))
-        program, log = _compiled(ts, log, state, batch)
-        t = time.perf_counter()
-        state, loss = program(state, batch)
-        log.losses.append(loss_value(loss))
-        end = time.perf_counter()
-        log.times.append(end - t)
-        log.wall_times.append(end - begin)
-        if not math.isfinite(log.losses[-1]):
-            _after_nonfinite(config, ts, state, step, log)
-            state = state._replace(carry=())  # the early-fetched rows may hold NaN
-        if hooks:
-            hooks.after_step(step, state, log.losses[-1], log.times[-1], log.programs[key])
-        streak = skip_streak(log.skipped, step)
-        _stop_if_stuck(config, ckpt, step, streak)
-        _save(config, ckpt, ts, state, step, streak)
-        bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
+    with contextlib.closing(placed_batches(ts, workload.batch_at, start, config.steps)) as batches:
+        for step in bar:
+            if hooks:
+                hooks.before_step(step)
+            state, log = _one_step(ts, state, batches, log)
+            if not math.isfinite(log.losses[-1]):
+                _after_nonfinite(config, ts, state, step, log)
+                state = state._replace(carry=())  # the early-fetched rows may hold NaN
+            if hooks:
+                program = log.programs[log.last_key]
+                hooks.after_step(step, state, log.losses[-1], log.times[-1], program)
+            streak = skip_streak(log.skipped, step)
+            _stop_if_stuck(config, ckpt, step, streak)
+            _save(config, ckpt, ts, state, step, streak)
+            bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
     return state, log
+
+
+def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
+    """Waits for the next placed batch and runs its step: its loss, the wait (the host
+    time on the step path), the program's time and both together go into ``log``."""
+    begin = time.perf_counter()
+    batch = next(batches)
+    log.place_times.append(time.perf_counter() - begin)
+    program, log = _compiled(ts, log, state, batch)
+    key = jax.tree.structure((state, batch))
+    t = time.perf_counter()
+    state, loss = program(state, batch)
+    log.losses.append(loss_value(loss))
+    end = time.perf_counter()
+    log.times.append(end - t)
+    log.wall_times.append(end - begin)
+    return state, log._replace(last_key=key)
 
 
 def run_overlapped(config: RunConfig, ov, workload, show: bool) -> tuple[Any, RunLog]:

@@ -50,7 +50,9 @@ _EXPORTS = {
     **dict.fromkeys(("DENSE", "ROWS", "TableUpdate"), "sparsecomm_jax.embedding.update"),
     **dict.fromkeys(("first_replica", "loss_value"), "sparsecomm_jax.step.placement"),
     **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
-    **dict.fromkeys(("make_train_step", "place_for_step"), "sparsecomm_jax.strategies.build"),
+    **dict.fromkeys(
+        ("make_train_step", "place_for_step", "placed_batches"), "sparsecomm_jax.strategies.build"
+    ),
     "make_overlapped": "sparsecomm_jax.strategies.overlapped",
     **dict.fromkeys(
         ("STRATEGIES", "Strategy", "StrategyName", "parse_strategy", "strategy_names"),

@@ -16,7 +16,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import concurrent.futures
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +33,7 @@ from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.tables import Table, TablePaths, find_tables, table_mask
 from sparsecomm_jax.embedding.update import TableUpdate
 from sparsecomm_jax.step import placement
-from sparsecomm_jax.step.placement import first_replica
+from sparsecomm_jax.step.placement import PlacedBatch, first_replica
 from sparsecomm_jax.step.state import Batch, LossFn, PyTree, StepContext, TrainState, TrainStep
 from sparsecomm_jax.strategies.registry import STRATEGIES, Strategy, StrategyName, parse_strategy
 
@@ -101,6 +103,39 @@ def place_for_step(ts: TrainStep, batch_at: Callable[[int], Batch], step: int, s
         ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + ts.lookahead)]
         return ts.place_batch(batch_at(step), *(batch_at(s) for s in ahead))
     return ts.place_batch(batch_at(step))
+
+
+def placed_batches(
+    ts: TrainStep, batch_at: Callable[[int], Batch], start: int, steps: int
+) -> Iterator[PlacedBatch]:
+    """The placed batches of steps ``start .. steps - 1`` (``place_for_step``), each
+    made on a host thread while the step before it runs: when batch ``t`` is handed
+    out, batch ``t + 1`` is already being read, checked, sized and placed (double
+    buffering), so the step path never waits on the host unless placing takes longer
+    than a step. Batches are made in step order on one thread; an error placing a batch
+    is raised when that batch is asked for.
+
+    Args:
+      ts: the train step (its ``place_batch``).
+      batch_at: step -> host batch; called in step order from one thread.
+      start: the first step.
+      steps: the run's number of steps.
+
+    Returns:
+      An iterator of ``PlacedBatch``; closing it (or leaving a ``for`` loop early) waits
+      for the batch in flight and drops it.
+
+    Example:
+        >>> # for step, batch in enumerate(placed_batches(ts, batch_at, 0, 100)):
+        >>> #     state, loss = ts.step(state, batch)  # batch step + 1 is placed meanwhile
+    """
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place-batch") as pool:
+        place = functools.partial(place_for_step, ts, batch_at, steps=steps)
+        pending = pool.submit(place, start) if start < steps else None
+        for step in range(start, steps):
+            batch = pending.result()
+            pending = pool.submit(place, step + 1) if step + 1 < steps else None
+            yield batch
 
 
 # ------------------------------------------------------------------ the checks
