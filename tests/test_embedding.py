@@ -83,7 +83,7 @@ def test_row_reads_of_two_tables_share_one_exchange_and_match_blocks():
     mesh = runtime.data_mesh(N)
 
     def body(t0, t1, i0, i1, g0, g1):
-        rows, back = row.fetch_many([t0, t1], [i0, i1], [3, 4], "data")
+        rows, back, _ = row.fetch_many([t0, t1], [i0, i1], [3, 4], "data")
         summed = []
         for (local, sums), t in zip(back([g0, g1]), (t0, t1), strict=True):  # at the owner
             summed.append(jnp.zeros(t.shape).at[local].add(sums, mode="drop"))

@@ -50,7 +50,7 @@ def _row_step(layout_name, dtype, loss=_loss):
     spec, tables = layout.spec("data"), (Table(0, "t", V, D, layout),)
 
     def body(params, batch):
-        _, grads, pairs = gradients.table_gradients(
+        _, grads, pairs, _ = gradients.table_gradients(
             loss, params, batch, tables, mask, SLOTS, "data", dtype
         )
         dense = update.dense_gradient(pairs[0], params["t"], N)  # the mean, as a shard

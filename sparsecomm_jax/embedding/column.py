@@ -136,7 +136,10 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
         off += uniq.shape[1] * width
         full = jnp.swapaxes(block, 0, 1).reshape(uniq.shape[1], num * width)  # [C, D]
         table_rows[i] = jnp.where(found[:, None], jnp.take(full, at, axis=0), jnp.nan)
-    return Fetched(_per_read(reads, table_rows), _backward(shards, reads, plans, axis, wire))
+    missed = {i: ~jnp.all(found) for i, (_, _, found) in plans.items()}
+    return Fetched(
+        _per_read(reads, table_rows), _backward(shards, reads, plans, axis, wire), missed
+    )
 
 
 def _per_read(reads: list[Read], table_rows: dict) -> list:

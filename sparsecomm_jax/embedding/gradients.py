@@ -14,7 +14,7 @@ zero.
 
 Example:
     >>> # inside shard_map, per worker:
-    >>> # loss, grads, pairs = table_gradients(loss_fn, params, batch, tables, mask,
+    >>> # loss, grads, pairs, missed = table_gradients(loss_fn, params, batch, tables, mask,
     >>> #                                      capacity, "data", jnp.float32)
     >>> # pairs[i]: [(ids int[m], rows float[m, D/P]), ...] for table leaf i
 
@@ -86,16 +86,18 @@ def table_gradients(
       wire: the dtype rows travel in.
 
     Returns:
-      ``(loss, grads, pairs)``: this worker's loss; ``grads`` shaped like ``params``
-      (the tables' entries hold only their ``attend`` part: ignore them); ``pairs``
-      table index -> list of ``(ids, rows)`` at the owner, summed over the workers.
+      ``(loss, grads, pairs, missed)``: this worker's loss; ``grads`` shaped like
+      ``params`` (the tables' entries hold only their ``attend`` part: ignore them);
+      ``pairs`` table index -> list of ``(ids, rows)`` at the owner, summed over the
+      workers; ``missed`` table index -> bool[], this worker read an id its capacity had
+      no slot for (``Fetched.missed``).
     """
     leaves = jax.tree.leaves(params)
     attend_for = layout_attend(tables, axis)
     widths = {t.index: t.dim for t in tables}
     vocabs = {t.index: t.vocab for t in tables}
     reads = access.traced_reads(loss_fn, params, batch, mask, widths, vocabs)
-    rows_in, back = _fetch_all(tables, leaves, reads, capacity, axis, wire)
+    rows_in, back, missed = _fetch_all(tables, leaves, reads, capacity, axis, wire)
 
     def loss_of_rows(p, rows):
         answered = access.answered_loss(loss_fn, mask, attend=attend_for(p))
@@ -111,12 +113,12 @@ def table_gradients(
     for i in sorted({r.table for r in reads if r.kind == ATTEND}):
         dense = layouts[i].sum_dense(g_leaves[i], axis).astype(F32)
         pairs[i].append((jnp.arange(leaves[i].shape[0]), dense))
-    return loss, grads, pairs
+    return loss, grads, pairs, missed
 
 
 def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, Any]:
-    """Each layout's ``fetch`` on the reads of its tables; the rows back in read order
-    and one ``back`` for all of them."""
+    """Each layout's ``fetch`` on the reads of its tables; the rows back in read order,
+    one ``back`` for all of them and every layout's ``missed``."""
     order = [k for k, r in enumerate(reads) if r.kind != ATTEND]
     dims = {t.index: t.dim for t in tables}
     groups: dict[str, tuple[Any, list[int]]] = {}
@@ -124,7 +126,7 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
         layout = next(t.layout for t in tables if t.index == reads[k].table)
         groups.setdefault(layout.name, (layout, []))[1].append(k)
     rows: dict[int, Any] = {}
-    backs = []
+    backs, missed = [], {}
     for layout, ks in groups.values():
         mine = {reads[k].table for k in ks}
         fetched = layout.fetch(
@@ -132,10 +134,11 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
         )
         rows.update(zip(ks, fetched.rows, strict=True))
         backs.append((ks, fetched.back))
+        missed.update(fetched.missed)
     stored = {k: rows[k].shape[-1] for k in order}  # a padded table's rows are wider
 
     def back(grads):
         by_read = {k: pad_last(g, stored[k]) for k, g in zip(order, grads, strict=True)}
         return [pair for ks, b in backs for pair in b([by_read[k] for k in ks])]
 
-    return [rows[k][..., : dims[reads[k].table]] for k in order], back
+    return [rows[k][..., : dims[reads[k].table]] for k in order], back, missed

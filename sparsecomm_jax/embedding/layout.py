@@ -52,10 +52,14 @@ class Fetched(NamedTuple):
       rows: per read, float[*ids.shape, D] (full rows, in the order of the reads).
       back: ``back(grads) -> [(table index, (ids, rows)), ...]``: ``grads`` the gradient
         of each read's rows; the result this worker's share as the rows' owner.
+      missed: table index -> bool[]: some id this worker reads of the table found no
+        slot in the layout's static buffers (the batch's capacity was too small; its
+        rows are NaN). Layouts without capacities leave it empty.
     """
 
     rows: list
     back: Callable[[list], list[tuple[int, Pairs]]]
+    missed: dict = {}
 
 
 class CapacityPolicy(NamedTuple):

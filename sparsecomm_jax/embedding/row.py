@@ -136,7 +136,7 @@ def fetch_one(shard, ids, axis: str, capacity: int, wire=F32):
       ``(rows float[*ids.shape, D], back)``: ``back(g)`` -> (ids in my shard int[P*C],
       summed gradient rows float[P*C, D]), padding ids = V/P.
     """
-    (rows,), back = fetch_many([shard], [ids], [capacity], axis, wire)
+    (rows,), back, _ = fetch_many([shard], [ids], [capacity], axis, wire)
     return rows, lambda g: back([g])[0]
 
 
@@ -154,8 +154,9 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
       wire: the dtype rows travel in.
 
     Returns:
-      ``(rows, back)``: per read float[*ids.shape, D]; ``back(grads)`` -> per read
-      ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``.
+      ``(rows, back, missed)``: per read float[*ids.shape, D]; ``back(grads)`` -> per
+      read ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``; per read
+      bool[]: some id found no slot (C too small; its rows are NaN).
     """
     num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     caps = [min(c, i.size) for c, i in zip(capacities, ids, strict=True)]
@@ -194,7 +195,8 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
             for loc, block, w in zip(local, _split(back_got, ends), widths, strict=True)
         ]
 
-    return rows, back
+    missed = [jnp.any(pos == num * c) for (_, pos), c in zip(plans, caps, strict=True)]
+    return rows, back, missed
 
 
 def _split(x, bounds) -> list:
@@ -225,9 +227,9 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
     look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
     shared = [k for k, r in enumerate(reads) if r.kind != LOOKUP]
     rows: dict[int, jax.Array] = {}
-    look_back = None
+    look_back, missed = None, {}
     if look:
-        got, look_back = fetch_many(
+        got, look_back, miss = fetch_many(
             [shards[reads[k].table] for k in look],
             [reads[k].ids for k in look],
             [capacity[reads[k].table] for k in look],
@@ -235,6 +237,9 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
             wire,
         )
         rows.update(zip(look, got, strict=True))
+        for k, m in zip(look, miss, strict=True):
+            i = reads[k].table
+            missed[i] = m if i not in missed else missed[i] | m
     shared_backs = {}
     for k in shared:
         rows[k], shared_backs[k] = fetch_shared_one(
@@ -246,7 +251,7 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
         pairs.update({k: b(grads[k]) for k, b in shared_backs.items()})
         return [(reads[k].table, pairs[k]) for k in range(len(reads))]
 
-    return Fetched([rows[k] for k in range(len(reads))], back)
+    return Fetched([rows[k] for k in range(len(reads))], back, missed)
 
 
 def attend(shard, h, axis: str):

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -40,6 +41,9 @@ class Gradients(NamedTuple):
         ``TableUpdate`` made it: a dense shard or a ``RowGrad``).
       agg_state: the aggregator's new state (one slice per worker).
       carry: what a pipelined step hands to the next.
+      missed: per table of ``ctx.tables``, bool[] (replicated): some worker read an id
+        the batch's capacity had no slot for (``Fetched.missed``); ``()`` for steps
+        that do not check.
     """
 
     loss: jax.Array
@@ -47,6 +51,7 @@ class Gradients(NamedTuple):
     grads: PyTree
     agg_state: PyTree
     carry: PyTree = ()
+    missed: tuple = ()
 
 
 def finite(tree: PyTree) -> jax.Array:
@@ -76,12 +81,15 @@ def loss_and_ok(ctx: StepContext, loss, *checked: PyTree) -> tuple[jax.Array, ja
     return reduce_scalars(ctx, loss, checked)
 
 
-def gradients(ctx: StepContext, loss, grads, agg_state, carry=()) -> Gradients:
+def gradients(ctx: StepContext, loss, grads, agg_state, missed: dict | None = None) -> Gradients:
     """A body's result: ``loss`` this worker's, ``grads`` the mean gradient (dense
     layers reduced; tables as the ``TableUpdate`` made them), ``agg_state`` the new
-    per-worker state."""
-    loss, ok = loss_and_ok(ctx, loss, grads, agg_state)
-    return Gradients(loss, ok, grads, agg_state, carry)
+    per-worker state; ``missed`` (table index -> bool[], this worker's; a table not in
+    it never misses) made the same on every worker in the all-reduce of the loss (no
+    collective of its own)."""
+    flags = [(missed or {}).get(t.index, jnp.array(False)) for t in ctx.tables]
+    loss, ok, *flags = reduce_scalars(ctx, loss, (grads, agg_state), *flags)
+    return Gradients(loss, ok, grads, agg_state, (), tuple(flags))
 
 
 def aggregate(ctx: StepContext, grads, agg_state):
@@ -126,11 +134,51 @@ def apply_gradients(ctx: StepContext, state: TrainState, grads: Gradients):
     return TrainState(params, opt_state, agg_state, grads.carry), loss
 
 
-def gradient_specs(ctx: StepContext, param_specs: PyTree, carry_spec=None) -> Gradients:
-    """The ``PartitionSpec`` tree of a body's ``Gradients`` (its ``out_specs``)."""
+def gradient_specs(
+    ctx: StepContext, param_specs: PyTree, carry_spec=None, missed: bool = False
+) -> Gradients:
+    """The ``PartitionSpec`` tree of a body's ``Gradients`` (its ``out_specs``);
+    ``missed``: the body reports a capacity flag per table."""
     grads = update.grad_specs(ctx.table_update, ctx.tables, param_specs, ctx.axis_name)
     carry = () if carry_spec is None else carry_spec
-    return Gradients(P(), P(), grads, P(ctx.axis_name), carry)
+    flags = tuple(P() for _ in ctx.tables) if missed else ()
+    return Gradients(P(), P(), grads, P(ctx.axis_name), carry, flags)
+
+
+class CapacityWarning(RuntimeWarning):
+    """A step read more distinct ids of a table than its batch's capacity had slots."""
+
+
+def report_missed(ctx: StepContext, missed: tuple, capacity: tuple) -> None:
+    """Inside the jitted step: when a flag of ``missed`` is set (on the devices, after
+    the step's all-reduce), a ``CapacityWarning`` on the host naming each table, its
+    capacity and what a slot holds. Nothing reaches the host on a step that fits.
+
+    Args:
+      ctx: the step's context (``ctx.tables`` in the order of the flags).
+      missed: ``Gradients.missed``.
+      capacity: the batch's static slots per table (``PlacedBatch.capacity``).
+    """
+    if not missed:
+        return
+    names = [t.name for t in ctx.tables]
+    slots = [str(c) for c in capacity] + ["?"] * (len(names) - len(capacity))
+    what = [t.layout.capacity.what if t.layout.capacity else "" for t in ctx.tables]
+
+    def warn(flags) -> None:
+        for name, cap, kind, hit in zip(names, slots, what, flags, strict=True):
+            if hit:
+                warnings.warn(
+                    f"table {name}: a worker read more ids than its capacity of {cap} "
+                    f"slots ({kind}); those rows were NaN, so the step is skipped (unless "
+                    "nonfinite='off'). Place batches with ts.place_batch, which sizes "
+                    "the capacity from each batch, or pass a larger capacity",
+                    CapacityWarning,
+                    stacklevel=1,
+                )
+
+    flags = jnp.stack(missed)
+    jax.lax.cond(jnp.any(flags), lambda f: jax.debug.callback(warn, f), lambda f: None, flags)
 
 
 def table_leaves(ctx: StepContext, tree: PyTree) -> dict[int, Any]:

@@ -69,7 +69,7 @@ def table_body(ctx: StepContext) -> Body:
     """
 
     def body(state: TrainState, batch: PlacedBatch) -> Gradients:
-        loss, grads, pairs = table_gradients.table_gradients(
+        loss, grads, pairs, missed = table_gradients.table_gradients(
             ctx.loss_fn,
             state.params,
             batch.data,
@@ -81,7 +81,8 @@ def table_body(ctx: StepContext) -> Body:
         )
         rest, agg_state = aggregate(ctx, split_tables(grads, ctx.table_mask)[1], state.agg_state)
         tables = finish.table_grads(ctx, pairs, state.params)
-        return finish.gradients(ctx, loss, finish.with_tables(ctx, rest, tables), agg_state)
+        grads = finish.with_tables(ctx, rest, tables)
+        return finish.gradients(ctx, loss, grads, agg_state, missed=missed)
 
     return body
 
@@ -92,7 +93,7 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
 
     def build(ctx: StepContext, specs: TrainState):
         body = body_fn(ctx)
-        out_specs = finish.gradient_specs(ctx, specs.params)
+        out_specs = finish.gradient_specs(ctx, specs.params, missed=True)
 
         def step(state: TrainState, batch: PlacedBatch):
             batch_specs = placement.placed_specs(batch, ctx.axis_name, ctx.replicated_keys)
@@ -102,6 +103,7 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
                 in_specs=(specs._replace(carry=()), batch_specs),
                 out_specs=out_specs,
             )(state, batch)
+            finish.report_missed(ctx, grads.missed, batch.capacity)
             return apply_gradients(ctx, state, grads)
 
         return step
