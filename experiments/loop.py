@@ -57,8 +57,9 @@ class RunLog(NamedTuple):
     compile_s: float
     per_step: tuple = ()  # the programs that together make one step (default: the most run)
     place_times: list = []  # seconds per step waiting for its batch (placed on a host thread)
-    wall_times: list = []  # seconds from asking for a step's batch to its loss
+    wall_times: list = []  # seconds from the previous step's loss to this one's: all of it
     last_key: Any = None  # the (state, batch) structure of the last step run
+    last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
 
 
 def _diverged(step: int) -> FloatingPointError:
@@ -133,6 +134,7 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     (``placed_batches``); ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and
     trace around steps."""
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
+    log = log._replace(last_end=time.perf_counter())
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
     with contextlib.closing(placed_batches(ts, workload.batch_at, start, config.steps)) as batches:
         for step in bar:
@@ -154,7 +156,8 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
 
 def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
     """Waits for the next placed batch and runs its step: its loss, the wait (the host
-    time on the step path), the program's time and both together go into ``log``."""
+    time on the step path), the program's time and the wall time since the previous
+    step's loss (logging, saving, the wait and the program) go into ``log``."""
     begin = time.perf_counter()
     batch = next(batches)
     log.place_times.append(time.perf_counter() - begin)
@@ -165,8 +168,8 @@ def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
     log.losses.append(loss_value(loss))
     end = time.perf_counter()
     log.times.append(end - t)
-    log.wall_times.append(end - begin)
-    return state, log._replace(last_key=key)
+    log.wall_times.append(end - log.last_end)
+    return state, log._replace(last_key=key, last_end=end)
 
 
 def run_overlapped(config: RunConfig, ov, workload, show: bool) -> tuple[Any, RunLog]:

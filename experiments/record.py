@@ -47,6 +47,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     steady = [log.programs[key] for key in keys]
     colls = [c for p in steady for c in hlo.parse_collectives(p.as_text())]
     step_time = statistics.median(log.times[config.warmup :] or log.times)
+    wall = _median(log.wall_times, config.warmup)  # throughput: every second of a step
     record = {
         "model": config.model,
         "strategy": config.strategy,
@@ -57,8 +58,8 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "step_time_s": step_time,
         "place_times_s": log.place_times,
         "place_time_s": _median(log.place_times, config.warmup),
-        "wall_time_s": _median(log.wall_times, config.warmup),
-        f"{workload.items_name}_per_s": workload.items_per_step / step_time,
+        "wall_time_s": wall,
+        f"{workload.items_name}_per_s": workload.items_per_step / (wall or step_time),
         "comm_bytes_per_step": hlo.total_bytes(colls),
         "collectives": [c.as_dict() for c in colls],
         "peak_memory_bytes": max((peak_memory(p) or 0) for p in steady) or None,

@@ -148,7 +148,8 @@ def kept_lines(path: Path, start: int) -> list[dict[str, Any]]:
 
 
 class StepLog:
-    """JSON lines (flushed per line) and TensorBoard scalars of one run in one folder.
+    """JSON lines (flushed per line) and TensorBoard scalars (written every 5 s and at
+    close) of one run in one folder.
 
     A fresh run (``start`` 0) replaces what the folder holds; a resumed one keeps the
     records of the steps before ``start`` and writes them again as its first scalars,
@@ -166,7 +167,7 @@ class StepLog:
         # process), and only runs with --log-dir write scalars
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(folder))
+        self._tb = SummaryWriter(str(folder), flush_secs=5)  # no fsync on the step path
         for record in kept:
             self.write(record)
 
@@ -178,7 +179,6 @@ class StepLog:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                 self._tb.add_scalar(scalar_tag(key), value, record["step"])
-        self._tb.flush()
 
     def close(self) -> None:
         self._file.close()

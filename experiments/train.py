@@ -126,7 +126,9 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
 
     Returns:
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
-      step_time_s (median after warm-up), tokens_per_s or samples_per_s,
+      step_time_s (the program's median time after warm-up), wall_time_s (the median
+      time from one step's loss to the next one's: logging, waiting for the batch, the
+      program), tokens_per_s or samples_per_s (per wall_time_s), place_time_s,
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
       skipped_steps, the fitted ``link`` with ``--calibrate``, ``bucket_search`` with
       ``--bucket-mb auto``, and the full config; with held-out data ``heldout`` (final
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         items = next(k for k in record if k.endswith("_per_s"))
         print(
             f"{config.strategy}: final loss {record['losses'][-1]:.4f}, "
-            f"step {record['step_time_s'] * 1e3:.1f} ms, {items} {record[items]:.0f}, "
+            f"step {record['step_time_s'] * 1e3:.1f} ms "
+            f"({(record['wall_time_s'] or record['step_time_s']) * 1e3:.1f} ms wall), "
+            f"{items} {record[items]:.0f}, "
             f"comm {record['comm_bytes_per_step'] / 1e6:.3f} MB/step/worker"
         )
     return 0

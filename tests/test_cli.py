@@ -37,6 +37,10 @@ def test_result_record_fields():
         assert key in result
     assert len(result["losses"]) == 3 and np.all(np.isfinite(result["losses"]))
     assert len(result["step_times_s"]) == 3 and min(result["step_times_s"]) > 0
+    # throughput per wall time: from one step's loss to the next, the program within it
+    assert result["wall_time_s"] >= result["step_time_s"] > 0
+    assert result["tokens_per_s"] == pytest.approx(16 * 8 / result["wall_time_s"])
+    assert len(result["place_times_s"]) == 3 and result["place_time_s"] >= 0
     assert result["comm_bytes_per_step"] > 0 and result["collectives"][0]["kind"] == "all-reduce"
     assert result["config"]["model_config"]["vocab"] == 300
     json.dumps(result)  # JSON-ready
