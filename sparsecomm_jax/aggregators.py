@@ -68,10 +68,16 @@ class Aggregator(NamedTuple):
     Attributes:
       init: ``init(params) -> state`` (local shapes).
       update: ``update(grads, state) -> (mean_grads, state)``.
+      update_carrying: ``update_carrying(grads, state, extra) -> (mean_grads, state,
+        every)``: ``update`` that also carries this worker's float32[k] ``extra`` to
+        every worker within its own collectives (``every``: float32[P, k], replicated);
+        ``None`` when it cannot (a step then reduces its scalars by an all-reduce of
+        their own).
     """
 
     init: Callable[[PyTree], PyTree]
     update: Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+    update_carrying: Callable | None = None
 
 
 class EmptyState(NamedTuple):
@@ -113,18 +119,26 @@ def flat_allreduce(axis_name: str = "data", comm_dtype: str = "float32") -> Aggr
     """
     dtype = wire.wire_dtype(comm_dtype)
 
-    def update(grads, state):
+    def update_carrying(grads, state, extra):
         check_per_worker(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
-        if not leaves:
-            return grads, state
         bucket = list(range(len(leaves)))
-        flat = fusion.pack([x.astype(jnp.float32) for x in leaves], bucket)  # float[d]
-        mean = wire.psum(flat, axis_name, dtype, scatter=True) / jax.lax.axis_size(axis_name)
-        out = fusion.unpack(mean, leaves, bucket)
-        return treedef.unflatten([out[i] for i in bucket]), state
+        flat = (  # float[d] (one zero when there are no dense layers: extra still travels)
+            fusion.pack([x.astype(jnp.float32) for x in leaves], bucket)
+            if leaves
+            else jnp.zeros(1, jnp.float32)
+        )
+        total, every = wire.psum_carrying(flat, extra, axis_name, dtype)
+        out = fusion.unpack(total / jax.lax.axis_size(axis_name), leaves, bucket)
+        return treedef.unflatten([out[i] for i in bucket]), state, every
 
-    return Aggregator(init=lambda params: EmptyState(), update=update)
+    def update(grads, state):
+        if not jax.tree.leaves(grads):
+            return grads, state
+        mean, state, _ = update_carrying(grads, state, jnp.zeros(0, jnp.float32))
+        return mean, state
+
+    return Aggregator(lambda params: EmptyState(), update, update_carrying)
 
 
 class ErrorFeedbackState(NamedTuple):

@@ -343,3 +343,36 @@ def test_host_merge_topk_is_the_lax_merge(kind):
     for got, want in ((host[:2], ref[:2]), (host[2:], ref[2:])):
         np.testing.assert_array_equal(dense(*got), dense(*want))
     assert np.all(np.diff(np.asarray(host[1])[np.asarray(host[0]) != 0]) > 0)  # index order
+
+
+@pytest.mark.parametrize("comm_dtype", ["float32", "bfloat16"])
+def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
+    """``update_carrying``: the mean as ``update`` gives it, and every worker's float32
+    scalars (values no bfloat16 holds) at every worker bit for bit, in worker order,
+    within the same two collectives (an all-to-all and an all-gather)."""
+    rng = np.random.default_rng()
+    g = rng.normal(size=(N, 37)).astype(np.float32)  # 37: not a multiple of P
+    extra = (rng.normal(size=(N, 3)) * np.pi).astype(np.float32)
+    agg = aggregators.flat_allreduce("data", comm_dtype)
+    mesh = runtime.data_mesh(N)
+
+    def carrying(x, e):
+        mean, _, every = agg.update_carrying({"g": x[0]}, aggregators.EmptyState(), e[0])
+        return mean["g"][None], every[None]
+
+    def plain(x, e):
+        return agg.update({"g": x[0]}, aggregators.EmptyState())[0]["g"][None]
+
+    specs = dict(mesh=mesh, in_specs=(P("data"),) * 2, check_vma=False)
+    fn = jax.jit(jax.shard_map(carrying, out_specs=(P("data"),) * 2, **specs))
+    args = [runtime.put_global(x, mesh, P("data")) for x in (g, extra)]
+    mean, every = (np.asarray(x) for x in fn(*args))
+    np.testing.assert_array_equal(
+        mean, jax.jit(jax.shard_map(plain, out_specs=P("data"), **specs))(*args)
+    )
+    tol = 1e-6 if comm_dtype == "float32" else 1e-2
+    np.testing.assert_allclose(mean[0], g.mean(0), rtol=tol, atol=tol)
+    for w in range(N):  # what each worker received: every worker's scalars, exactly
+        np.testing.assert_array_equal(every[w], extra)
+    kinds = sorted(c.kind for c in hlo.parse_collectives(fn.lower(*args).compile().as_text()))
+    assert kinds == ["all-gather", "all-to-all"]

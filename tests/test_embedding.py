@@ -242,7 +242,10 @@ def test_embrace_program_bytes():
     slots = [min(caps[0], n), min(caps[1], n + NEG)]  # never more than the reads per worker
     rows = 2 * (N - 1) / N * N * sum(slots) * (D // N) * 4
     a2a_and_gather = hlo.total_bytes(colls, ["all-to-all", "all-gather"]) - ids
-    assert a2a_and_gather == pytest.approx(rows + _dense_mean_bytes(ts, N), rel=1e-3)
+    # the loss, the finite flag and a capacity flag per table ride the mean's all-gather
+    scalars = (N - 1) * (2 + 2) * 4
+    assert a2a_and_gather == pytest.approx(rows + _dense_mean_bytes(ts, N) + scalars, rel=1e-3)
+    assert not [c for c in colls if c.kind == "all-reduce"]  # no collective of their own
     per_position = 2 * (2 * (N - 1) / N * n * D * 4) + 2 * (N - 1) / N * NEG * D * 4
     assert rows <= per_position  # each distinct row once: never more than every position
     # the table never travels whole, and each worker holds V x D/P of it

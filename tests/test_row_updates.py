@@ -208,9 +208,9 @@ def test_embrace_sends_each_distinct_row_once():
     kinds = [(c.kind, c.bytes_sent == rows) for c in colls]
     assert kinds.count(("all-to-all", True)) == 2  # rows forward, gradients back
     ids = [c for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32"]
-    # + the dense layers' mean (all-to-all, all-gather) and one all-reduce of the scalars
-    # (the loss and the finite flag, folded)
-    assert len(ids) == 1 and len(colls) == 6
+    # + the dense layers' mean (all-to-all, all-gather), whose all-gather also carries
+    # the scalars (the loss, the finite flag, the capacity flags): no all-reduce
+    assert len(ids) == 1 and len(colls) == 5
     assert sum(caps) < 2 * parts[0][:, 1:].size + neg.size  # fewer rows than ids read
 
 

@@ -80,3 +80,41 @@ def psum(x, axis: str, wire=F32, scatter: bool = False):
     flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
     mine = a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
     return gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
+
+
+def as_wire_bits(x, wire):
+    """float32 ``x`` as bits in the type ``send`` puts on the wire (float32 itself, or
+    two uint16 per value): moved by a collective, not summed, they arrive exactly."""
+    x = x.astype(F32)
+    if wire == F32:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1)  # uint16[2k]
+
+
+def from_wire_bits(bits, wire):
+    """``as_wire_bits`` undone along the last axis: float32[..., k]."""
+    if wire == F32:
+        return bits
+    pairs = bits.reshape(*bits.shape[:-1], -1, 2)
+    return jax.lax.bitcast_convert_type(pairs, F32)
+
+
+def psum_carrying(x, extra, axis: str, wire=F32):
+    """``psum(x, axis, wire, scatter=True)``, and every worker's float32 ``extra``
+    (a few scalars: a loss, flags) carried as raw bits at the end of each worker's
+    share of the all-gather: no collective of their own, exact in any ``wire``.
+
+    Per worker (P=2): before w0 ``x=[1, 2], extra=[a]``, w1 ``x=[3, 4], extra=[b]``;
+    after both ``([4, 6], [[a], [b]])``.
+
+    Returns:
+      ``(sum shaped like x, float32[P, k] every worker's extra in worker order)``.
+    """
+    num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
+    flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
+    mine = a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
+    bits = as_wire_bits(extra, wire)  # [k] or uint16[2k]
+    share = jnp.concatenate([send(mine, wire), bits])  # [d/P + bits]
+    every = jax.lax.all_gather(share, axis, to="invarying")  # [P, d/P + bits]
+    sums = receive(every[:, : mine.shape[0]], wire).reshape(-1)[: x.size].reshape(x.shape)
+    return sums, from_wire_bits(every[:, mine.shape[0] :], wire)

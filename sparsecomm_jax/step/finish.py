@@ -1,10 +1,13 @@
 """The two halves of a step and where they meet: ``Gradients``.
 
 A step body (inside ``jax.shard_map``) ends with ``gradients(...)``: the mean loss and
-whether every worker's gradient is finite, folded into one all-reduce, and the mean
-gradient (the dense layers reduced by the aggregator; each table's gradient as its
-``TableUpdate`` wants it). ``apply_gradients`` then runs the optimizer on global arrays
-(``embedding.update``), keeping the previous state when a gradient was not finite.
+whether every worker's gradient is finite, folded into one all-reduce (or, with an
+aggregator that carries scalars, into the dense mean's all-gather:
+``carried_gradients``), and the mean gradient (the dense layers reduced by the
+aggregator; each table's gradient as its ``TableUpdate`` wants it). ``apply_gradients``
+then runs the optimizer on global arrays (``embedding.update``), keeping the previous
+state when a gradient was not finite; ``report_missed`` names a table whose batch
+capacity was too small.
 
 Example:
     >>> # def step(state, batch):
@@ -90,6 +93,38 @@ def gradients(ctx: StepContext, loss, grads, agg_state, missed: dict | None = No
     flags = [(missed or {}).get(t.index, jnp.array(False)) for t in ctx.tables]
     loss, ok, *flags = reduce_scalars(ctx, loss, (grads, agg_state), *flags)
     return Gradients(loss, ok, grads, agg_state, (), tuple(flags))
+
+
+def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, missed: dict):
+    """``gradients`` for an aggregator that carries scalars (``update_carrying``): the
+    loss, the finite flag and the ``missed`` flags ride at the end of the dense mean's
+    all-gather instead of an all-reduce of their own (one collective fewer per step).
+
+    Each worker's flag covers what only it holds (its tables' mean gradient as the rows'
+    owner: ``tables``, and its aggregator state); the dense mean, the same on every
+    worker, is checked where it arrives. The sums over the workers are taken in worker
+    order, so every worker gets the same loss and flags.
+
+    Args:
+      ctx: the step's context.
+      loss: this worker's loss.
+      dense: this worker's gradient of the dense layers (tables' leaves ``None``).
+      tables: table index -> its gradient as the ``TableUpdate`` made it (this owner's).
+      agg_state: the aggregator's state (one slice per worker, leading axis 1).
+      missed: table index -> bool[], this worker's (``Fetched.missed``).
+    """
+    check = ctx.nonfinite != "off"
+    local_state = jax.tree.map(lambda x: x[0], agg_state)
+    bad = ~finite(update.row_values((tables, local_state))) if check else jnp.array(False)
+    flags = [missed.get(t.index, jnp.array(False)) for t in ctx.tables]
+    extra = jnp.stack([loss, bad, *flags]).astype(jnp.float32)  # float[2 + tables]
+    mean, local_state, every = ctx.aggregator.update_carrying(dense, local_state, extra)
+    total = every.sum(axis=0)  # float[2 + tables], summed in worker order
+    ok = (total[1] == 0) & finite((mean, local_state)) if check else jnp.array(True)
+    new_state = jax.tree.map(lambda x: x[None], local_state)
+    grads = with_tables(ctx, mean, tables)
+    loss = (total[0] / ctx.num_workers).astype(loss.dtype)
+    return Gradients(loss, ok, grads, new_state, (), tuple(total[2:] > 0))
 
 
 def aggregate(ctx: StepContext, grads, agg_state):

@@ -79,8 +79,11 @@ def table_body(ctx: StepContext) -> Body:
             ctx.axis_name,
             ctx.wire,
         )
-        rest, agg_state = aggregate(ctx, split_tables(grads, ctx.table_mask)[1], state.agg_state)
+        dense = split_tables(grads, ctx.table_mask)[1]
         tables = finish.table_grads(ctx, pairs, state.params)
+        if ctx.aggregator.update_carrying is not None:  # the scalars ride its all-gather
+            return finish.carried_gradients(ctx, loss, dense, tables, state.agg_state, missed)
+        rest, agg_state = aggregate(ctx, dense, state.agg_state)
         grads = finish.with_tables(ctx, rest, tables)
         return finish.gradients(ctx, loss, grads, agg_state, missed=missed)
 
