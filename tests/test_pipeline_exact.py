@@ -164,12 +164,16 @@ def _alternating():
     return base._replace(batch_at=batch_at)
 
 
-def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
-    """A latency-free link cuts the late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's
-    rows before t+3's, ...): still exactly embrace, one all-to-all per late chunk."""
+@pytest.mark.parametrize("overlap", [True, False])
+def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch, overlap):
+    """Where collectives overlap compute (an accelerator), a latency-free link cuts the
+    late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's rows before t+3's, ...); where
+    they cannot (XLA:CPU) they go as one chunk. Both exactly embrace, one all-to-all
+    per late chunk."""
     from sparsecomm_jax.comm import costmodel, hlo
 
     monkeypatch.setattr(priority, "LINK", costmodel.Link(0.0, 1e-9))
+    monkeypatch.setattr(priority, "collectives_overlap", lambda mesh: overlap)
     w = _alternating()
     _assert_same_run(w, steps=4)
     ts = sc.make_train_step(
@@ -189,5 +193,5 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
         if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
     ]
     n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
-    late = priority.late_capacities(n, batch.capacity[0], 8, 4)[1:]
-    assert len(low) == len(late) == priority.MAX_LATE_CHUNKS
+    late = priority.late_capacities(n, batch.capacity[0], 8, 4, overlap)[1:]
+    assert len(low) == len(late) == (priority.MAX_LATE_CHUNKS if overlap else 1)

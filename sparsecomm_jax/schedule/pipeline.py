@@ -8,7 +8,8 @@ tables:
    aggregator; each table's gradient rows travel in priority chunks, position by
    position (the shared negatives' too): first the positions batch t+1 reads (every
    table's first chunk before any later one), then those t+2 reads, t+3, ..., in late
-   chunks sized by the alpha-beta cost model (``priority.late_capacities``);
+   chunks sized by the alpha-beta cost model (``priority.late_capacities``; one late
+   chunk where the program's collectives cannot overlap its compute, as on XLA:CPU);
 2. **early update**: the optimizer on the row view of the first chunk alone gives the
    update of the rows batch t+1 reads (exact for optimizers that treat rows
    independently: all of those rows' gradient is in the first chunk);
@@ -124,7 +125,8 @@ def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int
     fut = _future_ids(future, i, axis)
     levels = priority.next_use_levels(all_ids, fut)
     spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
-    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers)
+    overlap = priority.collectives_overlap(ctx.mesh)
+    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers, overlap)
     plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
     spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
     order = priority.priority_order(levels)
@@ -137,7 +139,8 @@ def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
     ``capacity`` of them, else ``spill``), the others late, in next-use order."""
     levels = priority.next_use_levels(ids, future)  # the same on every worker
     n = ids.shape[0]
-    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers)
+    overlap = priority.collectives_overlap(ctx.mesh)
+    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers, overlap)
     chunk_bounds = priority.chunk_bounds(n, sizes)
     plan = Shared(g, ids, priority.priority_order(levels), chunk_bounds)
     return plan, priority.overflows(levels, capacity)

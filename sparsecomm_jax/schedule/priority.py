@@ -146,16 +146,31 @@ PRIORITY_CAPACITY = CapacityPolicy(
 )
 
 
-def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
+def late_capacities(
+    n: int, first: int, width: int, workers: int, overlap: bool = True
+) -> list[int]:
     """Chunk sizes in priority order: ``first``, then late chunks of at least
-    ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``.
+    ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``. Where
+    nothing runs beside a collective (``overlap`` False: ``collectives_overlap``), a
+    chunk can hide nothing and each one more costs (P-1) message latencies: the late
+    rows go as one chunk.
 
-    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
+    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225]
+    (without overlap: [100, 900]).
     """
     rest = max(0, n - first)
+    if not overlap:
+        return [first] + ([rest] if rest else [])
     link_rows = late_chunk_rows(LINK, 4 * width, workers)
     size = max(1, link_rows, -(-rest // MAX_LATE_CHUNKS))
     return [first] + [size] * (-(-rest // size))
+
+
+def collectives_overlap(mesh) -> bool:
+    """Whether one program's collectives can run beside its compute on ``mesh``'s
+    devices: not on XLA:CPU, which runs a program's thunks one after the other (two
+    programs on two host threads can: ``schedule.overlap``)."""
+    return mesh.devices.flat[0].platform != "cpu"
 
 
 LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
