@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -24,7 +25,13 @@ import numpy as np
 from tqdm import tqdm
 
 from experiments.config import RunConfig
-from sparsecomm_jax import checkpoint, loss_value, placed_batches
+from sparsecomm_jax import (
+    CapacityWarning,
+    checkpoint,
+    loss_value,
+    overflow_message,
+    placed_batches,
+)
 from sparsecomm_jax.step.finish import finite
 
 _finite = jax.jit(finite)  # one reduction on the devices
@@ -56,8 +63,8 @@ class RunLog(NamedTuple):
     runs: dict  # (state, batch) structure -> steps run with it
     compile_s: float
     per_step: tuple = ()  # the programs that together make one step (default: the most run)
-    place_times: list = []  # seconds per step waiting for its batch (placed on a host thread)
-    wall_times: list = []  # seconds from the previous step's loss to this one's: all of it
+    place_times: list | tuple = ()  # seconds per step waiting for its batch (host thread)
+    wall_times: list | tuple = ()  # seconds since the previous step's loss (None: compiled)
     last_key: Any = None  # the (state, batch) structure of the last step run
     last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
 
@@ -161,14 +168,17 @@ def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
     begin = time.perf_counter()
     batch = next(batches)
     log.place_times.append(time.perf_counter() - begin)
-    program, log = _compiled(ts, log, state, batch)
     key = jax.tree.structure((state, batch))
+    compiles = key not in log.programs
+    program, log = _compiled(ts, log, state, batch)
     t = time.perf_counter()
     state, loss = program(state, batch)
     log.losses.append(loss_value(loss))
     end = time.perf_counter()
+    if log.losses[-1] == math.inf:  # a table's capacity was too small (mark_missed)
+        warnings.warn(overflow_message(ts, batch), CapacityWarning, stacklevel=2)
     log.times.append(end - t)
-    log.wall_times.append(end - log.last_end)
+    log.wall_times.append(None if compiles else end - log.last_end)  # no compile time
     return state, log._replace(last_key=key, last_end=end)
 
 

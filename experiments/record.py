@@ -35,8 +35,10 @@ def peak_memory(compiled) -> int | None:
 
 
 def _median(values: list, warmup: int) -> float | None:
-    """The median of ``values`` after the first ``warmup`` (all when that leaves none)."""
-    return statistics.median(values[warmup:] or values) if values else None
+    """The median of ``values`` after the first ``warmup`` (all when that leaves none),
+    ``None`` entries left out."""
+    kept = [v for v in values[warmup:] if v is not None] or [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
 
 
 def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> dict:

@@ -1,30 +1,34 @@
 """Where each rank's step goes, read from the ``--profile-steps`` trace of a run.
 
     python -m sparsecomm_jax.launch --nproc 4 -- python -m experiments.train \\
-        --strategy embrace --devices 4 --steps 12 --profile-steps 6:10 --log-dir runs/p4
+        --strategy embrace --devices 4 --steps 14 --profile-steps 8:13 --log-dir runs/p4
     python -m experiments.step_profile runs/p4 --out runs/p4/profile.json
 
 Reads ``<log dir>/trace/rank*/plugins/profile/*/*.trace.json.gz`` (one ``jax.profiler``
-trace per rank). A step is a top-level program run (XLA:CPU's ``ThunkExecutor::Execute
-(wait for completion)``) holding at least one collective. Per rank and step:
+trace per rank; XLA:CPU records every thunk it runs, tagged with its program
+(``hlo_module``), its device and the run's id). A run of a program on a device is the
+span of its thunks; a step is a run of the step's program (the program that holds the
+collectives and runs most often). Per device and step:
 
-- ``program_ms``: the program's wall time;
+- ``program_ms``: from the run's first thunk to its last;
 - ``collective_ms``: time inside its collectives (the union of their intervals); split
-  into ``transfer_ms``, the least time any rank spent in that collective of that step
-  (what the exchange itself costs), and ``wait_ms``, the rest (waiting for slower ranks);
-- ``compute_ms``: the rest of the program (its arithmetic and the executor's dispatch);
-- ``host_ms``: the gap before the program since the previous step's program ended (the
-  host's work between steps: the next batch, logging; the first step has none).
+  into ``transfer_ms``, the least time any device spent in the collectives of that step
+  (what the exchange itself costs), and ``wait_ms``, the rest (waiting for slower ones);
+- ``compute_ms``: the rest of the run (its arithmetic and the executor's dispatch);
+- ``host_ms``: the gap since the previous step's run ended on that device (the host's
+  work between steps: the loss read, logging; the first traced step has none).
 
-Per rank the medians over the traced steps, and per collective (by its HLO name) its
-median time on each rank. On XLA:CPU a program's collectives and compute run one after
-the other, so the parts add up to the program's time.
+Per device (``rank`` or ``rank/device`` when a process drives several) the medians over
+the traced steps, and per collective (by its HLO name) its median time on each. On
+XLA:CPU a program's collectives and compute run one after the other, so the parts add
+up to the program's time. Steps are matched across devices by their order; a device
+whose steps ran other collectives is an error, not a silent mismatch.
 
 Example:
-    >>> ev = [_x("ThunkExecutor::Execute (wait for completion)", 0, 10),
-    ...       _x("all-to-all.1", 2, 3), _x("fusion", 6, 2)]
-    >>> [s.collective_ms for s in steps_of(ev)]
-    [0.003]
+    >>> ev = [_x("fusion", 0, 10, run=1), _x("all-to-all.1", 10, 3, run=1),
+    ...       _x("fusion", 20, 5, run=2), _x("all-to-all.1", 25, 2, run=2)]
+    >>> [(s.program_ms, s.collective_ms, s.host_ms) for s in steps_of(ev)["0"]]
+    [(0.013, 0.003, None), (0.007, 0.002, 0.007)]
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-TOP = "ThunkExecutor::Execute (wait for completion)"
 KINDS = {  # an HLO name's prefix -> its collective kind
     "all-to-all": "all-to-all",
     "all_to_all": "all-to-all",
@@ -55,9 +58,10 @@ KINDS = {  # an HLO name's prefix -> its collective kind
 }
 
 
-def _x(name: str, ts: float, dur: float, tid: int = 1) -> dict:
-    """A complete trace event (``ph: X``), times in microseconds (for the examples)."""
-    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+def _x(name: str, ts: float, dur: float, run: int = 1, device: int = 0, module="jit_step"):
+    """A thunk's trace event as XLA:CPU writes it (times in microseconds; examples)."""
+    args = {"hlo_module": module, "run_id": str(run), "device_ordinal": str(device)}
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": args}
 
 
 def collective_kind(name: str) -> str | None:
@@ -70,9 +74,9 @@ def collective_kind(name: str) -> str | None:
 
 
 class Step(NamedTuple):
-    """One traced step on one rank (milliseconds)."""
+    """One traced step on one device (milliseconds)."""
 
-    start_us: float  # the program's start on this rank's clock
+    start_us: float  # the run's first thunk on this rank's clock
     program_ms: float
     collective_ms: float
     host_ms: float | None  # None for the first traced step
@@ -88,25 +92,53 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def steps_of(events: list[dict]) -> list[Step]:
-    """The steps of one rank's trace events: top-level programs holding a collective,
-    in time order, with the host gap before each."""
-    ops = [e for e in events if e.get("ph") == "X" and not e["name"].startswith("$")]
-    tops = sorted((e for e in ops if e["name"] == TOP), key=lambda e: e["ts"])
-    colls = sorted((e for e in ops if collective_kind(e["name"])), key=lambda e: e["ts"])
-    out, prev_end = [], None
-    for top in tops:
-        t0, t1 = top["ts"], top["ts"] + top["dur"]
-        inside = [e for e in colls if t0 <= e["ts"] and e["ts"] + e["dur"] <= t1]
-        if not inside:
-            continue  # a program with no collective: not a step (a host check, say)
-        per = collections.Counter()
-        for e in inside:
-            per[e["name"]] += e["dur"] / 1e3
-        union = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in inside])
-        host = None if prev_end is None else (t0 - prev_end) / 1e3
-        out.append(Step(t0, top["dur"] / 1e3, union / 1e3, host, dict(per)))
-        prev_end = t1
+def _runs(events: list[dict]) -> dict[tuple, list[dict]]:
+    """(device, module, run id) -> the thunk events of that run."""
+    runs: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") == "X" and "hlo_module" in args and "run_id" in args:
+            runs[(args.get("device_ordinal", "0"), args["hlo_module"], args["run_id"])].append(e)
+    return runs
+
+
+def _step_module(runs: dict[tuple, list[dict]]) -> str | None:
+    """The program whose runs hold collectives most often (the step's)."""
+    count = collections.Counter(
+        module for (_, module, _), es in runs.items() if any(collective_kind(e["name"]) for e in es)
+    )
+    return count.most_common(1)[0][0] if count else None
+
+
+def _step(events: list[dict], prev_end: float | None) -> Step:
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    colls = [e for e in events if collective_kind(e["name"])]
+    per: collections.Counter = collections.Counter()
+    for e in colls:
+        per[e["name"]] += e["dur"] / 1e3
+    union = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in colls])
+    host = None if prev_end is None else (t0 - prev_end) / 1e3
+    return Step(t0, (t1 - t0) / 1e3, union / 1e3, host, dict(per))
+
+
+def steps_of(events: list[dict]) -> dict[str, list[Step]]:
+    """Device -> its steps in time order (the runs of the step's program), each with the
+    host gap since the previous one."""
+    runs = _runs(events)
+    module = _step_module(runs)
+    out: dict[str, list[Step]] = {}
+    for device in sorted({d for d, _, _ in runs}):
+        mine = sorted(
+            (es for (d, m, _), es in runs.items() if d == device and m == module),
+            key=lambda es: min(e["ts"] for e in es),
+        )
+        steps, prev_end = [], None
+        for es in mine:
+            steps.append(_step(es, prev_end))
+            prev_end = max(e["ts"] + e["dur"] for e in es)
+        if steps:
+            out[device] = steps
     return out
 
 
@@ -117,8 +149,11 @@ def read_trace(path: Path) -> list[dict]:
 
 
 def rank_traces(log_dir: Path) -> dict[int, Path]:
-    """Rank -> its newest trace file under ``<log_dir>/trace/rank<N>``."""
+    """Rank -> its newest trace file under ``<log_dir>/trace/rank<N>`` (a one-process
+    run's ``<log_dir>/trace``: rank 0)."""
     found = {}
+    for path in sorted(log_dir.glob("trace/plugins/profile/*/*.trace.json.gz")):
+        found[0] = path
     for path in sorted(log_dir.glob("trace/rank*/plugins/profile/*/*.trace.json.gz")):
         rank = int(path.relative_to(log_dir).parts[1].removeprefix("rank"))
         found[rank] = path  # sorted: the newest session of a rank wins
@@ -130,13 +165,21 @@ def _median(values: list) -> float | None:
     return round(statistics.median(values), 3) if values else None
 
 
-def summarize(per_rank: dict[int, list[Step]]) -> dict:
-    """Per rank the medians of its steps, with each step's collective time split into
-    transfer (the least any rank spent in that collective) and wait; per collective its
-    median ms per rank. Ranks' steps are matched by their order in the trace."""
+def summarize(per_rank: dict[str, list[Step]]) -> dict:
+    """Per device the medians of its steps, with each step's collective time split into
+    transfer (the least any device spent in each collective) and wait; per collective
+    its median ms per device. Steps are matched by their order in the traces.
+
+    Raises:
+      ValueError: no step in the traces, or matched steps that ran other collectives.
+    """
     n = min((len(s) for s in per_rank.values()), default=0)
     if not n:
         raise ValueError("no step with a collective in the traces (was --profile-steps set?)")
+    for i in range(n):
+        seen = {r: sorted(steps[i].collectives) for r, steps in per_rank.items()}
+        if len({tuple(v) for v in seen.values()}) > 1:
+            raise ValueError(f"traced step {i} ran other collectives on other devices: {seen}")
     names = sorted({k for steps in per_rank.values() for s in steps[:n] for k in s.collectives})
     least = [  # step -> the least time any rank spent in each collective
         {k: min(steps[i].collectives.get(k, 0.0) for steps in per_rank.values()) for k in names}
@@ -169,13 +212,13 @@ def summarize(per_rank: dict[int, list[Step]]) -> dict:
 
 
 def markdown(summary: dict) -> str:
-    """The per-rank table (milliseconds, medians over the traced steps)."""
+    """The per-device table (milliseconds, medians over the traced steps)."""
     cols = ("program_ms", "compute_ms", "collective_ms", "transfer_ms", "wait_ms", "host_ms")
-    head = ("rank", "step (program)", "compute", "collectives", "transfer", "wait", "host gap")
+    head = ("device", "step (program)", "compute", "collectives", "transfer", "wait", "host gap")
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for rank, r in summary["ranks"].items():
         lines.append(f"| {rank} | " + " | ".join(f"{r[c]}" for c in cols) + " |")
-    lines += ["", "| collective | kind | ms per rank |", "|---|---|---|"]
+    lines += ["", "| collective | kind | ms per device |", "|---|---|---|"]
     for name, c in summary["collectives"].items():
         per = ", ".join(f"{v}" for v in c["ms_per_rank"].values())
         lines.append(f"| {name} | {c['kind']} | {per} |")
@@ -183,11 +226,17 @@ def markdown(summary: dict) -> str:
 
 
 def profile(log_dir: Path) -> dict:
-    """``summarize`` of every rank's trace under ``log_dir``."""
+    """``summarize`` of every rank's trace under ``log_dir`` (a device is named by its
+    rank, or ``rank/device`` where one process drives several)."""
     traces = rank_traces(log_dir)
     if not traces:
         raise FileNotFoundError(f"no trace under {log_dir}/trace (run with --profile-steps)")
-    return summarize({rank: steps_of(read_trace(p)) for rank, p in traces.items()})
+    per_device = {}
+    for rank, path in sorted(traces.items()):
+        devices = steps_of(read_trace(path))
+        for device, steps in devices.items():
+            per_device[str(rank) if len(devices) == 1 else f"{rank}/{device}"] = steps
+    return summarize(per_device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,10 @@ _EXPORTS = {
         ("RowGrad", "lazy_adam", "segment_rows"), "sparsecomm_jax.embedding.row_optimizers"
     ),
     **dict.fromkeys(("DENSE", "ROWS", "TableUpdate"), "sparsecomm_jax.embedding.update"),
-    **dict.fromkeys(("first_replica", "loss_value"), "sparsecomm_jax.step.placement"),
+    **dict.fromkeys(
+        ("CapacityWarning", "first_replica", "loss_value", "overflow_message"),
+        "sparsecomm_jax.step.placement",
+    ),
     **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
     **dict.fromkeys(
         ("make_train_step", "place_for_step", "placed_batches"), "sparsecomm_jax.strategies.build"

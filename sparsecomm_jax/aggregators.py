@@ -72,7 +72,8 @@ class Aggregator(NamedTuple):
         every)``: ``update`` that also carries this worker's float32[k] ``extra`` to
         every worker within its own collectives (``every``: float32[P, k], replicated);
         ``None`` when it cannot (a step then reduces its scalars by an all-reduce of
-        their own).
+        their own). Only for aggregators whose state is the same on every worker (the
+        step checks it where it is, without another collective).
     """
 
     init: Callable[[PyTree], PyTree]

@@ -1,19 +1,17 @@
-"""experiments.step_profile: per-rank step breakdown read from profiler traces, checked
-on synthetic traces whose parts are known."""
+"""experiments.step_profile: per-device step breakdown read from profiler traces, checked
+on synthetic traces whose parts are known and on a real trace of a jitted shard_map."""
 
 import gzip
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from experiments import step_profile as sp
-
-TOP = sp.TOP
-
-
-def _x(name, ts, dur):
-    return sp._x(name, ts, dur)
+from sparsecomm_jax import runtime
 
 
 def _write(tmp_path, rank, events):
@@ -24,35 +22,36 @@ def _write(tmp_path, rank, events):
 
 
 def _rank_events(rng, steps, t=0.0):
-    """Random steps: a program with an all-gather and an all-to-all at random places,
-    a host check program (no collective) between steps; returns events and the parts."""
+    """Random steps of the step program (an all-gather, a fusion, an all-to-all), a
+    check program between steps (no collective: not a step) and another program with a
+    collective that runs once (not the step's); returns events and the parts."""
     events, parts = [], []
-    for _ in range(steps):
+    for s in range(steps):
         gap = float(rng.uniform(100, 900))
-        events.append(_x(TOP, t + gap / 2, 5.0))  # a check with no collective: not a step
+        events.append(sp._x("reduce.1", t + gap / 2, 5.0, run=1000 + s, module="jit_finite"))
         t += gap
-        prog = float(rng.uniform(5_000, 9_000))
-        a, b = float(rng.uniform(100, 900)), float(rng.uniform(100, 900))
+        a, c, b = (float(rng.uniform(100, 900)) for _ in range(3))
+        run = 7 + s
         events += [
-            _x(TOP, t, prog),
-            _x("all_gather_invariant.3", t + 10, a),
-            _x("fusion.1", t + 10 + a, 50),
-            _x("all-to-all.2", t + prog - b - 1, b),
-            _x("$python frame", t, prog),  # python tracer frames are ignored
+            sp._x("all_gather_invariant.3", t, a, run=run),
+            sp._x("fusion.1", t + a, c, run=run),
+            sp._x("all-to-all.2", t + a + c, b, run=run),
+            {"ph": "X", "name": "$python frame", "ts": t, "dur": a, "pid": 1, "tid": 2},
         ]
-        parts.append((gap, prog, a, b))
-        t += prog
+        parts.append((gap, a + c + b, a, b))
+        t += a + c + b
+    events.append(sp._x("all-gather.9", t + 50, 10, run=99, module="jit_host_params"))
     return events, parts
 
 
 def test_profile_parts_match_the_synthetic_trace(tmp_path):
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng()
     ev0, p0 = _rank_events(rng, 5)
     ev1, p1 = _rank_events(rng, 5, t=37.0)
     _write(tmp_path, 0, ev0)
     _write(tmp_path, 1, ev1)
     summary = sp.profile(tmp_path)
-    r0 = summary["ranks"][0]
+    r0 = summary["ranks"]["0"]
     med = lambda xs: pytest.approx(float(np.median(xs)) / 1e3, abs=1e-3)  # noqa: E731
     assert r0["steps"] == 5
     assert r0["program_ms"] == med([p for _, p, _, _ in p0])
@@ -65,8 +64,46 @@ def test_profile_parts_match_the_synthetic_trace(tmp_path):
     assert r0["wait_ms"] == med([a + b - t for (_, _, a, b), t in zip(p0, least, strict=True)])
     coll = summary["collectives"]["all-to-all.2"]
     assert coll["kind"] == "all-to-all"
-    assert coll["ms_per_rank"][1] == med([b for _, _, _, b in p1])
+    assert coll["ms_per_rank"]["1"] == med([b for _, _, _, b in p1])
+    assert "all-gather.9" not in summary["collectives"]  # another program's collective
     assert "| 1 |" in sp.markdown(summary)
+
+
+def test_steps_that_ran_other_collectives_are_an_error(tmp_path):
+    _write(tmp_path, 0, [sp._x("all-to-all.1", 0, 5, run=1)])
+    _write(tmp_path, 1, [sp._x("all-gather.2", 0, 5, run=1)])
+    with pytest.raises(ValueError, match="other collectives"):
+        sp.profile(tmp_path)
+
+
+def test_a_real_trace_of_several_devices(tmp_path):
+    """A jitted shard_map with a psum and an all_gather on 8 devices of one process,
+    traced by jax.profiler: one entry per device, 3 steps each, and parts that add up."""
+    mesh = runtime.data_mesh(8)
+
+    def body(x):  # x: float[1, 64]
+        y = jnp.tanh(x @ jnp.ones((64, 64)))
+        return jax.lax.all_gather(jax.lax.psum(y, "data"), "data", tiled=True)[None]
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    )
+    x = runtime.put_global(np.ones((8, 64), np.float32), mesh, P("data"))
+    step(x).block_until_ready()  # compiled outside the trace
+    folder = tmp_path / "trace"
+    jax.profiler.start_trace(str(folder))
+    for _ in range(3):
+        step(x).block_until_ready()
+    jax.profiler.stop_trace()
+    summary = sp.profile(tmp_path)
+    assert sorted(summary["ranks"]) == [f"0/{d}" for d in range(8)]
+    for r in summary["ranks"].values():
+        assert r["steps"] == 3
+        assert 0 < r["collective_ms"] <= r["program_ms"]
+        assert 0 <= r["compute_ms"] <= r["program_ms"]  # medians of the parts of each step
+        assert r["host_ms"] > 0  # the host's round trip between two runs
+    kinds = {c["kind"] for c in summary["collectives"].values()}
+    assert kinds == {"all-reduce", "all-gather"}
 
 
 def test_collective_kinds():
@@ -81,6 +118,6 @@ def test_collective_kinds():
 def test_no_trace_is_a_clear_error(tmp_path, capsys):
     assert sp.main([str(tmp_path)]) == 2
     assert "--profile-steps" in capsys.readouterr().err
-    _write(tmp_path, 0, [_x(TOP, 0, 10)])  # a trace with no step in it
+    _write(tmp_path, 0, [sp._x("fusion", 0, 10)])  # a trace with no step in it
     assert sp.main([str(tmp_path)]) == 2
     assert "no step with a collective" in capsys.readouterr().err

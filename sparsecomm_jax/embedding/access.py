@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -139,6 +140,7 @@ def logged_reads(
 
 
 _READS: collections.OrderedDict = collections.OrderedDict()  # the latest reads programs
+_READS_LOCK = threading.Lock()  # batches are planned on a host thread beside the step
 
 
 def traced_reads(
@@ -160,12 +162,15 @@ def traced_reads(
     flags = tuple(bool(f) for f in jax.tree.leaves(mask))
     key = (loss_fn, treedef, shapes, flags, tuple(widths.items()), tuple(vocabs.items()))
     key += (attend_error,)
-    if key not in _READS:
-        _READS[key] = _reads_program(loss_fn, treedef, shapes, mask, widths, vocabs, attend_error)
-        while len(_READS) > 64:
-            _READS.popitem(last=False)
-    _READS.move_to_end(key)
-    kinds, program = _READS[key]
+    with _READS_LOCK:
+        if key not in _READS:
+            _READS[key] = _reads_program(
+                loss_fn, treedef, shapes, mask, widths, vocabs, attend_error
+            )
+            while len(_READS) > 64:
+                _READS.popitem(last=False)
+        _READS.move_to_end(key)
+        kinds, program = _READS[key]
     ids = iter(program(*leaves))
     return [Read(kind, table, None if kind == ATTEND else next(ids)) for kind, table in kinds]
 

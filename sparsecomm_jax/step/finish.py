@@ -6,8 +6,8 @@ aggregator that carries scalars, into the dense mean's all-gather:
 ``carried_gradients``), and the mean gradient (the dense layers reduced by the
 aggregator; each table's gradient as its ``TableUpdate`` wants it). ``apply_gradients``
 then runs the optimizer on global arrays (``embedding.update``), keeping the previous
-state when a gradient was not finite; ``report_missed`` names a table whose batch
-capacity was too small.
+state when a gradient was not finite; ``mark_missed`` makes the loss +inf when a batch's
+capacity was too small for a table.
 
 Example:
     >>> # def step(state, batch):
@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -101,9 +100,10 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     all-gather instead of an all-reduce of their own (one collective fewer per step).
 
     Each worker's flag covers what only it holds (its tables' mean gradient as the rows'
-    owner: ``tables``, and its aggregator state); the dense mean, the same on every
-    worker, is checked where it arrives. The sums over the workers are taken in worker
-    order, so every worker gets the same loss and flags.
+    owner: ``tables``); the dense mean and the aggregator's new state, the same on every
+    worker (``Aggregator.update_carrying`` is only for such states), are checked where
+    they are. The sums over the workers are taken in worker order, so every worker gets
+    the same loss and flags.
 
     Args:
       ctx: the step's context.
@@ -115,7 +115,7 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     """
     check = ctx.nonfinite != "off"
     local_state = jax.tree.map(lambda x: x[0], agg_state)
-    bad = ~finite(update.row_values((tables, local_state))) if check else jnp.array(False)
+    bad = ~finite(update.row_values(tables)) if check else jnp.array(False)
     flags = [missed.get(t.index, jnp.array(False)) for t in ctx.tables]
     extra = jnp.stack([loss, bad, *flags]).astype(jnp.float32)  # float[2 + tables]
     mean, local_state, every = ctx.aggregator.update_carrying(dense, local_state, extra)
@@ -180,40 +180,15 @@ def gradient_specs(
     return Gradients(P(), P(), grads, P(ctx.axis_name), carry, flags)
 
 
-class CapacityWarning(RuntimeWarning):
-    """A step read more distinct ids of a table than its batch's capacity had slots."""
-
-
-def report_missed(ctx: StepContext, missed: tuple, capacity: tuple) -> None:
-    """Inside the jitted step: when a flag of ``missed`` is set (on the devices, after
-    the step's all-reduce), a ``CapacityWarning`` on the host naming each table, its
-    capacity and what a slot holds. Nothing reaches the host on a step that fits.
-
-    Args:
-      ctx: the step's context (``ctx.tables`` in the order of the flags).
-      missed: ``Gradients.missed``.
-      capacity: the batch's static slots per table (``PlacedBatch.capacity``).
+def mark_missed(missed: tuple, loss):
+    """``loss``, made +inf where a flag of ``missed`` is set: the step's batch had too
+    small a capacity for some table (its rows were NaN, so the step was skipped unless
+    ``nonfinite="off"``); ``placement.overflow_message`` says which capacities. A flag
+    that reaches the host in the loss it already reads: no callback, no extra transfer.
     """
     if not missed:
-        return
-    names = [t.name for t in ctx.tables]
-    slots = [str(c) for c in capacity] + ["?"] * (len(names) - len(capacity))
-    what = [t.layout.capacity.what if t.layout.capacity else "" for t in ctx.tables]
-
-    def warn(flags) -> None:
-        for name, cap, kind, hit in zip(names, slots, what, flags, strict=True):
-            if hit:
-                warnings.warn(
-                    f"table {name}: a worker read more ids than its capacity of {cap} "
-                    f"slots ({kind}); those rows were NaN, so the step is skipped (unless "
-                    "nonfinite='off'). Place batches with ts.place_batch, which sizes "
-                    "the capacity from each batch, or pass a larger capacity",
-                    CapacityWarning,
-                    stacklevel=1,
-                )
-
-    flags = jnp.stack(missed)
-    jax.lax.cond(jnp.any(flags), lambda f: jax.debug.callback(warn, f), lambda f: None, flags)
+        return loss
+    return jnp.where(jnp.any(jnp.stack(missed)), jnp.inf, loss)
 
 
 def table_leaves(ctx: StepContext, tree: PyTree) -> dict[int, Any]:

@@ -250,6 +250,30 @@ def batch_placer(
     return place
 
 
+class CapacityWarning(RuntimeWarning):
+    """A step read more distinct ids of a table than its batch's capacity had slots."""
+
+
+def overflow_message(ts, batch: PlacedBatch) -> str:
+    """What to tell when ``ts.step`` on ``batch`` returned a loss of +inf (``finish.
+    mark_missed``): some table's ids needed more slots than ``batch.capacity`` gave.
+
+    Example: ``"... (capacity per table: embed 1 slots of distinct rows of one table on
+    one worker); ..."``
+    """
+    per_table = ", ".join(
+        f"{name} {slots} slots of {what}"
+        for (name, what), slots in zip(ts.capacity_slots, batch.capacity, strict=False)
+    )
+    return (
+        "a worker read more ids of a table than the batch's capacity had slots, so the "
+        f"step returned a loss of +inf (capacity per table: {per_table}); the rows that "
+        "did not fit were NaN and the step was skipped (unless nonfinite='off'). Place "
+        "batches with ts.place_batch, which sizes the capacity from each batch, or give "
+        "a larger capacity"
+    )
+
+
 # ------------------------------------------------------------------- the state
 
 

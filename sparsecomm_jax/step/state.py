@@ -77,6 +77,8 @@ class TrainStep(NamedTuple):
       per_device_state: True when every state leaf has a leading local-device axis
         (``jax.pmap``), False for global arrays (``jax.jit``).
       table_update: the name of the tables' ``TableUpdate`` (``"dense"``, ``"rows"``).
+      capacity_slots: per entry of a placed batch's ``capacity``, the table's name and
+        what one slot holds (``placement.overflow_message``).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -87,6 +89,7 @@ class TrainStep(NamedTuple):
     lookahead: int = 0
     per_device_state: bool = False
     table_update: str = "dense"
+    capacity_slots: tuple = ()
 
 
 class StepContext(NamedTuple):

@@ -106,8 +106,8 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
                 in_specs=(specs._replace(carry=()), batch_specs),
                 out_specs=out_specs,
             )(state, batch)
-            finish.report_missed(ctx, grads.missed, batch.capacity)
-            return apply_gradients(ctx, state, grads)
+            state, loss = apply_gradients(ctx, state, grads)
+            return state, finish.mark_missed(grads.missed, loss)
 
         return step
 

@@ -59,7 +59,15 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
+        capacity_slots=_capacity_slots(ctx, policies),
     )
+
+
+def _capacity_slots(ctx: StepContext, policies) -> tuple:
+    """Per table of ``ctx.tables`` (the order of a batch's capacity), its name and what a
+    slot of its capacity holds."""
+    what = {t.index: policy.what for policy, tables in policies for t in tables}
+    return tuple((t.name, what.get(t.index, "none")) for t in ctx.tables)
 
 
 class PmapStep(NamedTuple):
@@ -112,12 +120,13 @@ def placed_batches(
     made on a host thread while the step before it runs: when batch ``t`` is handed
     out, batch ``t + 1`` is already being read, checked, sized and placed (double
     buffering), so the step path never waits on the host unless placing takes longer
-    than a step. Batches are made in step order on one thread; an error placing a batch
-    is raised when that batch is asked for.
+    than a step. Batches are placed in step order on one thread; an error placing a
+    batch is raised when that batch is asked for.
 
     Args:
       ts: the train step (its ``place_batch``).
-      batch_at: step -> host batch; called in step order from one thread.
+      batch_at: step -> host batch; called from one thread, as ``place_for_step`` asks
+        (with a lookahead, also for the steps ahead of each one).
       start: the first step.
       steps: the run's number of steps.
 
