@@ -124,8 +124,8 @@ def _save(config: RunConfig, ckpt, ts, state, step: int, streak: int) -> None:
     ckpt.save_state(step + 1, ts, state, force=last)
 
 
-def _compiled(ts, log: RunLog, state, batch) -> tuple[Any, RunLog]:
-    key = jax.tree.structure((state, batch))
+def _compiled(ts, log: RunLog, state, batch, key) -> tuple[Any, RunLog]:
+    """The program of ``key`` (the (state, batch) structure), compiled on first use."""
     if key not in log.programs:
         t = time.perf_counter()
         log.programs[key] = ts.step.lower(state, batch).compile()
@@ -170,7 +170,7 @@ def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
     log.place_times.append(time.perf_counter() - begin)
     key = jax.tree.structure((state, batch))
     compiles = key not in log.programs
-    program, log = _compiled(ts, log, state, batch)
+    program, log = _compiled(ts, log, state, batch, key)
     t = time.perf_counter()
     state, loss = program(state, batch)
     log.losses.append(loss_value(loss))

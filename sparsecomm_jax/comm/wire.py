@@ -76,10 +76,16 @@ def psum(x, axis: str, wire=F32, scatter: bool = False):
     """
     if wire == F32 and not scatter:
         return jax.lax.psum(x, axis)
+    mine = _my_slice_summed(x, axis, wire)  # float[d/P]
+    return gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
+
+
+def _my_slice_summed(x, axis: str, wire):
+    """``x`` flattened and padded to a multiple of P; this worker's 1/P slice summed
+    over the workers (an all-to-all in ``wire``, the sum in float32): float[d/P]."""
     num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
     flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
-    mine = a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
-    return gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
+    return a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)
 
 
 def as_wire_bits(x, wire):
@@ -110,9 +116,7 @@ def psum_carrying(x, extra, axis: str, wire=F32):
     Returns:
       ``(sum shaped like x, float32[P, k] every worker's extra in worker order)``.
     """
-    num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
-    flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
-    mine = a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)  # float[d/P]
+    mine = _my_slice_summed(x, axis, wire)  # float[d/P]
     bits = as_wire_bits(extra, wire)  # [k] or uint16[2k]
     share = jnp.concatenate([send(mine, wire), bits])  # [d/P + bits]
     every = jax.lax.all_gather(share, axis, to="invarying")  # [P, d/P + bits]

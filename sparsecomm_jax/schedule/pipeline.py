@@ -127,19 +127,18 @@ def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int
     spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
     overlap = priority.collectives_overlap(ctx.mesh)
     sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers, overlap)
-    plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
+    plans = [_shared_plan(ctx, g, s, fut, capacity, overlap) for g, s in shared]
     spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
     order = priority.priority_order(levels)
     bounds, shared = priority.chunk_bounds(n, sizes), [p for p, _ in plans]
     return Plan(rows, all_ids, order, bounds, shared, fut[0]), spill
 
 
-def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
+def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int, overlap: bool):
     """``(Shared, spill)``: the shared positions batch t+1 reads go first (at most
     ``capacity`` of them, else ``spill``), the others late, in next-use order."""
     levels = priority.next_use_levels(ids, future)  # the same on every worker
     n = ids.shape[0]
-    overlap = priority.collectives_overlap(ctx.mesh)
     sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers, overlap)
     chunk_bounds = priority.chunk_bounds(n, sizes)
     plan = Shared(g, ids, priority.priority_order(levels), chunk_bounds)

@@ -89,9 +89,14 @@ def gradients(ctx: StepContext, loss, grads, agg_state, missed: dict | None = No
     per-worker state; ``missed`` (table index -> bool[], this worker's; a table not in
     it never misses) made the same on every worker in the all-reduce of the loss (no
     collective of its own)."""
-    flags = [(missed or {}).get(t.index, jnp.array(False)) for t in ctx.tables]
+    flags = _missed_flags(ctx, missed or {})
     loss, ok, *flags = reduce_scalars(ctx, loss, (grads, agg_state), *flags)
     return Gradients(loss, ok, grads, agg_state, (), tuple(flags))
+
+
+def _missed_flags(ctx: StepContext, missed: dict) -> list:
+    """One flag per table of ``ctx.tables`` (False for a table ``missed`` leaves out)."""
+    return [missed.get(t.index, jnp.array(False)) for t in ctx.tables]
 
 
 def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, missed: dict):
@@ -116,7 +121,7 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     check = ctx.nonfinite != "off"
     local_state = jax.tree.map(lambda x: x[0], agg_state)
     bad = ~finite(update.row_values(tables)) if check else jnp.array(False)
-    flags = [missed.get(t.index, jnp.array(False)) for t in ctx.tables]
+    flags = _missed_flags(ctx, missed)
     extra = jnp.stack([loss, bad, *flags]).astype(jnp.float32)  # float[2 + tables]
     mean, local_state, every = ctx.aggregator.update_carrying(dense, local_state, extra)
     total = every.sum(axis=0)  # float[2 + tables], summed in worker order
