@@ -363,7 +363,7 @@ def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
     def plain(x, e):  # the mean by wire.psum: the all-to-all and all-gather, no extra
         return wire.psum(x[0], "data", wire.wire_dtype(comm_dtype), scatter=True)[None] / N
 
-    specs = dict(mesh=mesh, in_specs=(P("data"),) * 2, check_vma=False)
+    specs = dict(mesh=mesh, in_specs=(P("data"),) * 2)  # check_vma on, as by default
     fn = jax.jit(jax.shard_map(carrying, out_specs=(P("data"),) * 2, **specs))
     args = [runtime.put_global(x, mesh, P("data")) for x in (g, extra)]
     mean, every = (np.asarray(x) for x in fn(*args))
