@@ -214,6 +214,13 @@ class RunConfig:
         "embrace_2d across steps: step t's late exchange and table update beside step "
         "t+1's compute (two programs on two host threads; no checkpoints or logs)",
     )
+    collectives_overlap: str = _field(
+        "auto",
+        "whether the step's collectives can run beside its compute: auto asks the "
+        "platform (not on CPU, where embrace_2d's pipeline can only lose and it runs as "
+        "embrace), yes builds embrace_2d's pipelined program anyway",
+        choices=("auto", "yes", "no"),
+    )
     calibrate: bool = _field(
         False,
         "after training, fit the link's alpha and beta (costmodel) and add them to the result",
@@ -283,6 +290,7 @@ NOT_TRAJECTORY = frozenset(
         "overwrite",
         "calibrate",
         "overlap",
+        "collectives_overlap",
         "plan",
         "plan_memory_mb",
         "out",

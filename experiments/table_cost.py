@@ -44,7 +44,7 @@ def placed_cycle(ts, workload, count: int) -> list:
     return batches
 
 
-def prepared(strategy: str, vocab: int, update: str, rounds: int):
+def prepared(strategy: str, vocab: int, update: str, rounds: int, overlap: str = "auto"):
     """``run()`` -> seconds of one step of this configuration (compiled beforehand)."""
     import jax
 
@@ -54,6 +54,7 @@ def prepared(strategy: str, vocab: int, update: str, rounds: int):
         vocab=vocab,
         optimizer="sgd",
         table_update=update,
+        collectives_overlap=overlap,
         **WORKLOAD,
     )
     validate(config)
@@ -81,6 +82,12 @@ def prepared(strategy: str, vocab: int, update: str, rounds: int):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.table_cost", description=__doc__)
     parser.add_argument("--strategy", default="embrace")
+    parser.add_argument(
+        "--collectives-overlap",
+        default="auto",
+        choices=("auto", "yes"),
+        help="yes: embrace_2d's pipelined program (on CPU it runs as embrace by default)",
+    )
     parser.add_argument("--vocabs", type=int, nargs="+", default=[1000, 100_000])
     parser.add_argument("--updates", nargs="+", default=["sparse", "dense"])
     parser.add_argument("--rounds", type=int, default=6, help="rounds over the configurations")
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_devices(1)
     configs = [(v, u) for u in args.updates for v in args.vocabs]
-    runs = {c: prepared(args.strategy, *c, args.block) for c in configs}
+    runs = {c: prepared(args.strategy, *c, args.block, args.collectives_overlap) for c in configs}
     times: dict = {c: [] for c in configs}
     for r in range(args.rounds):
         for c in configs:  # a block of steps each; its first step is not counted

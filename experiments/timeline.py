@@ -67,6 +67,7 @@ def _run_step_strategy(w, name, params, mesh, steps, table_update="dense"):
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
         table_update=table_update,
+        collectives_overlap=True,  # embrace_2d: the pipelined program (on CPU too)
     )
     _steps(ts, w, 3, jax.tree.map(lambda x: x.copy(), ts.state))  # the step donates
     return _steps(ts, w, steps, ts.state)

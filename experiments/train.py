@@ -82,6 +82,9 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     return options
 
 
+OVERLAP = {"auto": None, "yes": True, "no": False}  # --collectives-overlap
+
+
 def build(config: RunConfig):
     """The workload and ``TrainStep`` of ``config`` (JAX must be started); with
     ``--overlap`` an ``Overlapped`` trainer instead of the ``TrainStep``."""
@@ -110,6 +113,7 @@ def build(config: RunConfig):
         capacity=config.capacity or None,
         comm_dtype=config.comm_dtype,
         table_layouts=json.loads(config.plan) if config.plan else None,
+        collectives_overlap=OVERLAP[config.collectives_overlap],
         **common,
         **_aggregator_options(config),
     )
@@ -166,6 +170,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         hooks = runlog.RunHooks(config, workload, ts, rank, start)
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
         record = result(config, workload, log, start, rank)
+        record["runs_as"] = ts.runs_as  # embrace_2d runs as embrace where nothing overlaps
         record.update(hooks.finish(state))
         if search:
             record["bucket_search"] = search

@@ -49,3 +49,18 @@ jax.devices()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def pipelined_2d(monkeypatch):
+    """``embrace_2d`` builds its pipelined program on these CPU devices. By default a
+    CPU mesh runs it as ``embrace`` (XLA:CPU cannot overlap a program's collectives with
+    its compute, so the cost model sends every row in one chunk): the tests of the
+    schedule declare the overlap an accelerator has, as ``make_train_step(...,
+    collectives_overlap=True)`` does. An explicit ``collectives_overlap`` still wins."""
+    from sparsecomm_jax.schedule import priority
+
+    monkeypatch.setattr(priority, "collectives_overlap", lambda mesh: True)

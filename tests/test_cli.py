@@ -64,6 +64,36 @@ def test_overlapped_step_from_the_command_line():
     assert len(two["step_times_s"]) == small["steps"] - 1
 
 
+def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
+    """On this CPU mesh ``embrace_2d`` runs as ``embrace`` (the record says so, and so
+    does the comparison's table); ``--collectives-overlap yes`` builds its pipelined
+    program: the same losses, more collectives."""
+    from experiments import compare
+
+    small = dict(SMALL, sampled_softmax=8, optimizer="sgd", lr=0.5)
+    auto = train_and_evaluate(RunConfig(strategy="embrace_2d", **small), progress=False)
+    ref = train_and_evaluate(RunConfig(strategy="embrace", **small), progress=False)
+    yes = RunConfig(strategy="embrace_2d", collectives_overlap="yes", **small)
+    piped = train_and_evaluate(yes, progress=False)
+    assert (auto["runs_as"], ref["runs_as"], piped["runs_as"]) == (
+        "embrace",
+        "embrace",
+        "embrace_2d",
+    )
+    assert auto["losses"] == ref["losses"] and auto["collectives"] == ref["collectives"]
+    np.testing.assert_allclose(piped["losses"], ref["losses"], rtol=1e-5)
+    assert len(piped["collectives"]) > len(ref["collectives"])
+    flags = ["--vocab", "300", "--dim", "16", "--hidden", "16", "--seq-len", "8"]
+    flags += ["--batch", "16", "--steps", "2", "--warmup", "1", "--sampled-softmax", "8"]
+    capsys.readouterr()
+    assert (
+        compare.main([*flags, "--strategies", "embrace,embrace_2d", "--out-dir", str(tmp_path)])
+        == 0
+    )
+    said = capsys.readouterr().out
+    assert "embrace_2d ran as embrace" in said and said.count("ran as") == 1
+
+
 def test_calibrated_link_for_adaptive_and_in_the_result():
     config = RunConfig(strategy="adaptive", density=0.1, link_gbit=0, calibrate=True, **SMALL)
     link = adaptive_link(config)  # fitted on the 8 simulated devices

@@ -18,6 +18,9 @@ from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import column, replicated, row
 from sparsecomm_jax.embedding.access import LOOKUP, PLAIN, Read
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 LAYOUTS = {"column": column.COLUMN, "row": row.ROW}
 
 N = 8

@@ -15,6 +15,9 @@ from sparsecomm_jax import nn, runtime
 from sparsecomm_jax.embedding import layouts
 from sparsecomm_jax.embedding.access import PLAIN
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 N, B, D = 8, 32, 8
 SIZES = {"user": 48, "item": 40, "tag": 16}  # rows of each table
 

@@ -13,6 +13,9 @@ from models import get_workload
 from sparsecomm_jax.embedding import row_optimizers
 from sparsecomm_jax.embedding.tables import table_mask
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 STEPS = 3
 SMALL = dict(vocab=128, dim=8, hidden=8, seq_len=6, batch=16, sampled_softmax=8)
 CLIP = 0.02

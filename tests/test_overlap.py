@@ -160,6 +160,7 @@ def test_optimizer_halves_merge_to_one_update():
         "skip",
         update.DENSE,
         jnp.float32,
+        True,
     )
     state = TrainState(params, opt.init(params), ())
     kinds = overlap.split_roles(ctx, state.opt_state)

@@ -16,6 +16,10 @@ from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.schedule import priority
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+CPU_PROBE = priority.collectives_overlap  # the platform's answer, before the fixture
+
 TIED = {
     "lstm_lm": dict(tie_embeddings=True, hidden=8),
     "transformer": {},
@@ -164,27 +168,29 @@ def _alternating():
     return base._replace(batch_at=batch_at)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch, overlap):
-    """Where collectives overlap compute (an accelerator), a latency-free link cuts the
-    late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's rows before t+3's, ...); where
-    they cannot (XLA:CPU) they go as one chunk. Both exactly embrace, one all-to-all
-    per late chunk."""
-    from sparsecomm_jax.comm import costmodel, hlo
-
-    monkeypatch.setattr(priority, "LINK", costmodel.Link(0.0, 1e-9))
-    monkeypatch.setattr(priority, "collectives_overlap", lambda mesh: overlap)
-    w = _alternating()
-    _assert_same_run(w, steps=4)
-    ts = sc.make_train_step(
+def _make_2d(w, strategy="embrace_2d", **kw):
+    return sc.make_train_step(
         w.loss,
         optax.sgd(0.5),
         runtime.data_mesh(4),
         w.init(jax.random.key(0)),
-        "embrace_2d",
+        strategy,
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
+        **kw,
     )
+
+
+def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
+    """Where collectives overlap compute (an accelerator), a latency-free link cuts the
+    late rows into ``MAX_LATE_CHUNKS`` chunks (t+2's rows before t+3's, ...), each one
+    all-to-all; exactly embrace."""
+    from sparsecomm_jax.comm import costmodel, hlo
+
+    monkeypatch.setattr(priority, "LINK", costmodel.Link(0.0, 1e-9))
+    w = _alternating()
+    _assert_same_run(w, steps=4)
+    ts = _make_2d(w)
     batch = sc.place_for_step(ts, w.batch_at, 0, 5)
     text = hlo.compiled_text(ts.step, ts.state, batch)
     low = [
@@ -193,5 +199,32 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch, overlap):
         if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
     ]
     n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
-    late = priority.late_capacities(n, batch.capacity[0], 8, 4, overlap)[1:]
-    assert len(low) == len(late) == (priority.MAX_LATE_CHUNKS if overlap else 1)
+    late = priority.late_capacities(n, batch.capacity[0], 8, 4)[1:]
+    assert len(low) == len(late) == priority.MAX_LATE_CHUNKS
+
+
+@pytest.mark.parametrize("asked", ["platform", "no"])
+def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
+    """Where a program's collectives cannot overlap its compute (this CPU mesh, asked
+    of the platform or said), ``embrace_2d``'s cost model sends every row in one chunk:
+    the step is ``embrace``'s, the same compiled collectives and bitwise the same
+    losses, with no lookahead; ``collectives_overlap=True`` builds the pipeline."""
+    from sparsecomm_jax.comm import hlo
+
+    monkeypatch.setattr(priority, "collectives_overlap", CPU_PROBE)
+    assert not CPU_PROBE(runtime.data_mesh(4))
+    w = _alternating()
+    kw = {} if asked == "platform" else {"collectives_overlap": False}
+    serial, ref = _make_2d(w, **kw), _make_2d(w, "embrace")
+    assert serial.lookahead == 0 and _make_2d(w, collectives_overlap=True).lookahead > 0
+
+    def kinds(ts):
+        batch = sc.place_for_step(ts, w.batch_at, 0, 4)
+        text = hlo.compiled_text(ts.step, ts.state, batch)
+        return [(c.kind, c.shapes) for c in hlo.parse_collectives(text)]
+
+    assert kinds(serial) == kinds(ref)
+    losses, got = _run(w, "embrace_2d", 4, w.init(jax.random.key(1)), **kw)
+    ref_losses, want = _run(w, "embrace", 4, w.init(jax.random.key(1)))
+    np.testing.assert_array_equal(losses, ref_losses)
+    assert_trees_close(got, want, rtol=0, atol=0)

@@ -25,6 +25,9 @@ from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16, warmup=0)
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 # one strategy per kind of state: per-device replicas, sharded columns, sharded rows,
 # the pipelined carry, per-worker residuals
 # embrace_rowwise's row state resumes in test_row_updates (on another device count too).
@@ -288,6 +291,7 @@ import jax, optax
 from models import get_workload
 import sparsecomm_jax as sc
 from sparsecomm_jax import checkpoint
+
 w = get_workload("lstm_lm", vocab=64, dim=8, hidden=8, seq_len=4, batch=4)
 ts = sc.make_train_step(w.loss, optax.sgd(0.1), runtime.data_mesh(2),
                            w.init(jax.random.key(0)), "dense")

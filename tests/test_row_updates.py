@@ -20,6 +20,9 @@ from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_eighth
 from sparsecomm_jax.step import placement
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 STEPS = 3
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
 OPTIMIZERS = {  # the optax optimizer: dense in the reference, on the rows in the strategy

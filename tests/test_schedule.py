@@ -16,6 +16,9 @@ from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import access, column, tables
 from sparsecomm_jax.schedule import priority as schedule
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 V, B, T = 256, 16, 8
 
 
@@ -188,6 +191,20 @@ def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
 
     assert latency_share(rows) <= 0.1 + 1e-9
     assert rows == 1 or latency_share(rows - 1) > 0.1
+
+
+@pytest.mark.parametrize("n, first", [(1000, 100), (37, 37), (500, 0), (9, 3)])
+def test_late_capacities_cover_every_position(n, first):
+    """Chunk sizes in priority order: ``first``, then late chunks that hold every other
+    position, at most ``MAX_LATE_CHUNKS`` of them where collectives overlap compute, one
+    where they cannot."""
+    for overlap in (True, False):
+        sizes = schedule.late_capacities(n, first, 512, 4, overlap)
+        late = sizes[1:]
+        assert sizes[0] == first and sum(late) >= n - first
+        assert all(c > 0 for c in late) and sum(late[:-1]) < max(1, n - first)
+        assert len(late) <= (schedule.MAX_LATE_CHUNKS if overlap else 1)
+    assert schedule.late_capacities(1000, 100, 512, 4, False) == [100, 900]
 
 
 def test_table_reads_count_every_read_of_a_tied_table():

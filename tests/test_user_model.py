@@ -23,6 +23,9 @@ from sparsecomm_jax.embedding.access import PLAIN
 from tests.conftest import REPO
 from tests.helpers import assert_trees_close
 
+# embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
+pytestmark = pytest.mark.usefixtures("pipelined_2d")
+
 N, V, D, CLASSES, T, B = 8, 64, 16, 4, 6, 32
 LR = 0.5
 

@@ -23,6 +23,13 @@ tables:
 Equal to ``embrace`` with the same table update. The dense layers have no data
 dependency on the table exchange, so an accelerator's scheduler may overlap them.
 
+The schedule pays only by hiding communication behind compute. Where a program's
+collectives cannot run beside its compute (``StepContext.overlap`` false: XLA:CPU runs
+a program's thunks one after the other), the chunks, the early update and the second
+fetch can only add time; the cost model then sends every row in one chunk after the
+backward pass, which is ``embrace``'s step, and ``make_train_step`` builds that
+(``registry.Strategy.serial``; ``collectives_overlap=True`` builds this program anyway).
+
 References:
     Li et al., "EmbRace", ICPP 2022, section 4.
 """
@@ -125,21 +132,20 @@ def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int
     fut = _future_ids(future, i, axis)
     levels = priority.next_use_levels(all_ids, fut)
     spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
-    overlap = priority.collectives_overlap(ctx.mesh)
-    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers, overlap)
-    plans = [_shared_plan(ctx, g, s, fut, capacity, overlap) for g, s in shared]
+    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers, ctx.overlap)
+    plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
     spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
     order = priority.priority_order(levels)
     bounds, shared = priority.chunk_bounds(n, sizes), [p for p, _ in plans]
     return Plan(rows, all_ids, order, bounds, shared, fut[0]), spill
 
 
-def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int, overlap: bool):
+def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
     """``(Shared, spill)``: the shared positions batch t+1 reads go first (at most
     ``capacity`` of them, else ``spill``), the others late, in next-use order."""
     levels = priority.next_use_levels(ids, future)  # the same on every worker
     n = ids.shape[0]
-    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers, overlap)
+    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers, ctx.overlap)
     chunk_bounds = priority.chunk_bounds(n, sizes)
     plan = Shared(g, ids, priority.priority_order(levels), chunk_bounds)
     return plan, priority.overflows(levels, capacity)

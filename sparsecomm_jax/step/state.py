@@ -79,6 +79,8 @@ class TrainStep(NamedTuple):
       table_update: the name of the tables' ``TableUpdate`` (``"dense"``, ``"rows"``).
       capacity_slots: per entry of a placed batch's ``capacity``, the table's name and
         what one slot holds (``placement.overflow_message``).
+      runs_as: the table strategy whose step was built: ``strategy``'s, or ``"embrace"``
+        where ``embrace_2d`` cannot overlap collectives with compute (as on XLA:CPU).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -90,6 +92,7 @@ class TrainStep(NamedTuple):
     per_device_state: bool = False
     table_update: str = "dense"
     capacity_slots: tuple = ()
+    runs_as: str = ""
 
 
 class StepContext(NamedTuple):
@@ -117,6 +120,10 @@ class StepContext(NamedTuple):
       table_update: ``embedding.update.DENSE`` or ``ROWS``.
       wire: the dtype embedding rows (and the dense layers' mean, with a table
         strategy) travel in.
+      overlap: whether a program's collectives can run beside its compute on ``mesh``
+        (``priority.collectives_overlap``: not on XLA:CPU). The pipelined step's cost
+        model reads it: without overlap it sends its late rows in one chunk, and
+        ``embrace_2d`` runs as ``embrace`` (``registry.Strategy.serial``).
     """
 
     loss_fn: LossFn
@@ -134,6 +141,7 @@ class StepContext(NamedTuple):
     nonfinite: str
     table_update: TableUpdate
     wire: Any
+    overlap: bool
 
     @property
     def num_workers(self) -> int:

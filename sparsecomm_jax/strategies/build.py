@@ -32,6 +32,7 @@ from sparsecomm_jax.embedding import layouts, row_optimizers, update
 from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.tables import Table, TablePaths, find_tables, table_mask
 from sparsecomm_jax.embedding.update import TableUpdate
+from sparsecomm_jax.schedule import priority
 from sparsecomm_jax.step import placement
 from sparsecomm_jax.step.placement import PlacedBatch, first_replica
 from sparsecomm_jax.step.state import Batch, LossFn, PyTree, StepContext, TrainState, TrainStep
@@ -45,6 +46,8 @@ NONFINITE = ("skip", "error", "off")
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
+    if strategy.serial is not None and not ctx.overlap:  # one chunk: nothing to pipeline
+        strategy = strategy.serial
     state, specs = placement.place_state(ctx, pad=strategy.any_layout)
     step = strategy.step(ctx, specs)
     policies = (
@@ -60,6 +63,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         strategy=strategy.name,
         lookahead=strategy.lookahead,
         capacity_slots=_capacity_slots(ctx, policies),
+        runs_as=strategy.name,
     )
 
 
@@ -97,6 +101,7 @@ def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         host_params=lambda s: jax.tree.map(first_replica, s.params),
         strategy=strategy.name,
         per_device_state=True,
+        runs_as=strategy.name,
     )
 
 
@@ -327,6 +332,7 @@ def make_train_step(
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
+    collectives_overlap: bool | None = None,
     **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
@@ -357,7 +363,7 @@ def make_train_step(
         or a list of them), which also checks nothing else.
       capacity: slots of a layout's static buffers per table (``embrace_rowwise``: per
         (worker, owner) bucket; ``embrace``: distinct rows per worker; ``embrace_2d``:
-        first-chunk positions); ``None`` sizes them per batch (a new program when one
+        first-chunk positions, or as ``embrace`` where it runs as ``embrace``); ``None`` sizes them per batch (a new program when one
         grows); a fixed value too small for a batch raises ``ValueError``.
       density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
       nonfinite: what a step does when a gradient or residual holds NaN/Inf on any
@@ -381,6 +387,12 @@ def make_train_step(
         ``sparse_allgather``, ``embrace`` and ``embrace_rowwise``; the tables it leaves
         out keep the strategy's layout. A planner's plan (``planner.plan_tables``) is
         such a mapping.
+      collectives_overlap: whether the step's collectives can run beside its compute;
+        ``None`` asks the platform (``priority.collectives_overlap``: not on XLA:CPU).
+        ``embrace_2d``'s pipelined schedule only pays where they can: without overlap
+        its cost model sends every row in one chunk, which is ``embrace``'s step (same
+        losses, no lookahead); ``True`` builds the pipelined program anyway (to study
+        or test it on CPU).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -408,6 +420,7 @@ def make_train_step(
         table_update=table_update,
         comm_dtype=comm_dtype,
         table_layouts=table_layouts,
+        collectives_overlap=collectives_overlap,
         **aggregator_options,
     )
     built = ENGINES[name.strategy.engine](ctx, name.strategy)
@@ -431,6 +444,7 @@ def make_context(
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
+    collectives_overlap: bool | None = None,
     **aggregator_options: Any,
 ) -> StepContext:
     """Every argument of ``make_train_step`` checked, as the ``StepContext`` a step is
@@ -471,4 +485,9 @@ def make_context(
         nonfinite=nonfinite,
         table_update=table_update,
         wire=wire.wire_dtype(comm_dtype),
+        overlap=(
+            priority.collectives_overlap(mesh)
+            if collectives_overlap is None
+            else bool(collectives_overlap)
+        ),
     )

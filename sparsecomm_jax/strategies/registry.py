@@ -50,6 +50,11 @@ class Strategy(NamedTuple):
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
       any_layout: each table may have a layout of its own (``table_layouts``): its
         step reads every table through the table's layout.
+      serial: the strategy whose step it runs where a program's collectives cannot
+        overlap its compute (``StepContext.overlap`` false, as on XLA:CPU), or ``None``.
+        ``embrace_2d``'s chunks and early fetches only pay by hiding communication
+        behind compute; where nothing can hide, its cost model sends every row in one
+        chunk after the backward pass, and that schedule is ``embrace``'s step.
     """
 
     name: str
@@ -62,7 +67,17 @@ class Strategy(NamedTuple):
     engine: str = "shard_map"
     row_updates: bool = False
     any_layout: bool = False
+    serial: Strategy | None = None
 
+
+EMBRACE = Strategy(
+    "embrace",
+    bodies.shard_map_step(bodies.table_body),
+    layout=COLUMN,
+    needs_tables=True,
+    row_updates=True,
+    any_layout=True,
+)
 
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
@@ -78,14 +93,7 @@ STRATEGIES: dict[str, Strategy] = {
             row_updates=True,
             any_layout=True,
         ),
-        Strategy(
-            "embrace",
-            bodies.shard_map_step(bodies.table_body),
-            layout=COLUMN,
-            needs_tables=True,
-            row_updates=True,
-            any_layout=True,
-        ),
+        EMBRACE,
         Strategy(
             "embrace_rowwise",
             bodies.shard_map_step(bodies.table_body),
@@ -102,6 +110,7 @@ STRATEGIES: dict[str, Strategy] = {
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
+            serial=EMBRACE,
         ),
     )
 }
