@@ -111,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = summarize(results)
         print(format_table(rows))
         for r in results:
-            if r.get("runs_as", r["strategy"]) != parse_strategy(r["strategy"]).tables:
+            runs_as = r.get("runs_as", r["strategy"])
+            if runs_as != str(parse_strategy(r["strategy"])):
                 print(
-                    f"{r['strategy']} ran as {r['runs_as']}: this platform cannot overlap a "
+                    f"{r['strategy']} ran as {runs_as}: this platform cannot overlap a "
                     "program's collectives with its compute, so its pipelined schedule "
                     "could only lose (--collectives-overlap yes builds it anyway)"
                 )

@@ -216,9 +216,9 @@ class RunConfig:
     )
     collectives_overlap: str = _field(
         "auto",
-        "whether the step's collectives can run beside its compute: auto asks the "
-        "platform (not on CPU, where embrace_2d's pipeline can only lose and it runs as "
-        "embrace), yes builds embrace_2d's pipelined program anyway",
+        "whether the step's collectives can run beside its compute (read by embrace_2d "
+        "only): auto asks the platform (not on CPU, where the pipeline can only lose and "
+        "embrace_2d runs as embrace), yes builds its pipelined program anyway, no never",
         choices=("auto", "yes", "no"),
     )
     calibrate: bool = _field(
@@ -274,7 +274,8 @@ class RunConfig:
 
 
 # Fields that may change between a run and its resumption (the device count too:
-# the global batch, and so the losses, do not depend on it).
+# the global batch, and so the losses, do not depend on it; collectives_overlap:
+# embrace_2d pipelined or as embrace, the same losses to float rounding).
 NOT_TRAJECTORY = frozenset(
     {
         "devices",

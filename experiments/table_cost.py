@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         {
             "strategy": args.strategy,
+            "collectives_overlap": args.collectives_overlap,  # embrace_2d: which program
             "vocab": v,
             "table_update": u,
             "step_time_s": statistics.median(times[(v, u)]),

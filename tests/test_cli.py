@@ -57,7 +57,8 @@ def test_overlapped_step_from_the_command_line():
     """``--overlap``: embrace_2d across steps (two programs), the same losses as the
     pipelined step, the bytes of its ``high`` and ``low`` programs together."""
     small = dict(SMALL, sampled_softmax=8, optimizer="sgd", lr=0.5)
-    one = train_and_evaluate(RunConfig(strategy="embrace_2d", **small), progress=False)
+    piped = RunConfig(strategy="embrace_2d", collectives_overlap="yes", **small)
+    one = train_and_evaluate(piped, progress=False)
     two = train_and_evaluate(RunConfig(strategy="embrace_2d", overlap=True, **small), False)
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
     assert two["overlap"] and two["comm_bytes_per_step"] > 0

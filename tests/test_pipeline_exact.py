@@ -206,9 +206,9 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
 @pytest.mark.parametrize("asked", ["platform", "no"])
 def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
     """Where a program's collectives cannot overlap its compute (this CPU mesh, asked
-    of the platform or said), ``embrace_2d``'s cost model sends every row in one chunk:
-    the step is ``embrace``'s, the same compiled collectives and bitwise the same
-    losses, with no lookahead; ``collectives_overlap=True`` builds the pipeline."""
+    of the platform or said), ``embrace_2d``'s pipelined program is not built: the step
+    is ``embrace``'s, the same compiled collectives and bitwise the same losses, with no
+    lookahead; ``collectives_overlap=True`` builds the pipeline."""
     from sparsecomm_jax.comm import hlo
 
     monkeypatch.setattr(priority, "collectives_overlap", CPU_PROBE)
@@ -216,7 +216,11 @@ def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
     w = _alternating()
     kw = {} if asked == "platform" else {"collectives_overlap": False}
     serial, ref = _make_2d(w, **kw), _make_2d(w, "embrace")
-    assert serial.lookahead == 0 and _make_2d(w, collectives_overlap=True).lookahead > 0
+    piped = _make_2d(w, collectives_overlap=True)
+    assert (serial.strategy, serial.runs_as, serial.lookahead) == ("embrace_2d", "embrace", 0)
+    assert (piped.runs_as, piped.lookahead) == ("embrace_2d", priority.LOOKAHEAD)
+    combined = _make_2d(w, "embrace_2d+topk_a2a", density=0.5, **kw)
+    assert combined.runs_as == "embrace+topk_a2a"
 
     def kinds(ts):
         batch = sc.place_for_step(ts, w.batch_at, 0, 4)
@@ -228,3 +232,30 @@ def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
     ref_losses, want = _run(w, "embrace", 4, w.init(jax.random.key(1)))
     np.testing.assert_array_equal(losses, ref_losses)
     assert_trees_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_embrace_2d_refuses_the_same_models_either_way(monkeypatch, overlap):
+    """The one-exchange form keeps ``embrace_2d``'s rules, so a model that trains on
+    CPU trains on an accelerator: a full softmax over a table (``emb.attend``) and a
+    table whose D does not divide by P are refused with or without overlap."""
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(priority, "collectives_overlap", CPU_PROBE)
+    kw = dict(embedding_paths=[("t",)], collectives_overlap=overlap)
+    mesh, opt = runtime.data_mesh(4), optax.sgd(0.1)
+    batch = {"ids": np.arange(8, dtype=np.int32).reshape(4, 2)}
+
+    def attend_loss(p, b, emb):
+        h = emb.lookup(p["t"], b["ids"]).mean(axis=1)
+        return jnp.mean(emb.attend(p["t"], h))
+
+    ts = sc.make_train_step(attend_loss, opt, mesh, {"t": jnp.ones((16, 8))}, "embrace_2d", **kw)
+    with pytest.raises(ValueError, match="embrace_2d needs tables that are read by lookups"):
+        ts.step(ts.state, sc.place_for_step(ts, lambda i: batch, 0, 1))
+
+    def loss(p, b, emb):
+        return jnp.mean(emb.lookup(p["t"], b["ids"]))
+
+    with pytest.raises(ValueError, match=r"D \(columns\) = 6, not divisible by the 4"):
+        sc.make_train_step(loss, opt, mesh, {"t": jnp.ones((16, 6))}, "embrace_2d", **kw)

@@ -195,16 +195,13 @@ def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
 
 @pytest.mark.parametrize("n, first", [(1000, 100), (37, 37), (500, 0), (9, 3)])
 def test_late_capacities_cover_every_position(n, first):
-    """Chunk sizes in priority order: ``first``, then late chunks that hold every other
-    position, at most ``MAX_LATE_CHUNKS`` of them where collectives overlap compute, one
-    where they cannot."""
-    for overlap in (True, False):
-        sizes = schedule.late_capacities(n, first, 512, 4, overlap)
-        late = sizes[1:]
-        assert sizes[0] == first and sum(late) >= n - first
-        assert all(c > 0 for c in late) and sum(late[:-1]) < max(1, n - first)
-        assert len(late) <= (schedule.MAX_LATE_CHUNKS if overlap else 1)
-    assert schedule.late_capacities(1000, 100, 512, 4, False) == [100, 900]
+    """Chunk sizes in priority order: ``first``, then at most ``MAX_LATE_CHUNKS`` late
+    chunks that hold every other position, none of them needless."""
+    sizes = schedule.late_capacities(n, first, 512, 4)
+    late = sizes[1:]
+    assert sizes[0] == first and sum(late) >= n - first
+    assert all(c > 0 for c in late) and sum(late[:-1]) < max(1, n - first)
+    assert len(late) <= schedule.MAX_LATE_CHUNKS
 
 
 def test_table_reads_count_every_read_of_a_tied_table():

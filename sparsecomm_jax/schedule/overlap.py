@@ -223,7 +223,7 @@ def late_plan(ctx: StepContext, pending: Pending, i: int, capacity: int, last: b
     num = ctx.num_workers
 
     def bounds(n, width):
-        sizes = [n] if last else priority.late_capacities(n, capacity, width, num, True)
+        sizes = [n] if last else priority.late_capacities(n, capacity, width, num)
         return priority.chunk_bounds(n, sizes)
 
     rows = pending.rows[i]  # float[n, D]

@@ -8,8 +8,7 @@ tables:
    aggregator; each table's gradient rows travel in priority chunks, position by
    position (the shared negatives' too): first the positions batch t+1 reads (every
    table's first chunk before any later one), then those t+2 reads, t+3, ..., in late
-   chunks sized by the alpha-beta cost model (``priority.late_capacities``; one late
-   chunk where the program's collectives cannot overlap its compute, as on XLA:CPU);
+   chunks sized by the alpha-beta cost model (``priority.late_capacities``);
 2. **early update**: the optimizer on the row view of the first chunk alone gives the
    update of the rows batch t+1 reads (exact for optimizers that treat rows
    independently: all of those rows' gradient is in the first chunk);
@@ -25,10 +24,11 @@ dependency on the table exchange, so an accelerator's scheduler may overlap them
 
 The schedule pays only by hiding communication behind compute. Where a program's
 collectives cannot run beside its compute (``StepContext.overlap`` false: XLA:CPU runs
-a program's thunks one after the other), the chunks, the early update and the second
-fetch can only add time; the cost model then sends every row in one chunk after the
-backward pass, which is ``embrace``'s step, and ``make_train_step`` builds that
-(``registry.Strategy.serial``; ``collectives_overlap=True`` builds this program anyway).
+a program's thunks one after the other), the early chunk, the early update and the
+second fetch can only add time, so ``make_train_step`` does not build this program
+there: ``embrace``'s step runs, every row in one exchange after the backward pass,
+under this strategy's rules (``registry.Strategy.serial``; ``collectives_overlap=True``
+builds this program anyway).
 
 References:
     Li et al., "EmbRace", ICPP 2022, section 4.
@@ -132,7 +132,7 @@ def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int
     fut = _future_ids(future, i, axis)
     levels = priority.next_use_levels(all_ids, fut)
     spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
-    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers, ctx.overlap)
+    sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers)
     plans = [_shared_plan(ctx, g, s, fut, capacity) for g, s in shared]
     spill = functools.reduce(jnp.logical_or, [s for _, s in plans], spill)
     order = priority.priority_order(levels)
@@ -145,7 +145,7 @@ def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
     ``capacity`` of them, else ``spill``), the others late, in next-use order."""
     levels = priority.next_use_levels(ids, future)  # the same on every worker
     n = ids.shape[0]
-    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers, ctx.overlap)
+    sizes = priority.late_capacities(n, capacity, g.shape[1], ctx.num_workers)
     chunk_bounds = priority.chunk_bounds(n, sizes)
     plan = Shared(g, ids, priority.priority_order(levels), chunk_bounds)
     return plan, priority.overflows(levels, capacity)

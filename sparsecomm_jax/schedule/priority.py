@@ -146,21 +146,15 @@ PRIORITY_CAPACITY = CapacityPolicy(
 )
 
 
-def late_capacities(
-    n: int, first: int, width: int, workers: int, overlap: bool = True
-) -> list[int]:
+def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
     """Chunk sizes in priority order: ``first``, then late chunks of at least
-    ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``. Where
-    nothing runs beside a collective (``overlap`` False: ``collectives_overlap``), a
-    chunk can hide nothing and each one more costs (P-1) message latencies: the late
-    rows go as one chunk.
+    ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``. (Where
+    nothing can run beside a collective the pipelined step is not built at all:
+    ``collectives_overlap``.)
 
-    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225]
-    (without overlap: [100, 900]).
+    Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
     """
     rest = max(0, n - first)
-    if not overlap:
-        return [first] + ([rest] if rest else [])
     link_rows = late_chunk_rows(LINK, 4 * width, workers)
     size = max(1, link_rows, -(-rest // MAX_LATE_CHUNKS))
     return [first] + [size] * (-(-rest // size))
@@ -169,7 +163,8 @@ def late_capacities(
 def collectives_overlap(mesh) -> bool:
     """Whether one program's collectives can run beside its compute on ``mesh``'s
     devices: not on XLA:CPU, which runs a program's thunks one after the other (two
-    programs on two host threads can: ``schedule.overlap``)."""
+    programs on two host threads can: ``schedule.overlap``). Where they cannot,
+    ``embrace_2d`` runs as ``embrace`` (``registry.Strategy.serial``)."""
     return mesh.devices.flat[0].platform != "cpu"
 
 

@@ -79,8 +79,9 @@ class TrainStep(NamedTuple):
       table_update: the name of the tables' ``TableUpdate`` (``"dense"``, ``"rows"``).
       capacity_slots: per entry of a placed batch's ``capacity``, the table's name and
         what one slot holds (``placement.overflow_message``).
-      runs_as: the table strategy whose step was built: ``strategy``'s, or ``"embrace"``
-        where ``embrace_2d`` cannot overlap collectives with compute (as on XLA:CPU).
+      runs_as: the strategy whose step was built, as a full name: ``strategy`` itself,
+        but ``"embrace"`` for ``"embrace_2d"`` (``"embrace+topk_a2a"`` for
+        ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -121,9 +122,8 @@ class StepContext(NamedTuple):
       wire: the dtype embedding rows (and the dense layers' mean, with a table
         strategy) travel in.
       overlap: whether a program's collectives can run beside its compute on ``mesh``
-        (``priority.collectives_overlap``: not on XLA:CPU). The pipelined step's cost
-        model reads it: without overlap it sends its late rows in one chunk, and
-        ``embrace_2d`` runs as ``embrace`` (``registry.Strategy.serial``).
+        (``priority.collectives_overlap``: not on XLA:CPU); without it ``embrace_2d``
+        runs as ``embrace`` (``registry.Strategy.serial``).
     """
 
     loss_fn: LossFn

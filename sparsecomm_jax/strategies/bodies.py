@@ -90,6 +90,23 @@ def table_body(ctx: StepContext) -> Body:
     return body
 
 
+def lookups_only(body_fn: Callable[[StepContext], Body], error: str):
+    """``body_fn`` that refuses, with ``error``, a loss reading a whole table
+    (``emb.attend``): a strategy standing in for one that cannot serve such a read
+    keeps its rules (``embrace`` as ``embrace_2d``'s one-chunk form)."""
+
+    def build(ctx: StepContext) -> Body:
+        body = body_fn(ctx)
+
+        def checked(state: TrainState, batch: PlacedBatch) -> Gradients:
+            ctx.reads(state.params, batch.data, error)  # raises on a full-table read
+            return body(state, batch)
+
+        return checked
+
+    return build
+
+
 def shard_map_step(body_fn: Callable[[StepContext], Body]):
     """A strategy's ``step(ctx, specs)`` from a body: ``jax.shard_map`` of the body (its
     ``Gradients`` out), then the optimizer on global arrays (``apply_gradients``)."""

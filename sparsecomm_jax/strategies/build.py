@@ -363,8 +363,9 @@ def make_train_step(
         or a list of them), which also checks nothing else.
       capacity: slots of a layout's static buffers per table (``embrace_rowwise``: per
         (worker, owner) bucket; ``embrace``: distinct rows per worker; ``embrace_2d``:
-        first-chunk positions, or as ``embrace`` where it runs as ``embrace``); ``None`` sizes them per batch (a new program when one
-        grows); a fixed value too small for a batch raises ``ValueError``.
+        first-chunk positions, or as ``embrace`` where it runs as ``embrace``); ``None``
+        sizes them per batch (a new program when one grows); a fixed value too small
+        for a batch raises ``ValueError``.
       density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
       nonfinite: what a step does when a gradient or residual holds NaN/Inf on any
         worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
@@ -390,9 +391,10 @@ def make_train_step(
       collectives_overlap: whether the step's collectives can run beside its compute;
         ``None`` asks the platform (``priority.collectives_overlap``: not on XLA:CPU).
         ``embrace_2d``'s pipelined schedule only pays where they can: without overlap
-        its cost model sends every row in one chunk, which is ``embrace``'s step (same
-        losses, no lookahead); ``True`` builds the pipelined program anyway (to study
-        or test it on CPU).
+        ``embrace``'s step runs instead (every row in one exchange after the backward
+        pass; the same losses to float rounding, no lookahead; ``embrace_2d``'s rules
+        still hold: tables read by lookups only, sizes divisible by P). ``True`` builds
+        the pipelined program anyway (to study or test it on CPU).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -424,7 +426,11 @@ def make_train_step(
         **aggregator_options,
     )
     built = ENGINES[name.strategy.engine](ctx, name.strategy)
-    return built._replace(strategy=str(strategy), table_update=ctx.table_update.name)
+    return built._replace(
+        strategy=str(strategy),
+        table_update=ctx.table_update.name,
+        runs_as=str(name._replace(tables=built.runs_as)),  # the table half may differ
+    )
 
 
 def make_context(

@@ -52,9 +52,10 @@ class Strategy(NamedTuple):
         step reads every table through the table's layout.
       serial: the strategy whose step it runs where a program's collectives cannot
         overlap its compute (``StepContext.overlap`` false, as on XLA:CPU), or ``None``.
-        ``embrace_2d``'s chunks and early fetches only pay by hiding communication
-        behind compute; where nothing can hide, its cost model sends every row in one
-        chunk after the backward pass, and that schedule is ``embrace``'s step.
+        ``embrace_2d``'s early chunk, early update and second fetch only pay by hiding
+        communication behind compute; where nothing can hide, its pipelined program is
+        not built and ``embrace``'s step runs (every row in one exchange after the
+        backward pass), under ``embrace_2d``'s rules (lookups only, no padding).
     """
 
     name: str
@@ -70,13 +71,13 @@ class Strategy(NamedTuple):
     serial: Strategy | None = None
 
 
-EMBRACE = Strategy(
+# embrace_2d where nothing can overlap: embrace's step, refusing what the pipeline refuses
+SERIAL_2D = Strategy(
     "embrace",
-    bodies.shard_map_step(bodies.table_body),
+    bodies.shard_map_step(bodies.lookups_only(bodies.table_body, pipeline.NO_ATTEND_2D)),
     layout=COLUMN,
     needs_tables=True,
     row_updates=True,
-    any_layout=True,
 )
 
 STRATEGIES: dict[str, Strategy] = {
@@ -93,7 +94,14 @@ STRATEGIES: dict[str, Strategy] = {
             row_updates=True,
             any_layout=True,
         ),
-        EMBRACE,
+        Strategy(
+            "embrace",
+            bodies.shard_map_step(bodies.table_body),
+            layout=COLUMN,
+            needs_tables=True,
+            row_updates=True,
+            any_layout=True,
+        ),
         Strategy(
             "embrace_rowwise",
             bodies.shard_map_step(bodies.table_body),
@@ -110,7 +118,7 @@ STRATEGIES: dict[str, Strategy] = {
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
-            serial=EMBRACE,
+            serial=SERIAL_2D,
         ),
     )
 }
