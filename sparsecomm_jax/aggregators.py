@@ -69,11 +69,12 @@ class Aggregator(NamedTuple):
       init: ``init(params) -> state`` (local shapes).
       update: ``update(grads, state) -> (mean_grads, state)``.
       update_carrying: ``update_carrying(grads, state, extra) -> (mean_grads, state,
-        every)``: ``update`` that also carries this worker's float32[k] ``extra`` to
-        every worker within its own collectives (``every``: float32[P, k], replicated);
+        every, state_ok)``: ``update`` that also carries this worker's float32[k]
+        ``extra`` to every worker within its own collectives (``every``: float32[P, k],
+        replicated); ``state_ok``: bool[], the same on every worker: no worker's new
+        state holds a NaN or Inf (a per-worker state's flag travels with ``extra``).
         ``None`` when it cannot (a step then reduces its scalars by an all-reduce of
-        their own). Only for aggregators whose state is the same on every worker (the
-        step checks it where it is, without another collective).
+        their own).
     """
 
     init: Callable[[PyTree], PyTree]
@@ -131,12 +132,12 @@ def flat_allreduce(axis_name: str = "data", comm_dtype: str = "float32") -> Aggr
         )
         total, every = wire.psum_carrying(flat, extra, axis_name, dtype)
         out = fusion.unpack(total / jax.lax.axis_size(axis_name), leaves, bucket)
-        return treedef.unflatten([out[i] for i in bucket]), state, every
+        return treedef.unflatten([out[i] for i in bucket]), state, every, jnp.array(True)
 
     def update(grads, state):
         if not jax.tree.leaves(grads):
             return grads, state
-        mean, state, _ = update_carrying(grads, state, jnp.zeros(0, jnp.float32))
+        mean, state, *_ = update_carrying(grads, state, jnp.zeros(0, jnp.float32))
         return mean, state
 
     return Aggregator(lambda params: EmptyState(), update, update_carrying)
@@ -214,35 +215,58 @@ def _checked(density: float, selector: str | Selector) -> Selector:
     return selectors.get(selector)
 
 
-def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes):
+def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, carries: bool = False):
     """The shared skeleton: residual add, fusion, one ``exchange`` per bucket.
 
     ``exchange(parts) -> (total, kept)``: ``parts`` are the bucket's flattened leaves,
     read as one vector of d entries; ``total`` is the sum over workers of what is sent
     (float[d]) and ``kept`` what this worker keeps in its residual, one array per part.
+    With ``carries``, ``exchange(parts, extra) -> (total, kept, every)`` also carries
+    float32[m] ``extra`` to every worker (float32[P, m]), and the aggregator gets an
+    ``update_carrying``: the step's scalars and this worker's non-finite flag ride the
+    last bucket's exchange. The flag is taken on ``acc = grad + residual``: what a
+    worker sends and keeps are entries of ``acc`` (or zeros), so both are finite
+    exactly when ``acc`` is.
     """
 
     def init(params):
         return ErrorFeedbackState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
 
-    def update(grads, state):
+    def run(grads, state, extra=None):
         check_float_grads(grads)
         check_per_worker(grads, axis_name)
         leaves, treedef = jax.tree.flatten(grads)
         acc = [g + r for g, r in zip(leaves, treedef.flatten_up_to(state.residual), strict=True)]
+        if extra is not None:  # + this worker's flag: is any entry of acc NaN or Inf?
+            bad = [~jnp.all(jnp.isfinite(a)) for a in acc]
+            bad = jnp.any(jnp.stack(bad)) if bad else jnp.array(False)
+            extra = jnp.concatenate([extra.astype(jnp.float32), bad.astype(jnp.float32)[None]])
         num = jax.lax.axis_size(axis_name)
-        mean, residual = {}, {}
-        for bucket in fusion.plan_buckets([a.size for a in acc], bucket_bytes):
-            total, kept = exchange(fusion.parts(acc, bucket))  # d entries in all
+        buckets = fusion.plan_buckets([a.size for a in acc], bucket_bytes)
+        mean, residual, every = {}, {}, None
+        for b, bucket in enumerate(buckets):
+            parts = fusion.parts(acc, bucket)  # d entries in all
+            if extra is not None and b == len(buckets) - 1:
+                total, kept, every = exchange(parts, extra)
+            else:
+                total, kept = exchange(parts)
             mean.update(fusion.unpack(total / num, leaves, bucket))
             residual.update({i: kept[j].reshape(acc[i].shape) for j, i in enumerate(bucket)})
+        if extra is not None and every is None:  # no gradients: the scalars travel alone
+            every = jax.lax.all_gather(extra, axis_name, to="invarying")
         order = range(len(leaves))
-        return (
-            treedef.unflatten([mean[i] for i in order]),
-            ErrorFeedbackState(treedef.unflatten([residual[i] for i in order])),
-        )
+        mean = treedef.unflatten([mean[i] for i in order])
+        return mean, ErrorFeedbackState(treedef.unflatten([residual[i] for i in order])), every
 
-    return Aggregator(init=init, update=update)
+    def update(grads, state):
+        mean, state, _ = run(grads, state)
+        return mean, state
+
+    def update_carrying(grads, state, extra):
+        mean, state, every = run(grads, state, extra)
+        return mean, state, every[:, :-1], every[:, -1].sum() == 0  # the flags of acc
+
+    return Aggregator(init, update, update_carrying if carries else None)
 
 
 def _on_flat(exchange: Callable) -> Callable:
@@ -260,11 +284,14 @@ def allgather_exchange(
 ) -> Callable:
     """``parts -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
 
-    def exchange(parts):
+    def exchange(parts, extra=None):
         d = sum(p.shape[0] for p in parts)
         k = selectors.num_selected(density, d)
         values, indices, kept = selectors.select_parts(selector, parts, k)
-        return collectives.topk_allgather(values, indices, d, axis_name), kept
+        if extra is None:
+            return collectives.topk_allgather(values, indices, d, axis_name), kept
+        total, every = collectives.topk_allgather_carrying(values, indices, d, axis_name, extra)
+        return total, kept, every
 
     return exchange
 
@@ -273,13 +300,16 @@ def a2a_exchange(density: float, axis_name: str, selector: Selector = selectors.
     """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
     the P shards by their real entries (``topk.shards.shard_slots``)."""
 
-    def exchange(parts):
+    def exchange(parts, extra=None):
         num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
         k = selectors.num_selected(density, d)
         values, local, kept = shards.shard_select_parts(selector, parts, k, num)
         size = num * -(-d // num)  # the shards of ceil(d/P), padding included
-        total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
-        return shards.from_shards(total.reshape(num, -1), d), kept
+        if extra is None:
+            total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
+            return shards.from_shards(total.reshape(num, -1), d), kept
+        total, every = collectives.topk_a2a_carrying(values, local, size, axis_name, extra)
+        return shards.from_shards(total.reshape(num, -1), d), kept, every
 
     return exchange
 
@@ -324,7 +354,7 @@ def topk_allgather(
     """
     selector = _checked(density, selector)
     exchange = allgather_exchange(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes)
+    return _error_feedback(exchange, axis_name, bucket_bytes, carries=True)
 
 
 def topk_a2a(
@@ -344,7 +374,7 @@ def topk_a2a(
     """
     selector = _checked(density, selector)
     exchange = a2a_exchange(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes)
+    return _error_feedback(exchange, axis_name, bucket_bytes, carries=True)
 
 
 def gtopk(

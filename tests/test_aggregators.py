@@ -357,7 +357,8 @@ def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
     mesh = runtime.data_mesh(N)
 
     def carrying(x, e):
-        mean, _, every = agg.update_carrying({"g": x[0]}, aggregators.EmptyState(), e[0])
+        mean, _, every, ok = agg.update_carrying({"g": x[0]}, aggregators.EmptyState(), e[0])
+        assert ok.shape == () and ok.dtype == jnp.bool_
         return mean["g"][None], every[None]
 
     def plain(x, e):  # the mean by wire.psum: the all-to-all and all-gather, no extra
@@ -376,3 +377,56 @@ def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
         np.testing.assert_array_equal(every[w], extra)
     kinds = sorted(c.kind for c in hlo.parse_collectives(fn.lower(*args).compile().as_text()))
     assert kinds == ["all-gather", "all-to-all"]
+
+
+@pytest.mark.parametrize("name", ["topk_allgather", "topk_a2a"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_topk_carries_every_workers_scalars_in_its_own_collectives(name, dtype):
+    """``update_carrying`` of the top-k aggregators: bit for bit the mean and residual
+    of ``update``, every worker's float32 scalars at every worker exactly, in the same
+    collectives (no all-reduce of their own), two buckets (the scalars ride the last);
+    ``state_ok`` is false on every worker when one worker's ``grad + residual`` holds a
+    NaN (what it sends or keeps), true otherwise. check_vma on."""
+    rng = np.random.default_rng()
+    g = rng.normal(size=(N, 300)).astype(np.float32)
+    r = (0.1 * rng.normal(size=(N, 300))).astype(np.float32)
+    extra = (rng.normal(size=(N, 3)) * np.pi).astype(np.float32)
+    agg = aggregators.AGGREGATORS[name](0.1, "data", bucket_bytes=600)  # two buckets
+    mesh = runtime.data_mesh(N)
+
+    def state_of(x):
+        return aggregators.ErrorFeedbackState({"a": x[0, :200], "b": x[0, 200:]})
+
+    def grads_of(x):
+        return {"a": x[0, :200].astype(dtype), "b": x[0, 200:].astype(dtype)}
+
+    def carrying(x, res, e):
+        mean, new, every, ok = agg.update_carrying(grads_of(x), state_of(res), e[0])
+        flat = jnp.concatenate([mean["a"], mean["b"]]).astype(jnp.float32)
+        kept = jnp.concatenate([new.residual["a"], new.residual["b"]])
+        return flat[None], kept[None], every[None], ok[None]
+
+    def plain(x, res, e):
+        mean, new = agg.update(grads_of(x), state_of(res))
+        flat = jnp.concatenate([mean["a"], mean["b"]]).astype(jnp.float32)
+        return flat[None], jnp.concatenate([new.residual["a"], new.residual["b"]])[None]
+
+    spec = P("data")
+    fn = jax.jit(jax.shard_map(carrying, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 4))
+    ref = jax.jit(jax.shard_map(plain, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 2))
+    for poisoned in (False, True):
+        if poisoned:
+            g[5, 17] = np.nan
+        args = [runtime.put_global(x, mesh, spec) for x in (g, r, extra)]
+        mean, kept, every, ok = (np.asarray(x) for x in fn(*args))
+        want_mean, want_kept = (np.asarray(x) for x in ref(*args))
+        np.testing.assert_array_equal(mean, want_mean)
+        np.testing.assert_array_equal(kept, want_kept)
+        for w in range(N):
+            np.testing.assert_array_equal(every[w], extra)
+        assert ok.tolist() == [not poisoned] * N
+
+    def kinds(f):
+        return sorted(c.kind for c in hlo.parse_collectives(f.lower(*args).compile().as_text()))
+
+    assert kinds(fn) == kinds(ref)

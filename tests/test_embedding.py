@@ -232,6 +232,18 @@ def _dense_mean_bytes(ts, workers):
     return 2 * (workers - 1) / workers * padded * 4
 
 
+@pytest.mark.parametrize(
+    "strategy, all_reduces",
+    [("topk_a2a", 0), ("topk_allgather", 0), ("embrace+topk_a2a", 0), ("gtopk", 1)],
+)
+def test_topk_steps_carry_their_scalars(strategy, all_reduces):
+    """The loss and the finite flags ride the top-k aggregators' last all-gather
+    (``topk_a2a``, ``topk_allgather``): no all-reduce of their own; ``gtopk`` (pairwise
+    rounds, no all-gather to ride) and ``adaptive`` keep one."""
+    ts, colls = _program(strategy, N, batch=4 * N)
+    assert len([c for c in colls if c.kind == "all-reduce"]) == all_reduces
+
+
 def test_embrace_program_bytes():
     """One all-gather of the ids of every lookup, one all-to-all of each worker's distinct
     rows each way (every table, the shared negatives too), the dense layers' mean."""

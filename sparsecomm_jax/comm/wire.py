@@ -117,8 +117,23 @@ def psum_carrying(x, extra, axis: str, wire=F32):
       ``(sum shaped like x, float32[P, k] every worker's extra in worker order)``.
     """
     mine = _my_slice_summed(x, axis, wire)  # float[d/P]
+    sums, every = gather_carrying(mine, extra, axis, wire)  # float[P*d/P], float[P, k]
+    return sums[: x.size].reshape(x.shape), every
+
+
+def gather_carrying(x, extra, axis: str, wire=F32):
+    """Tiled all-gather of float[n] ``x`` in ``wire`` (back in float32, typed
+    replicated), with every worker's float32 ``extra`` as raw bits at the end of its
+    share: the scalars of a step travel in a collective it makes anyway.
+
+    Per worker (P=2): before w0 ``x=[1], extra=[a]``, w1 ``x=[2], extra=[b]``; after
+    both ``([1, 2], [[a], [b]])``.
+
+    Returns:
+      ``(float32[P*n], float32[P, k])``.
+    """
     bits = as_wire_bits(extra, wire)  # [k] or uint16[2k]
-    share = jnp.concatenate([send(mine, wire), bits])  # [d/P + bits]
-    every = jax.lax.all_gather(share, axis, to="invarying")  # [P, d/P + bits]
-    sums = receive(every[:, : mine.shape[0]], wire).reshape(-1)[: x.size].reshape(x.shape)
-    return sums, from_wire_bits(every[:, mine.shape[0] :], wire)
+    share = jnp.concatenate([send(x, wire), bits])  # [n + bits]
+    every = jax.lax.all_gather(share, axis, to="invarying")  # [P, n + bits]
+    n = x.shape[0]
+    return receive(every[:, :n], wire).reshape(-1), from_wire_bits(every[:, n:], wire)

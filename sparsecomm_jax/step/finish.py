@@ -105,10 +105,10 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     all-gather instead of an all-reduce of their own (one collective fewer per step).
 
     Each worker's flag covers what only it holds (its tables' mean gradient as the rows'
-    owner: ``tables``); the dense mean and the aggregator's new state, the same on every
-    worker (``Aggregator.update_carrying`` is only for such states), are checked where
-    they are. The sums over the workers are taken in worker order, so every worker gets
-    the same loss and flags.
+    owner: ``tables``); the aggregator's new state is covered by its ``state_ok`` (a
+    per-worker state's flag travels with these), and the dense mean, the same on every
+    worker, is checked where it is. The sums over the workers are taken in worker
+    order, so every worker gets the same loss and flags.
 
     Args:
       ctx: the step's context.
@@ -123,9 +123,9 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     bad = ~finite(update.row_values(tables)) if check else jnp.array(False)
     flags = _missed_flags(ctx, missed)
     extra = jnp.stack([loss, bad, *flags]).astype(jnp.float32)  # float[2 + tables]
-    mean, local_state, every = ctx.aggregator.update_carrying(dense, local_state, extra)
+    mean, local_state, every, state_ok = ctx.aggregator.update_carrying(dense, local_state, extra)
     total = every.sum(axis=0)  # float[2 + tables], summed in worker order
-    ok = (total[1] == 0) & finite((mean, local_state)) if check else jnp.array(True)
+    ok = (total[1] == 0) & state_ok & finite(mean) if check else jnp.array(True)
     new_state = jax.tree.map(lambda x: x[None], local_state)
     grads = with_tables(ctx, mean, tables)
     loss = (total[0] / ctx.num_workers).astype(loss.dtype)

@@ -51,6 +51,8 @@ def data_parallel_body(ctx: StepContext) -> Body:
     def body(state: TrainState, batch: PlacedBatch) -> Gradients:
         params = vary(state.params, ctx.axis_name)  # each worker's own gradient
         loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, PLAIN)
+        if ctx.aggregator.update_carrying is not None:  # the scalars ride its collectives
+            return finish.carried_gradients(ctx, loss, grads, {}, state.agg_state, {})
         mean, agg_state = aggregate(ctx, grads, state.agg_state)
         return finish.gradients(ctx, loss, mean, agg_state)
 
