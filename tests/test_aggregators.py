@@ -379,10 +379,10 @@ def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
     assert kinds == ["all-gather", "all-to-all"]
 
 
-@pytest.mark.parametrize("name", ["topk_allgather", "topk_a2a"])
+@pytest.mark.parametrize("name", ["topk_allgather"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_topk_carries_every_workers_scalars_in_its_own_collectives(name, dtype):
-    """``update_carrying`` of the top-k aggregators: bit for bit the mean and residual
+    """``update_carrying`` of ``topk_allgather``: bit for bit the mean and residual
     of ``update``, every worker's float32 scalars at every worker exactly, in the same
     collectives (no all-reduce of their own), two buckets (the scalars ride the last);
     ``state_ok`` is false on every worker when one worker's ``grad + residual`` holds a

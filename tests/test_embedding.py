@@ -234,12 +234,12 @@ def _dense_mean_bytes(ts, workers):
 
 @pytest.mark.parametrize(
     "strategy, all_reduces",
-    [("topk_a2a", 0), ("topk_allgather", 0), ("embrace+topk_a2a", 0), ("gtopk", 1)],
+    [("topk_allgather", 0), ("embrace+topk_allgather", 0), ("topk_a2a", 1), ("gtopk", 1)],
 )
 def test_topk_steps_carry_their_scalars(strategy, all_reduces):
-    """The loss and the finite flags ride the top-k aggregators' last all-gather
-    (``topk_a2a``, ``topk_allgather``): no all-reduce of their own; ``gtopk`` (pairwise
-    rounds, no all-gather to ride) and ``adaptive`` keep one."""
+    """The loss and the finite flags ride ``topk_allgather``'s indices: no all-reduce of
+    their own; ``topk_a2a`` (whose dense result would need a copy), ``gtopk`` (pairwise
+    rounds) and ``adaptive`` keep one small all-reduce of the scalars."""
     ts, colls = _program(strategy, N, batch=4 * N)
     assert len([c for c in colls if c.kind == "all-reduce"]) == all_reduces
 

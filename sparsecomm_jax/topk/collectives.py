@@ -19,7 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax.comm import wire
 from sparsecomm_jax.comm.vma import all_gather_replicated, vma_checked
 from sparsecomm_jax.topk import hostkernel
 from sparsecomm_jax.topk.selectors import densify
@@ -87,29 +86,6 @@ def topk_a2a(values, indices, size: int, axis_name: str):
     Returns:
       float[size], the sum over workers.
     """
-    return all_gather_replicated(_my_shard_summed(values, indices, size, axis_name), axis_name)
-
-
-def topk_a2a_carrying(values, indices, size: int, axis_name: str, extra):
-    """``topk_a2a``, and every worker's float32 ``extra`` (a few scalars: a loss, flags)
-    as raw bits at the end of its share of the all-gather (``comm.wire.gather_carrying``:
-    exact; float32 and bfloat16 values travel in their own dtype, others as float32
-    when that holds them exactly, else ``extra`` by an all-gather of its own).
-
-    Returns:
-      ``(float[size] the sum over workers, float32[P, m] every worker's extra)``.
-    """
-    mine = _my_shard_summed(values, indices, size, axis_name)  # float[d/P]
-    if mine.dtype == jnp.float64:  # not held by float32: extra travels alone
-        every = jax.lax.all_gather(extra.astype(jnp.float32), axis_name, to="invarying")
-        return all_gather_replicated(mine, axis_name), every
-    carrier = jnp.bfloat16 if mine.dtype == jnp.bfloat16 else jnp.float32
-    total, every = wire.gather_carrying(mine, extra, axis_name, carrier)
-    return total.astype(mine.dtype), every
-
-
-def _my_shard_summed(values, indices, size: int, axis_name: str):
-    """TopKA2A's first half: every worker's pieces of my shard, summed: float[d/P]."""
     num = values.shape[0]
     if values.shape != indices.shape or size % num:
         raise ValueError(
@@ -118,7 +94,8 @@ def _my_shard_summed(values, indices, size: int, axis_name: str):
         )
     got_values = jax.lax.all_to_all(values, axis_name, 0, 0)  # float[P, k/P] for my shard
     got_indices = jax.lax.all_to_all(indices, axis_name, 0, 0)  # int[P, k/P]
-    return densify(got_values, got_indices, size // num)  # float[d/P]
+    mine = densify(got_values, got_indices, size // num)  # float[d/P]
+    return all_gather_replicated(mine, axis_name)  # float[d]
 
 
 def merge_topk(values_a, indices_a, values_b, indices_b, k: int):
