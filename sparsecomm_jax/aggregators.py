@@ -1,4 +1,5 @@
-"""Gradient aggregators, optax-style: ``Aggregator(init, update)``.
+"""Gradient aggregators, optax-style: ``Aggregator(init, update)`` (and, for those that
+can carry a step's scalars in their own collectives, ``update_carrying``).
 
 Used inside ``shard_map`` bodies, with ``check_vma`` (``jax.shard_map``'s default) or
 without: ``mean_grads, state = agg.update(grads, state)`` returns the mean gradient
@@ -71,8 +72,10 @@ class Aggregator(NamedTuple):
       update_carrying: ``update_carrying(grads, state, extra) -> (mean_grads, state,
         every, state_ok)``: ``update`` that also carries this worker's float32[k]
         ``extra`` to every worker within its own collectives (``every``: float32[P, k],
-        replicated); ``state_ok``: bool[], the same on every worker: no worker's new
-        state holds a NaN or Inf (a per-worker state's flag travels with ``extra``).
+        replicated); ``state_ok``: bool[], the same on every worker: false when some
+        worker's new state, or what it contributed to the mean, holds a NaN or Inf (a
+        per-worker state's flag travels with ``extra``). ``flat_allreduce`` and
+        ``topk_allgather`` have one.
         ``None`` when it cannot (a step then reduces its scalars by an all-reduce of
         their own).
     """
@@ -224,9 +227,9 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, carries: b
     With ``carries``, ``exchange(parts, extra) -> (total, kept, every)`` also carries
     float32[m] ``extra`` to every worker (float32[P, m]), and the aggregator gets an
     ``update_carrying``: the step's scalars and this worker's non-finite flag ride the
-    last bucket's exchange. The flag is taken on ``acc = grad + residual``: what a
-    worker sends and keeps are entries of ``acc`` (or zeros), so both are finite
-    exactly when ``acc`` is.
+    last bucket's exchange. The flag is taken on ``acc = grad + residual``: every entry
+    of ``acc`` is either sent or kept, so what a worker sends and what it keeps are
+    both finite exactly when ``acc`` is.
     """
 
     def init(params):

@@ -238,8 +238,8 @@ def _dense_mean_bytes(ts, workers):
 )
 def test_topk_steps_carry_their_scalars(strategy, all_reduces):
     """The loss and the finite flags ride ``topk_allgather``'s indices: no all-reduce of
-    their own; ``topk_a2a`` (whose dense result would need a copy), ``gtopk`` (pairwise
-    rounds) and ``adaptive`` keep one small all-reduce of the scalars."""
+    their own; ``topk_a2a`` (whose dense result would need a copy) and ``gtopk``
+    (pairwise rounds) keep one small all-reduce of the scalars."""
     ts, colls = _program(strategy, N, batch=4 * N)
     assert len([c for c in colls if c.kind == "all-reduce"]) == all_reduces
 

@@ -2,12 +2,12 @@
 
 A step body (inside ``jax.shard_map``) ends with ``gradients(...)``: the mean loss and
 whether every worker's gradient is finite, folded into one all-reduce (or, with an
-aggregator that carries scalars, into the dense mean's all-gather:
-``carried_gradients``), and the mean gradient (the dense layers reduced by the
-aggregator; each table's gradient as its ``TableUpdate`` wants it). ``apply_gradients``
-then runs the optimizer on global arrays (``embedding.update``), keeping the previous
-state when a gradient was not finite; ``mark_missed`` makes the loss +inf when a batch's
-capacity was too small for a table.
+aggregator that carries scalars, into its own last collective: the dense mean's
+all-gather, or top-k's indices'; ``carried_gradients``), and the mean gradient (the
+dense layers reduced by the aggregator; each table's gradient as its ``TableUpdate``
+wants it). ``apply_gradients`` then runs the optimizer on global arrays
+(``embedding.update``), keeping the previous state when a gradient was not finite;
+``mark_missed`` makes the loss +inf when a batch's capacity was too small for a table.
 
 Example:
     >>> # def step(state, batch):
@@ -101,8 +101,9 @@ def _missed_flags(ctx: StepContext, missed: dict) -> list:
 
 def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, missed: dict):
     """``gradients`` for an aggregator that carries scalars (``update_carrying``): the
-    loss, the finite flag and the ``missed`` flags ride at the end of the dense mean's
-    all-gather instead of an all-reduce of their own (one collective fewer per step).
+    loss, the finite flag and the ``missed`` flags ride the aggregator's own last
+    collective (the dense mean's all-gather, or top-k's indices') instead of an
+    all-reduce of their own (one collective fewer per step).
 
     Each worker's flag covers what only it holds (its tables' mean gradient as the rows'
     owner: ``tables``); the aggregator's new state is covered by its ``state_ok`` (a
