@@ -82,7 +82,7 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     return options
 
 
-OVERLAP = {"auto": None, "yes": True, "no": False}  # --collectives-overlap
+COLLECTIVES_OVERLAP = {"auto": None, "yes": True, "no": False}  # --collectives-overlap
 
 
 def build(config: RunConfig):
@@ -113,7 +113,7 @@ def build(config: RunConfig):
         capacity=config.capacity or None,
         comm_dtype=config.comm_dtype,
         table_layouts=json.loads(config.plan) if config.plan else None,
-        collectives_overlap=OVERLAP[config.collectives_overlap],
+        collectives_overlap=COLLECTIVES_OVERLAP[config.collectives_overlap],
         **common,
         **_aggregator_options(config),
     )

@@ -46,7 +46,7 @@ NONFINITE = ("skip", "error", "off")
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
-    if strategy.serial is not None and not ctx.overlap:  # one chunk: nothing to pipeline
+    if strategy.serial is not None and not ctx.overlap:  # the pipeline could only lose
         strategy = strategy.serial
     state, specs = placement.place_state(ctx, pad=strategy.any_layout)
     step = strategy.step(ctx, specs)

@@ -69,6 +69,4 @@ def make_overlapped(
         table_update=table_update,
         **options,
     )
-    # two programs on two host threads overlap even where one program's collectives
-    # and compute cannot (XLA:CPU): the late chunks are worth sizing
-    return overlap.build(ctx._replace(overlap=True))
+    return overlap.build(ctx)
