@@ -216,10 +216,8 @@ def shared_parts(plan: pipeline.Plan) -> tuple:
 
 
 def late_plan(ctx: StepContext, pending: Pending, i: int, capacity: int, last: bool):
-    """Table ``i``'s ``pipeline.Plan`` again, from what ``high`` handed over: the same
-    first chunk (static bounds), the late rows cut by the cost model as for a program
-    that runs beside compute (``low`` runs beside the next step's forward/backward),
-    whatever ``high``'s one-program plan did with them."""
+    """Table ``i``'s ``pipeline.Plan`` again, from what ``high`` handed over (the chunk
+    bounds are static: the same sizes as ``high``'s)."""
     num = ctx.num_workers
 
     def bounds(n, width):

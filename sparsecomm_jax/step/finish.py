@@ -99,6 +99,18 @@ def _missed_flags(ctx: StepContext, missed: dict) -> list:
     return [missed.get(t.index, jnp.array(False)) for t in ctx.tables]
 
 
+def reduced(ctx: StepContext, loss, dense, tables: dict, agg_state, missed: dict | None = None):
+    """A body's ``Gradients`` from this worker's loss and gradients: the dense layers'
+    (``dense``; the tables' leaves ``None``) through the aggregator, the tables' as the
+    ``TableUpdate`` made them (``tables``, index -> gradient). The scalars ride the
+    aggregator's own collectives where it can carry them (``carried_gradients``), else
+    one all-reduce of their own (``gradients``)."""
+    if ctx.aggregator.update_carrying is not None:
+        return carried_gradients(ctx, loss, dense, tables, agg_state, missed or {})
+    rest, agg_state = aggregate(ctx, dense, agg_state)
+    return gradients(ctx, loss, with_tables(ctx, rest, tables), agg_state, missed=missed)
+
+
 def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, missed: dict):
     """``gradients`` for an aggregator that carries scalars (``update_carrying``): the
     loss, the finite flag and the ``missed`` flags ride the aggregator's own last

@@ -51,10 +51,7 @@ def data_parallel_body(ctx: StepContext) -> Body:
     def body(state: TrainState, batch: PlacedBatch) -> Gradients:
         params = vary(state.params, ctx.axis_name)  # each worker's own gradient
         loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, PLAIN)
-        if ctx.aggregator.update_carrying is not None:  # the scalars ride its collectives
-            return finish.carried_gradients(ctx, loss, grads, {}, state.agg_state, {})
-        mean, agg_state = aggregate(ctx, grads, state.agg_state)
-        return finish.gradients(ctx, loss, mean, agg_state)
+        return finish.reduced(ctx, loss, grads, {}, state.agg_state)
 
     return body
 
@@ -83,11 +80,7 @@ def table_body(ctx: StepContext) -> Body:
         )
         dense = split_tables(grads, ctx.table_mask)[1]
         tables = finish.table_grads(ctx, pairs, state.params)
-        if ctx.aggregator.update_carrying is not None:  # the scalars ride its all-gather
-            return finish.carried_gradients(ctx, loss, dense, tables, state.agg_state, missed)
-        rest, agg_state = aggregate(ctx, dense, state.agg_state)
-        grads = finish.with_tables(ctx, rest, tables)
-        return finish.gradients(ctx, loss, grads, agg_state, missed=missed)
+        return finish.reduced(ctx, loss, dense, tables, state.agg_state, missed)
 
     return body
 
