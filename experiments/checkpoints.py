@@ -72,15 +72,23 @@ def trajectory_differences(config: RunConfig, record: dict[str, Any]) -> list[st
 
 def resumed_config(config: RunConfig) -> RunConfig:
     """A ``--resume`` run with the choices its checkpoints were made with: ``--bucket-mb
-    auto`` takes the threshold the first run's search chose (a search anew could pick
-    another and change the trajectory). Read on every rank, before JAX starts."""
-    if not (config.resume and config.checkpoint_dir and config.bucket_mb == "auto"):
+    auto`` takes the threshold the first run's search chose, ``--plan auto`` (or
+    ``model``) the plan it chose (a search anew could pick another: another trajectory,
+    or tables stored another way). Read on every rank, before JAX starts."""
+    if not (config.resume and config.checkpoint_dir):
         return config
-    trajectory = (checkpoint.read_run(config.checkpoint_dir) or {}).get("trajectory")
-    chosen = trajectory.get("bucket_mb") if isinstance(trajectory, dict) else None
-    if isinstance(chosen, str) and chosen != "auto":
-        return dataclasses.replace(config, bucket_mb=chosen)
-    return config
+    record = checkpoint.read_run(config.checkpoint_dir) or {}
+    trajectory, first = record.get("trajectory"), record.get("config")
+    chosen: dict[str, Any] = {}
+    if config.bucket_mb == "auto" and isinstance(trajectory, dict):
+        bucket = trajectory.get("bucket_mb")
+        if isinstance(bucket, str) and bucket != "auto":
+            chosen["bucket_mb"] = bucket
+    if config.plan in ("auto", "model") and isinstance(first, dict):
+        plan = first.get("plan")
+        if isinstance(plan, str) and plan.startswith("{"):
+            chosen["plan"] = plan
+    return dataclasses.replace(config, **chosen) if chosen else config
 
 
 def _check_owner(config: RunConfig) -> None:

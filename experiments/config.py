@@ -182,7 +182,8 @@ class RunConfig:
     plan: str = _field(
         "",
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
-        "(the planner, on --link-gbit/--link-alpha-us and --plan-memory-mb) or a JSON "
+        "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
+        "each timed a few steps here, the fastest kept), model (its modelled best) or a JSON "
         'object {"table path": "column|row|replicated|dense"}; "" = the strategy\'s layout',
         lambda v: check_plan(v),
     )
@@ -335,12 +336,12 @@ PLAN_LAYOUTS = ("column", "row", "replicated", "dense")
 
 def check_plan(value: str) -> str | None:
     """The problem with a ``--plan`` value, or ``None``."""
-    if value in ("", "auto"):
+    if value in ("", "auto", "model"):
         return None
     try:
         plan = json.loads(value)
     except ValueError:
-        return f"must be auto or a JSON object of table path -> layout, got {value!r}"
+        return f"must be auto, model or a JSON object of table path -> layout, got {value!r}"
     if not isinstance(plan, dict) or not all(isinstance(k, str) for k in plan):
         return f"must be a JSON object of table path -> layout, got {value!r}"
     if bad := sorted({str(v) for v in plan.values()} - set(PLAN_LAYOUTS)):

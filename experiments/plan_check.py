@@ -9,10 +9,13 @@ mix of 100 to 100k rows), every hand-picked plan runs on the emulated cluster
 embrace --plan JSON``, then the planner's own (``--plan auto``, priced on the link
 calibrated on the same cluster). The hand plans: each layout for every table
 (``column``, ``row``, ``replicated``, ``dense``), and the larger half of the tables
-sharded (column or row) with the smaller half ``replicated`` or ``dense``. Every plan
-runs once per round (``--repeats`` rounds, the median counts). Prints samples per second
-of each plan and the planner's ratio to the best hand plan; writes
-``plan_check_<mix>.json``, ``.csv`` and ``.png`` into ``--out-dir``.
+sharded (column or row) with the smaller half ``replicated`` or ``dense``. The planner
+runs twice: ``planner`` (``--plan auto``: its candidates timed a few steps on the
+cluster, the fastest kept) and ``model`` (``--plan model``: the modelled best alone).
+Every plan runs once per round (``--repeats`` rounds, the median counts; ``--plans``
+runs a subset). Prints samples per second of each plan and the planner's ratio to the
+best hand plan; writes ``plan_check_<mix>.json``, ``.csv`` and ``.png`` into
+``--out-dir``.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def plot(rows: list[dict[str, Any]], mix: str, path: Path) -> None:
     plt = sweep.pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
     names = [r["plan"] for r in rows]
-    colors = ["tab:blue" if n == "planner" else "lightgray" for n in names]
+    colors = [{"planner": "tab:blue", "model": "lightsteelblue"}.get(n, "lightgray") for n in names]
     ax.bar(names, [r["throughput"] for r in rows], color=colors)
     for k, r in enumerate(rows):
         ax.plot([k] * len(r["rounds"]), r["rounds"], "k.", markersize=4)
@@ -101,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the plans (median)")
     parser.add_argument("--out-dir", default="runs/plan_check")
+    parser.add_argument(
+        "--plans", default="", help="comma-separated plan names to run (default: every plan)"
+    )
     args = parser.parse_args(argv)
 
     mix = MIXES[args.mix]
@@ -108,33 +114,46 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in mix.items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
     plans: dict[str, Any] = hand_plans(table_names(mix))
-    plans["planner"] = "auto"
+    plans["planner"], plans["model"] = "auto", "model"
+    if args.plans:
+        wanted = args.plans.split(",")
+        if unknown := sorted(set(wanted) - set(plans)):
+            parser.error(f"--plans {unknown} unknown; choose among {sorted(plans)}")
+        plans = {name: plans[name] for name in wanted}
     out = Path(args.out_dir)
 
     def one(name: str, plan: Any, round_: int) -> dict[str, Any]:
-        value = plan if plan == "auto" else json.dumps(plan)
-        extra = ["--plan", value] + (["--link-gbit", "0"] if plan == "auto" else [])
+        planned = plan in ("auto", "model")
+        value = plan if planned else json.dumps(plan)
+        extra = ["--plan", value] + (["--link-gbit", "0"] if planned else [])
         path = out / f"{args.mix}_{name}_{round_}.json"
         row = sweep.measure(
             [*flags, *extra], path, args.nproc, args.bandwidth, plan=name, round=round_
         )
-        if plan == "auto":
+        if planned and "error" not in row:
             result = json.loads(path.read_text())
             row["chosen"] = {c["table"]: c["layout"] for c in result["plan"]["tables"]}
+            row["candidates"] = result["plan"].get("candidates", [])
         return row
 
     jobs = [(name, plan, r) for r in range(args.repeats) for name, plan in plans.items()]
     rows = sweep.grid(jobs, one, f"plans of {args.mix}")
     ok = median_rows([r for r in rows if "error" not in r])
-    hand = [r for r in ok if r["plan"] != "planner"]
+    hand = [r for r in ok if r["plan"] not in ("planner", "model")]
     best = max(hand, key=lambda r: r["throughput"], default=None)
-    auto = next((r for r in ok if r["plan"] == "planner"), None)
     for r in ok:
         print(f"{r['plan']:>22}  {r['throughput']:9.1f} {r['unit']}  {r['bytes']:>11,} B/step")
-    ratio = auto["throughput"] / best["throughput"] if auto and best else None
-    if ratio is not None:
-        print(f"planner / best hand plan ({best['plan']}): {ratio:.3f}; chose {auto['chosen']}")
-    extra = {"mix": mix, "args": vars(args), "ratio": ratio, "runs": rows}
+    ratios = {}
+    for name in ("planner", "model"):
+        mine = next((r for r in ok if r["plan"] == name), None)
+        if mine and best:
+            ratios[name] = mine["throughput"] / best["throughput"]
+            print(
+                f"{name} / best hand plan ({best['plan']}): {ratios[name]:.3f}; "
+                f"chose {planner.describe(mine['chosen'])}"
+            )
+    ratio = ratios.get("planner")
+    extra = {"mix": mix, "args": vars(args), "ratio": ratio, "ratios": ratios, "runs": rows}
     sweep.save_rows(ok, out, f"plan_check_{args.mix}", extra)
     if ok:
         plot(ok, args.mix, out / f"plan_check_{args.mix}.png")

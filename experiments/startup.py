@@ -1,12 +1,16 @@
-"""Start-up measurements: the fusion threshold of ``--bucket-mb auto``, the link fitted
-on this cluster and the local work ``adaptive`` prices with it.
+"""Start-up measurements: the fusion threshold of ``--bucket-mb auto``, the table plan
+of ``--plan auto``, the link fitted on this cluster and the local work ``adaptive``
+prices with it.
 
 Before training, ``fusion.search_threshold`` binary-searches the distinct bucket plans
 of the model's gradient leaves (``fusion.candidate_thresholds``); each evaluation builds
 the train step with that threshold and times a few steps of it on this cluster. With
 ``--strategy adaptive --link-gbit 0`` the local work of each sparse strategy is timed
 at the run's bucket sizes (``topk.local_cost.measure_local_work``), and the link's alpha
-and beta fitted by timed all-reduces (``calibrated_link``).
+and beta fitted by timed all-reduces (``calibrated_link``). ``--plan auto`` times a few
+steps of each of the planner's candidate plans (``planner.candidate_plans``) and keeps
+the fastest. Every timing is averaged over the processes (``runtime.agreed_mean``), so
+that every process makes the same choice.
 
 References:
     Peng et al., "TopKA2A", ICPP 2024 (binary-searched fusion threshold).
@@ -74,7 +78,7 @@ def selectable_thresholds(sizes: list[int], density: float) -> list[int]:
 
 
 def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
-    """Median seconds of a step built with ``bucket_bytes`` (after one warm-up step).
+    """Median seconds of a step built with ``bucket_bytes`` (``step_seconds``).
 
     Args:
       config: the run; its ``bucket_mb`` is replaced.
@@ -84,15 +88,30 @@ def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> fl
     Returns:
       Seconds per step.
     """
-    workload, ts = build(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)))
+    return step_seconds(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)), build)
+
+
+def step_seconds(config: RunConfig, build: Callable, steps: int = TIMED_STEPS) -> float:
+    """Median seconds of a step of ``config`` after one warm-up step, the same on every
+    process (``runtime.agreed_mean``: what they decide on must agree).
+
+    Args:
+      config: the run to time (its first ``steps`` batches).
+      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
+      steps: steps run, the first not counted.
+
+    Returns:
+      Seconds per step.
+    """
+    workload, ts = build(config)
     state, times = ts.state, []
-    for step in range(TIMED_STEPS):
+    for step in range(steps):
         batch = place_for_step(ts, workload.batch_at, step, config.steps)
         start = time.perf_counter()
         state, loss = ts.step(state, batch)
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return runtime.agreed_mean(statistics.median(times[1:]))
 
 
 def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[str, Any]]:
@@ -144,13 +163,29 @@ def plan_link(config: RunConfig) -> Link:
     return Link(fitted["alpha"], fitted["beta"])
 
 
-def choose_plan(config: RunConfig, batches: int = 4) -> tuple[RunConfig, dict[str, Any]]:
-    """``--plan auto``: the config with the planner's layouts as its ``--plan`` (JSON),
-    and the plan's record (printed on rank 0).
+PLAN_TIMED_STEPS = 6  # per candidate plan; the first (warm-up) is not counted
+
+
+def choose_plan(
+    config: RunConfig, build: Callable, batches: int = 4
+) -> tuple[RunConfig, dict[str, Any]]:
+    """``--plan auto`` and ``--plan model``: the config with the planner's layouts as its
+    ``--plan`` (JSON), and the plan's record (printed on rank 0).
+
+    ``model`` takes the plan of least modelled time. ``auto`` times a few steps of each
+    of ``planner.candidate_plans`` (the best modelled plan of each set of sharded
+    exchanges) on this cluster and keeps the fastest: the model prices bytes and
+    messages, not the layouts' local work.
 
     Args:
-      config: a run with ``plan == "auto"``.
+      config: a run with ``plan`` ``"auto"`` or ``"model"``.
+      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``), to
+        time the candidates of ``auto``.
       batches: sample batches the tables' ids are measured on.
+
+    Returns:
+      ``(config, record)``: the record is the chosen ``Plan.to_json()`` with, for
+      ``auto``, ``candidates``: each candidate's layouts, modelled and measured seconds.
     """
     workload = get_workload(config.model, **config.model_overrides())
     params = workload.init(jax.random.key(config.seed))
@@ -163,13 +198,38 @@ def choose_plan(config: RunConfig, batches: int = 4) -> tuple[RunConfig, dict[st
         workload.replicated_keys,
     )
     memory = config.plan_memory_mb * 2**20 or None
-    plan = planner.plan_tables(
+    candidates = planner.candidate_plans(
         stats, config.devices, plan_link(config), memory, OPTIMIZER_SLOTS[config.optimizer]
     )
+    if config.plan == "model":
+        plan, measured = candidates[0], []
+    else:
+
+        def seconds(candidate: planner.Plan) -> float:
+            timed = dataclasses.replace(config, plan=json.dumps(candidate.layouts()))
+            return step_seconds(timed, build, PLAN_TIMED_STEPS)
+
+        plan, measured = planner.choose_measured(candidates, seconds)
+    record = plan.to_json()
+    if measured:
+        record["candidates"] = [
+            {"layouts": c.layouts(), "modelled_s": c.seconds, "measured_s": s}
+            for c, s in zip(candidates, measured, strict=True)
+        ]
     if jax.process_index() == 0:
         print(plan.table(), file=sys.stderr)
-    chosen = dataclasses.replace(config, plan=json.dumps(plan.layouts()))
-    return chosen, plan.to_json()
+        for c in record.get("candidates", []):
+            print(_candidate_line(c), file=sys.stderr)
+    return dataclasses.replace(config, plan=json.dumps(plan.layouts())), record
+
+
+def _candidate_line(candidate: dict[str, Any]) -> str:
+    """One timed candidate: its layouts counted, modelled and measured milliseconds."""
+    return (
+        f"candidate ({planner.describe(candidate['layouts'])}): modelled "
+        f"{candidate['modelled_s'] * 1e3:.2f} ms, measured {candidate['measured_s'] * 1e3:.2f} "
+        "ms a step"
+    )
 
 
 def adaptive_link(config: RunConfig) -> Link:

@@ -157,8 +157,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             config = dataclasses.replace(config, devices=jax.device_count())
             validate(config)
         search = plan = None
-        if config.plan == "auto":  # a layout per table, on the link's cost model
-            config, plan = choose_plan(config)
+        if config.plan in ("auto", "model"):  # a layout per table: measured or modelled
+            config, plan = choose_plan(config, build)
         if config.bucket_mb == "auto":  # the fusion threshold of least measured step time
             config, search = choose_bucket(config, build)
         workload, ts = build(config)

@@ -226,6 +226,19 @@ def to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def agreed_mean(value: float) -> float:
+    """The mean of ``value`` over the job's processes (``value`` itself in one process).
+
+    Each process times the same program itself and gets a slightly different figure; a
+    choice made on those figures (a plan, a fusion threshold) must be the same on every
+    process, or their programs differ and the job hangs in a collective. Call it on
+    every process.
+    """
+    if jax.process_count() == 1:
+        return float(value)
+    return float(np.mean(multihost_utils.process_allgather(np.float32(value))))
+
+
 class JobError(RuntimeError):
     """The multi-process job cannot be formed: a one-line reason and what to do."""
 

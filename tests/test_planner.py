@@ -1,14 +1,16 @@
 """The planner: the layouts it picks on the cost model (tiny tables data parallel, big
 ones sharded, memory respected, divisibility respected), the statistics it measures
-from sample batches, and ``--plan`` on the command line."""
+from sample batches, the candidates a measurement decides among, and ``--plan`` on the
+command line."""
 
 import json
 
 import jax
 import pytest
 
-from experiments import plan_check
-from experiments.train import main
+from experiments import plan_check, startup
+from experiments.config import RunConfig
+from experiments.train import build, main
 from models import get_workload
 from sparsecomm_jax import planner
 from sparsecomm_jax.comm.costmodel import Link
@@ -68,25 +70,91 @@ def test_statistics_from_sample_batches():
     assert found[1].distinct <= 8  # a tiny table: every row at most
 
 
-def test_plan_auto_on_the_command_line(tmp_path, capsys):
+def test_candidates_are_the_best_plan_of_each_set_of_exchanges():
+    mix = [stats("big", 1_000_000), stats("mid", 20_000), stats("tiny", 8)]
+    found = planner.candidate_plans(mix, 4, SLOW)
+    assert found[0] == planner.plan_tables(mix, 4, SLOW)
+    assert [p.seconds for p in found] == sorted(p.seconds for p in found)
+    layouts = [json.dumps(p.layouts(), sort_keys=True) for p in found]
+    assert len(set(layouts)) == len(layouts) >= 3  # none, column, row at least
+    exchanges = [set(p.layouts().values()) & set(planner.SHARDED) for p in found]
+    for allowed in (set(), {"column"}, {"row"}):  # each set's best is among them
+        alone = [x for x in planner.LAYOUT_NAMES if x not in planner.SHARDED or x in allowed]
+        best = planner.plan_tables(mix, 4, SLOW, layouts=alone)
+        assert best.layouts() in [p.layouts() for p in found]
+    assert set() in exchanges and {"column"} in exchanges and {"row"} in exchanges
+
+
+def test_the_measured_step_decides_among_the_candidates():
+    mix = [stats("big", 1_000_000), stats("tiny", 8)]
+    found = planner.candidate_plans(mix, 4, SLOW)
+    slowest_modelled = found[-1]  # a stand-in timing that ranks the model's last first
+    timed = []
+
+    def stand_in(plan):
+        timed.append(plan)
+        return 1.0 if plan is slowest_modelled else 2.0 + plan.seconds
+
+    chosen, seconds = planner.choose_measured(found, stand_in)
+    assert chosen is slowest_modelled and timed == found
+    assert seconds == [stand_in(p) for p in found]
+    assert planner.choose_measured(found[:1], lambda p: pytest.fail("timed")) == (found[0], [])
+
+
+DLRM_FLAGS = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "2"]
+DLRM_FLAGS += ["--tables", "4096,16", "--dim", "8", "--batch", "32", "--optimizer", "adagrad"]
+
+
+def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
     out = tmp_path / "r.json"
-    args = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "2"]
-    args += ["--tables", "4096,16", "--dim", "8", "--batch", "32", "--optimizer", "adagrad"]
-    assert main([*args, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
-    assert "params/sparse_0/embedding" in capsys.readouterr().err  # the plan, printed
+    assert main([*DLRM_FLAGS, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "params/sparse_0/embedding" in err and "candidate (" in err  # printed
     result = json.loads(out.read_text())
     layouts = json.loads(result["config"]["plan"])
     assert layouts == {t["table"]: t["layout"] for t in result["plan"]["tables"]}
-    assert layouts["params/sparse_1/embedding"] == "dense"
-    assert main([*args, "--plan", json.dumps(layouts), "--out", str(out)]) == 0  # replayed
+    candidates = result["plan"]["candidates"]
+    assert len(candidates) >= 2 and all(c["measured_s"] > 0 for c in candidates)
+    fastest = min(candidates, key=lambda c: c["measured_s"])
+    assert fastest["layouts"] == layouts
+    assert main([*DLRM_FLAGS, "--plan", json.dumps(layouts), "--out", str(out)]) == 0  # replayed
     assert json.loads(out.read_text())["losses"] == result["losses"]
+
+
+def test_plan_model_takes_the_modelled_best_without_timing(monkeypatch, tmp_path):
+    monkeypatch.setattr(startup, "step_seconds", lambda *a, **k: pytest.fail("timed"))
+    tiny = dict(model="dlrm", tables="4096,16", dim=8, batch=32, devices=4, link_gbit=1.0)
+    config = RunConfig(**tiny, optimizer="adagrad", plan="model")
+    chosen, record = startup.choose_plan(config, build)
+    assert "candidates" not in record
+    modelled = [c["layout"] for c in record["tables"]]
+    assert list(json.loads(chosen.plan).values()) == modelled
+    assert modelled[1] == "dense"  # a 16-row table stays data parallel
+
+
+def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp_path):
+    """``--resume`` with ``--plan auto`` keeps the plan the first run chose: timing anew
+    could choose another."""
+    flags = [*DLRM_FLAGS, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(  # a stand-in timing: a plan with a row-wise table is fastest
+        startup, "step_seconds", lambda c, b, n: 2.0 - ("row" in json.loads(c.plan).values())
+    )
+    assert main([*flags, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
+    layouts = json.loads(json.loads(out.read_text())["config"]["plan"])
+    assert "row" in layouts.values()
+    monkeypatch.setattr(startup, "step_seconds", lambda *a, **k: pytest.fail("timed"))
+    more = [*flags[: flags.index("--steps") + 1], "3", *flags[flags.index("--steps") + 2 :]]
+    assert main([*more, "--plan", "auto", "--resume", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["start_step"] == 2 and json.loads(result["config"]["plan"]) == layouts
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--plan", "auto", "--strategy", "dense"], "--plan places each table by its own"),
-        (["--plan", "{nope"], "--plan must be auto or a JSON object"),
+        (["--plan", "{nope"], "--plan must be auto, model or a JSON object"),
         (["--plan", '{"x": "diagonal"}'], "has layouts ['diagonal']"),
     ],
 )
