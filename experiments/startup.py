@@ -163,7 +163,7 @@ def plan_link(config: RunConfig) -> Link:
     return Link(fitted["alpha"], fitted["beta"])
 
 
-PLAN_TIMED_STEPS = 6  # per candidate plan; the first (warm-up) is not counted
+PLAN_TIMED_STEPS = 10  # per candidate plan; the first (warm-up) is not counted
 
 
 def choose_plan(

@@ -260,20 +260,26 @@ def candidate_plans(
     memory_bytes: float | None = None,
     optimizer_slots: int = 1,
     layouts: Sequence[str] = LAYOUT_NAMES,
+    within: float = 10.0,
 ) -> list[Plan]:
-    """The best modelled plan of each set of sharded exchanges (none, column, row, both),
-    within ``memory_bytes``; distinct plans only, least modelled time first.
+    """The plans worth timing (``choose_measured``), least modelled time first: the best
+    modelled plan of each set of sharded exchanges (none, column, row, both) and each
+    layout for every table, within ``memory_bytes``; distinct plans only, none modelled
+    slower than ``within`` times the best.
 
-    These are the plans worth timing (``choose_measured``): within one set of exchanges
-    the model ranks tables by bytes, where it is reliable; between sets it misses the
-    local work that differs by layout (the column-wise exchange finds the distinct ids of
-    every worker's reads, the row-wise one of its own), which only a step can measure.
+    Within one set of exchanges the model ranks tables by bytes, where it is reliable;
+    between layouts it misses the local work that differs by layout (the column-wise
+    exchange finds the distinct ids of every worker's reads, the replicated one scatters
+    every worker's gradient rows), which only a step can measure. One layout for every
+    table is a candidate of its own because the model's mixes pay every such cost.
 
     Args:
       stats, workers, link, memory_bytes, optimizer_slots, layouts: as ``plan_tables``.
+      within: candidates modelled slower than this many times the best are left out
+        (a 1M-row table data parallel is not worth a compile).
 
     Returns:
-      One to four ``Plan``s.
+      One or more ``Plan``s.
 
     Raises:
       ValueError: no assignment fits ``memory_bytes``.
@@ -286,22 +292,25 @@ def candidate_plans(
     """
     local = [name for name in layouts if name not in SHARDED]
     sharded = [name for name in layouts if name in SHARDED]
+    groups = [g for k in range(len(sharded) + 1) for g in itertools.combinations(sharded, k)]
+    allowed = [([*local, *g], g) for g in groups]
+    allowed += [([x], (x,) if x in SHARDED else ()) for x in layouts]  # one layout alone
     found: dict[str, Plan] = {}
-    for k in range(len(sharded) + 1):
-        for group in itertools.combinations(sharded, k):
-            plan = _plan_within(stats, workers, link, optimizer_slots, [*local, *group])
-            if plan is None:
-                continue
-            plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
-            key = json.dumps(plan.layouts(), sort_keys=True) if plan else ""
-            if plan is not None and (key not in found or plan.seconds < found[key].seconds):
-                found[key] = plan
+    for names, group in allowed:
+        plan = _plan_within(stats, workers, link, optimizer_slots, names)
+        if plan is None:
+            continue
+        plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
+        key = json.dumps(plan.layouts(), sort_keys=True) if plan else ""
+        if plan is not None and (key not in found or plan.seconds < found[key].seconds):
+            found[key] = plan
     if not found:
         raise ValueError(
             f"no layout of the tables fits {memory_bytes} bytes per worker; give more "
             "memory or more workers"
         )
-    return sorted(found.values(), key=lambda p: p.seconds)
+    ranked = sorted(found.values(), key=lambda p: p.seconds)
+    return [p for p in ranked if p.seconds <= within * ranked[0].seconds]
 
 
 def choose_measured(

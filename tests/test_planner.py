@@ -83,6 +83,11 @@ def test_candidates_are_the_best_plan_of_each_set_of_exchanges():
         best = planner.plan_tables(mix, 4, SLOW, layouts=alone)
         assert best.layouts() in [p.layouts() for p in found]
     assert set() in exchanges and {"column"} in exchanges and {"row"} in exchanges
+    for x in planner.LAYOUT_NAMES:  # one layout everywhere, unless modelled far slower
+        alone = planner.plan_tables(mix, 4, SLOW, layouts=[x])
+        kept = alone.layouts() in [p.layouts() for p in found]
+        assert kept == (alone.seconds <= 10 * found[0].seconds), x
+    assert "dense" not in [p.layouts()["big"] for p in found]  # a 1M-row table: pruned
 
 
 def test_the_measured_step_decides_among_the_candidates():
