@@ -274,6 +274,27 @@ def test_two_processes_match_single_process(tmp_path):
     assert multi["comm_bytes_per_step"] == pytest.approx(single["comm_bytes_per_step"])
 
 
+AGREE = """
+from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import costmodel
+rank, _ = runtime.initialize_distributed()
+link, points = costmodel.calibrate(runtime.data_mesh(2), sizes=(256, 4096), repeats=2)
+print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_timings_that_decide_are_the_same_on_every_process():
+    """Each process times a program itself; what they choose on it (a plan, a fusion
+    threshold, a strategy per bucket, the link's fit) must agree, or their programs
+    differ and the job hangs in a collective."""
+    proc = _launch(2, 1, [sys.executable, "-c", AGREE], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line.split("agreed ")[1] for line in proc.stdout.splitlines() if "agreed " in line]
+    assert len(lines) == 2 and lines[0] == lines[1], lines  # the mean of 0.5 and 1.5
+    assert lines[0].split()[0] == "1.0"
+
+
 @pytest.mark.slow
 def test_two_nodes_on_the_loopback_match_single_process(tmp_path):
     """Two launcher invocations (--nnodes 2, --node-rank 0 and 1) form one job."""

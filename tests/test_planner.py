@@ -187,3 +187,9 @@ def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     medians = [{**r, "unit": "samples_per_s"} for r in plan_check.median_rows(rows)]
     plan_check.plot(medians, "x", tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_plan_check_runs_a_named_subset_and_refuses_unknown_names(capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan_check.main(["--mix", "dlrm", "--plans", "planner,diagonal"])
+    assert stop.value.code == 2 and "--plans ['diagonal'] unknown" in capsys.readouterr().err

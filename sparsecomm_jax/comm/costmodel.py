@@ -186,7 +186,9 @@ def median_seconds(fn, *args, repeats: int = 5) -> float:
 
 def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), repeats=5):
     """Fits ``Link`` from timed all-reduces of a few sizes on ``mesh`` (the current
-    cluster: simulated devices, processes, or the emulated network).
+    cluster: simulated devices, processes, or the emulated network). Each time is the
+    mean over the processes (``runtime.agreed_mean``), so every process fits the same
+    link and makes the same choices on it. Call it on every process.
 
     Returns:
       ``(link, points)`` with points ``(messages, bytes, median seconds)``.
@@ -204,6 +206,6 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
     points = []
     for n in sizes:
         x = runtime.put_global(np.ones((p * n,), np.float32), mesh, P(axis_name))
-        seconds = median_seconds(fn, x, repeats=repeats)
+        seconds = runtime.agreed_mean(median_seconds(fn, x, repeats=repeats))
         points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, seconds))
     return fit(points), points

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsecomm_jax import runtime
 from sparsecomm_jax.comm.costmodel import CHOICES, LocalWork, fit_line, median_seconds
 from sparsecomm_jax.topk import selectors, shards
 
@@ -48,7 +49,9 @@ def local_work_fn(strategy: str, size: int, density: float, workers: int):
 
 def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
     """``LocalWork`` of the sparse strategies, timed at each bucket size on this device
-    and fitted as a line in the size.
+    and fitted as a line in the size; each time the mean over the processes
+    (``runtime.agreed_mean``: every process must choose the same strategies), so call
+    it on every process.
 
     Args:
       sizes: bucket sizes (entries), e.g. those of the run's fusion plan.
@@ -67,7 +70,7 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
             fn = local_work_fn(strategy, size, density, workers)
             if fn is not None:
                 x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties
-                points.append((size, timer(fn, x)))
+                points.append((size, runtime.agreed_mean(timer(fn, x))))
         if points:
             lines[strategy] = fit_line(points)
     return LocalWork(lines)
