@@ -163,7 +163,50 @@ def plan_link(config: RunConfig) -> Link:
     return Link(fitted["alpha"], fitted["beta"])
 
 
-PLAN_TIMED_STEPS = 10  # per candidate plan; the first (warm-up) is not counted
+PLAN_ROUNDS, PLAN_STEPS = 4, 3  # turns over the candidate plans, steps of each per turn
+
+
+def interleaved_step_seconds(
+    configs: list[RunConfig],
+    build: Callable,
+    names: list[str],
+    rounds: int = PLAN_ROUNDS,
+    steps: int = PLAN_STEPS,
+) -> list[float]:
+    """Median seconds of a step of each config, timed in turns: every config is built
+    (compiled) first, then ``rounds`` turns run ``steps`` steps of each, so a change of
+    load on the host during the timing falls on all of them. The first step of each is
+    not counted; each median is the same on every process (``runtime.agreed_mean``).
+    Every config's state is held at once.
+
+    Args:
+      configs: the runs to time (their batches from step 0 on).
+      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
+      names: one per config, for the progress lines (rank 0).
+      rounds: turns over the configs.
+      steps: steps of each config per turn.
+
+    Returns:
+      Seconds per step, one per config.
+    """
+    built = []
+    for k, (config, name) in enumerate(zip(configs, names, strict=True)):
+        if jax.process_index() == 0:  # a compile each: say which
+            print(f"timing: building {k + 1}/{len(configs)} ({name})", file=sys.stderr, flush=True)
+        built.append(build(config))
+    states = [ts.state for _, ts in built]
+    times: list[list[float]] = [[] for _ in configs]
+    for turn in range(rounds):
+        for k, ((workload, ts), config) in enumerate(zip(built, configs, strict=True)):
+            for i in range(steps):
+                step = (turn * steps + i) % config.steps
+                batch = place_for_step(ts, workload.batch_at, step, config.steps)
+                start = time.perf_counter()
+                states[k], loss = ts.step(states[k], batch)
+                jax.block_until_ready(loss)
+                if turn or i:  # the first step of each warms up
+                    times[k].append(time.perf_counter() - start)
+    return [runtime.agreed_mean(statistics.median(t)) for t in times]
 
 
 def choose_plan(
@@ -172,9 +215,10 @@ def choose_plan(
     """``--plan auto`` and ``--plan model``: the config with the planner's layouts as its
     ``--plan`` (JSON), and the plan's record (printed on rank 0).
 
-    ``model`` takes the plan of least modelled time. ``auto`` times a few steps of each
-    of ``planner.candidate_plans`` (the best modelled plan of each set of sharded
-    exchanges) on this cluster and keeps the fastest: the model prices bytes and
+    ``model`` takes the plan of least modelled time. ``auto`` times steps of each of
+    ``planner.candidate_plans`` (the best modelled plan of each set of sharded exchanges,
+    and each layout for every table) on this cluster, in turns
+    (``interleaved_step_seconds``), and keeps the fastest: the model prices bytes and
     messages, not the layouts' local work.
 
     Args:
@@ -205,11 +249,12 @@ def choose_plan(
         plan, measured = candidates[0], []
     else:
 
-        def seconds(candidate: planner.Plan) -> float:
-            timed = dataclasses.replace(config, plan=json.dumps(candidate.layouts()))
-            return step_seconds(timed, build, PLAN_TIMED_STEPS)
+        def time_plans(plans: list[planner.Plan]) -> list[float]:
+            timed = [dataclasses.replace(config, plan=json.dumps(p.layouts())) for p in plans]
+            names = [planner.describe(p.layouts()) for p in plans]
+            return interleaved_step_seconds(timed, build, names)
 
-        plan, measured = planner.choose_measured(candidates, seconds)
+        plan, measured = planner.choose_measured(candidates, time_plans)
     record = plan.to_json()
     if measured:
         record["candidates"] = [

@@ -4,8 +4,11 @@ from sample batches, the candidates a measurement decides among, and ``--plan`` 
 command line."""
 
 import json
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from experiments import plan_check, startup
@@ -96,14 +99,48 @@ def test_the_measured_step_decides_among_the_candidates():
     slowest_modelled = found[-1]  # a stand-in timing that ranks the model's last first
     timed = []
 
-    def stand_in(plan):
-        timed.append(plan)
+    def one(plan):
         return 1.0 if plan is slowest_modelled else 2.0 + plan.seconds
+
+    def stand_in(plans):
+        timed.extend(plans)
+        return [one(p) for p in plans]
 
     chosen, seconds = planner.choose_measured(found, stand_in)
     assert chosen is slowest_modelled and timed == found
-    assert seconds == [stand_in(p) for p in found]
+    assert seconds == [one(p) for p in found]
     assert planner.choose_measured(found[:1], lambda p: pytest.fail("timed")) == (found[0], [])
+    with pytest.raises(ValueError, match="gave 1 times for"):
+        planner.choose_measured(found, lambda plans: [1.0])
+
+
+def test_candidates_are_timed_in_turns(monkeypatch):
+    """Every candidate is built first, then timed a few steps at a time in turns (a change
+    of load falls on all); the first step of each is not counted."""
+    calls = []
+
+    class Fake(NamedTuple):
+        name: str
+        state: int = 0
+        lookahead: int = 0
+
+        def place_batch(self, batch):
+            return batch
+
+        def step(self, state, batch):
+            calls.append((self.name, batch))
+            return state + 1, jnp.float32(0.0)
+
+    def fake_build(config):
+        calls.append(("build", config.plan))
+        return SimpleNamespace(batch_at=lambda s: s), Fake(config.plan)
+
+    configs = [RunConfig(steps=5, plan=n) for n in ("a", "b")]
+    times = startup.interleaved_step_seconds(configs, fake_build, ["a", "b"], rounds=2, steps=3)
+    assert len(times) == 2 and all(t >= 0 for t in times)
+    assert calls[:2] == [("build", "a"), ("build", "b")]
+    turns = [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
+    assert calls[2:] == turns + [("a", 3), ("a", 4), ("a", 0), ("b", 3), ("b", 4), ("b", 0)]
 
 
 DLRM_FLAGS = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "2"]
@@ -115,6 +152,7 @@ def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
     assert main([*DLRM_FLAGS, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "params/sparse_0/embedding" in err and "candidate (" in err  # printed
+    assert "timing: building 1/" in err  # progress while it times
     result = json.loads(out.read_text())
     layouts = json.loads(result["config"]["plan"])
     assert layouts == {t["table"]: t["layout"] for t in result["plan"]["tables"]}
@@ -127,7 +165,7 @@ def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
 
 
 def test_plan_model_takes_the_modelled_best_without_timing(monkeypatch, tmp_path):
-    monkeypatch.setattr(startup, "step_seconds", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(startup, "interleaved_step_seconds", lambda *a: pytest.fail("timed"))
     tiny = dict(model="dlrm", tables="4096,16", dim=8, batch=32, devices=4, link_gbit=1.0)
     config = RunConfig(**tiny, optimizer="adagrad", plan="model")
     chosen, record = startup.choose_plan(config, build)
@@ -142,13 +180,15 @@ def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp
     could choose another."""
     flags = [*DLRM_FLAGS, "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]
     out = tmp_path / "r.json"
-    monkeypatch.setattr(  # a stand-in timing: a plan with a row-wise table is fastest
-        startup, "step_seconds", lambda c, b, n: 2.0 - ("row" in json.loads(c.plan).values())
-    )
+
+    def stand_in(configs, build_fn, names):  # a plan with a row-wise table is fastest
+        return [2.0 - ("row" in json.loads(c.plan).values()) for c in configs]
+
+    monkeypatch.setattr(startup, "interleaved_step_seconds", stand_in)
     assert main([*flags, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
     layouts = json.loads(json.loads(out.read_text())["config"]["plan"])
     assert "row" in layouts.values()
-    monkeypatch.setattr(startup, "step_seconds", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(startup, "interleaved_step_seconds", lambda *a: pytest.fail("timed"))
     more = [*flags[: flags.index("--steps") + 1], "3", *flags[flags.index("--steps") + 2 :]]
     assert main([*more, "--plan", "auto", "--resume", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
