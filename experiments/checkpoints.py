@@ -85,8 +85,8 @@ def resumed_config(config: RunConfig) -> RunConfig:
         if isinstance(bucket, str) and bucket != "auto":
             chosen["bucket_mb"] = bucket
     if config.plan in ("auto", "model") and isinstance(first, dict):
-        plan = first.get("plan")
-        if isinstance(plan, str) and plan.startswith("{"):
+        plan = first.get("plan")  # the plan chosen, a JSON one given, or "" (the strategy's)
+        if isinstance(plan, str) and plan not in ("auto", "model"):
             chosen["plan"] = plan
     return dataclasses.replace(config, **chosen) if chosen else config
 

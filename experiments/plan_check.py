@@ -148,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         mine = next((r for r in ok if r["plan"] == name), None)
         if mine and best:
             ratios[name] = mine["throughput"] / best["throughput"]
+            rounds = [r for r in rows if r["plan"] == name and "chosen" in r]
+            chose = "; ".join(planner.describe(r["chosen"]) for r in rounds)
             print(
                 f"{name} / best hand plan ({best['plan']}): {ratios[name]:.3f}; "
-                f"chose {planner.describe(mine['chosen'])}"
+                f"chose, round by round: {chose}"
             )
     ratio = ratios.get("planner")
     extra = {"mix": mix, "args": vars(args), "ratio": ratio, "ratios": ratios, "runs": rows}

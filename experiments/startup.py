@@ -96,7 +96,7 @@ def step_seconds(config: RunConfig, build: Callable, steps: int = TIMED_STEPS) -
     process (``runtime.agreed_mean``: what they decide on must agree).
 
     Args:
-      config: the run to time (its first ``steps`` batches).
+      config: the run to time (its batches from step 0 on, again from 0 past its end).
       build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
       steps: steps run, the first not counted.
 
@@ -105,7 +105,8 @@ def step_seconds(config: RunConfig, build: Callable, steps: int = TIMED_STEPS) -
     """
     workload, ts = build(config)
     state, times = ts.state, []
-    for step in range(steps):
+    for i in range(steps):
+        step = i % config.steps  # a short run's batches again
         batch = place_for_step(ts, workload.batch_at, step, config.steps)
         start = time.perf_counter()
         state, loss = ts.step(state, batch)
@@ -164,6 +165,7 @@ def plan_link(config: RunConfig) -> Link:
 
 
 PLAN_ROUNDS, PLAN_STEPS = 4, 3  # turns over the candidate plans, steps of each per turn
+DEFAULT_BUCKET_MB = RunConfig().bucket_mb  # the threshold candidates are timed at
 
 
 def interleaved_step_seconds(
@@ -174,13 +176,14 @@ def interleaved_step_seconds(
     steps: int = PLAN_STEPS,
 ) -> list[float]:
     """Median seconds of a step of each config, timed in turns: every config is built
-    (compiled) first, then ``rounds`` turns run ``steps`` steps of each, so a change of
-    load on the host during the timing falls on all of them. The first step of each is
-    not counted; each median is the same on every process (``runtime.agreed_mean``).
-    Every config's state is held at once.
+    first, then ``rounds`` turns run ``steps`` steps of each, so a change of load on the
+    host during the timing falls on all of them. A config's program compiles at its
+    first step, which is not counted; each median is the same on every process
+    (``runtime.agreed_mean``). Every config's state is held at once.
 
     Args:
-      configs: the runs to time (their batches from step 0 on).
+      configs: the runs to time (their batches from step 0 on, again from 0 past the
+        end).
       build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
       names: one per config, for the progress lines (rank 0).
       rounds: turns over the configs.
@@ -193,6 +196,7 @@ def interleaved_step_seconds(
     for k, (config, name) in enumerate(zip(configs, names, strict=True)):
         if jax.process_index() == 0:  # a compile each: say which
             print(f"timing: building {k + 1}/{len(configs)} ({name})", file=sys.stderr, flush=True)
+        # compiled at its first step below
         built.append(build(config))
     states = [ts.state for _, ts in built]
     times: list[list[float]] = [[] for _ in configs]
@@ -248,9 +252,15 @@ def choose_plan(
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:
+        # the fusion threshold is searched after the plan: the candidates are timed at
+        # the default one
+        bucket = config.bucket_mb if config.bucket_mb != "auto" else DEFAULT_BUCKET_MB
 
         def time_plans(plans: list[planner.Plan]) -> list[float]:
-            timed = [dataclasses.replace(config, plan=json.dumps(p.layouts())) for p in plans]
+            timed = [
+                dataclasses.replace(config, plan=json.dumps(p.layouts()), bucket_mb=bucket)
+                for p in plans
+            ]
             names = [planner.describe(p.layouts()) for p in plans]
             return interleaved_step_seconds(timed, build, names)
 

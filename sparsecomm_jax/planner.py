@@ -6,12 +6,13 @@ picks each table's layout to minimise the modelled step time within the memory o
 worker, and the plan's ``layouts()`` go to ``make_train_step(table_layouts=...)``.
 
 The model proposes, a measurement decides: ``candidate_plans`` gives the best modelled
-plan of each set of sharded exchanges, and ``choose_measured`` keeps the one whose
-step is fastest when timed (``--plan auto`` times real steps on the cluster that will
-train; ``--plan model`` trusts the model alone). The model prices bytes and messages;
-the layouts also differ in local work (finding distinct ids, bucketing, scattering
-rows), which it does not see: on many small tables and on a few large ones its own
-choice ran at 0.77x and 0.67x of the best hand-picked plan.
+plan of each set of sharded exchanges and each layout for every table, and
+``choose_measured`` keeps the one whose step is fastest when timed (``--plan auto``
+times real steps on the cluster that will train; ``--plan model`` trusts the model
+alone). The model prices bytes and messages; the layouts also differ in local work
+(finding distinct ids, bucketing, scattering rows), which it does not see: on many
+small tables and on a few large ones its own choice ran at 0.77x and 0.67x of the best
+hand-picked plan.
 
 The layouts and what a step costs one worker under each (b = 4 bytes a float, P
 workers, n ids read per worker, C the slots the layout's exchange is padded to,

@@ -4,6 +4,7 @@ from sample batches, the candidates a measurement decides among, and ``--plan`` 
 command line."""
 
 import json
+import time
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -12,10 +13,11 @@ import jax.numpy as jnp
 import pytest
 
 from experiments import plan_check, startup
+from experiments.checkpoints import resumed_config
 from experiments.config import RunConfig
 from experiments.train import build, main
 from models import get_workload
-from sparsecomm_jax import planner
+from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm.costmodel import Link
 
 SLOW = Link.from_bandwidth(1.0)
@@ -114,9 +116,9 @@ def test_the_measured_step_decides_among_the_candidates():
         planner.choose_measured(found, lambda plans: [1.0])
 
 
-def test_candidates_are_timed_in_turns(monkeypatch):
+def test_candidates_are_timed_in_turns():
     """Every candidate is built first, then timed a few steps at a time in turns (a change
-    of load falls on all); the first step of each is not counted."""
+    of load falls on all); the first step of each (its compile) is not counted."""
     calls = []
 
     class Fake(NamedTuple):
@@ -129,6 +131,7 @@ def test_candidates_are_timed_in_turns(monkeypatch):
 
         def step(self, state, batch):
             calls.append((self.name, batch))
+            time.sleep(0.3 if state == 0 else 0.0)  # the first step: a compile
             return state + 1, jnp.float32(0.0)
 
     def fake_build(config):
@@ -137,10 +140,13 @@ def test_candidates_are_timed_in_turns(monkeypatch):
 
     configs = [RunConfig(steps=5, plan=n) for n in ("a", "b")]
     times = startup.interleaved_step_seconds(configs, fake_build, ["a", "b"], rounds=2, steps=3)
-    assert len(times) == 2 and all(t >= 0 for t in times)
+    assert len(times) == 2 and all(0 <= t < 0.1 for t in times)  # no 0.3 s first step
     assert calls[:2] == [("build", "a"), ("build", "b")]
     turns = [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
     assert calls[2:] == turns + [("a", 3), ("a", 4), ("a", 0), ("b", 3), ("b", 4), ("b", 0)]
+    calls.clear()  # one turn of two steps: a median of one step, or of two with the first
+    once = startup.interleaved_step_seconds(configs[:1], fake_build, ["a"], rounds=1, steps=2)
+    assert once[0] < 0.1
 
 
 DLRM_FLAGS = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--steps", "2"]
@@ -164,15 +170,36 @@ def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
     assert json.loads(out.read_text())["losses"] == result["losses"]
 
 
-def test_plan_model_takes_the_modelled_best_without_timing(monkeypatch, tmp_path):
+TINY_DLRM = dict(model="dlrm", tables="4096,16", dim=8, batch=32, devices=4, link_gbit=1.0)
+
+
+def test_plan_model_takes_the_modelled_best_without_timing(monkeypatch):
     monkeypatch.setattr(startup, "interleaved_step_seconds", lambda *a: pytest.fail("timed"))
-    tiny = dict(model="dlrm", tables="4096,16", dim=8, batch=32, devices=4, link_gbit=1.0)
-    config = RunConfig(**tiny, optimizer="adagrad", plan="model")
+    config = RunConfig(**TINY_DLRM, optimizer="adagrad", plan="model")
     chosen, record = startup.choose_plan(config, build)
     assert "candidates" not in record
-    modelled = [c["layout"] for c in record["tables"]]
-    assert list(json.loads(chosen.plan).values()) == modelled
-    assert modelled[1] == "dense"  # a 16-row table stays data parallel
+    w = get_workload("dlrm", tables="4096,16", dim=8, batch=32)
+    sample = [w.batch_at(s) for s in range(4)]
+    found = planner.table_stats(w.loss, w.init(jax.random.key(0)), w.embedding_paths, sample, 4)
+    expected = planner.plan_tables(found, 4, SLOW, optimizer_slots=1)  # adagrad: one slot
+    assert json.loads(chosen.plan) == expected.layouts()
+    assert expected.layouts()["params/sparse_1/embedding"] == "dense"  # 16 rows: whole
+
+
+def test_candidates_are_timed_at_a_concrete_fusion_threshold(monkeypatch):
+    """``--bucket-mb auto`` is searched after the plan: the candidates are built with the
+    default threshold (a top-k aggregator reads it as a number)."""
+    seen = []
+
+    def stand_in(configs, build_fn, names):
+        seen.extend(c.bucket_mb for c in configs)
+        return [float(k) for k in range(len(configs))]
+
+    monkeypatch.setattr(startup, "interleaved_step_seconds", stand_in)
+    config = RunConfig(**TINY_DLRM, strategy="embrace+topk_a2a", bucket_mb="auto", plan="auto")
+    chosen, _ = startup.choose_plan(config, build)
+    assert seen and all(b == RunConfig().bucket_mb for b in seen)
+    assert chosen.bucket_mb == "auto"  # still searched afterwards
 
 
 def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp_path):
@@ -233,3 +260,16 @@ def test_the_plan_check_runs_a_named_subset_and_refuses_unknown_names(capsys):
     with pytest.raises(SystemExit) as stop:
         plan_check.main(["--mix", "dlrm", "--plans", "planner,diagonal"])
     assert stop.value.code == 2 and "--plans ['diagonal'] unknown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("first", ["", '{"params/sparse_0/embedding": "row"}'])
+def test_resume_with_plan_auto_keeps_the_layout_the_checkpoints_hold(tmp_path, first):
+    """Whatever the first run's ``--plan`` resolved to (a chosen or given JSON plan, or
+    "" for the strategy's layout), ``--resume --plan auto`` takes it: a plan timed anew
+    could store the tables another way."""
+    record = {"run_id": "r", "config": {"plan": first}, "trajectory": {}}
+    (tmp_path / checkpoint.RUN_FILE).write_text(json.dumps(record))
+    config = RunConfig(resume=True, checkpoint_dir=str(tmp_path), plan="auto")
+    assert resumed_config(config).plan == first
+    fresh = RunConfig(checkpoint_dir=str(tmp_path), plan="auto")  # not resuming: plans
+    assert resumed_config(fresh).plan == "auto"
