@@ -194,9 +194,8 @@ def interleaved_step_seconds(
     """
     built = []
     for k, (config, name) in enumerate(zip(configs, names, strict=True)):
-        if jax.process_index() == 0:  # a compile each: say which
+        if jax.process_index() == 0:  # each costs a compile (at its first step): say which
             print(f"timing: building {k + 1}/{len(configs)} ({name})", file=sys.stderr, flush=True)
-        # compiled at its first step below
         built.append(build(config))
     states = [ts.state for _, ts in built]
     times: list[list[float]] = [[] for _ in configs]
