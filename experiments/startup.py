@@ -78,7 +78,8 @@ def selectable_thresholds(sizes: list[int], density: float) -> list[int]:
 
 
 def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> float:
-    """Median seconds of a step built with ``bucket_bytes`` (``step_seconds``).
+    """Median seconds of a step built with ``bucket_bytes`` (``TIMED_STEPS`` steps, the
+    first not counted; ``interleaved_step_seconds`` of this one config).
 
     Args:
       config: the run; its ``bucket_mb`` is replaced.
@@ -86,33 +87,10 @@ def measured_step_s(config: RunConfig, build: Callable, bucket_bytes: int) -> fl
       bucket_bytes: the fusion threshold to time.
 
     Returns:
-      Seconds per step.
+      Seconds per step, the same on every process.
     """
-    return step_seconds(dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20)), build)
-
-
-def step_seconds(config: RunConfig, build: Callable, steps: int = TIMED_STEPS) -> float:
-    """Median seconds of a step of ``config`` after one warm-up step, the same on every
-    process (``runtime.agreed_mean``: what they decide on must agree).
-
-    Args:
-      config: the run to time (its batches from step 0 on, again from 0 past its end).
-      build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
-      steps: steps run, the first not counted.
-
-    Returns:
-      Seconds per step.
-    """
-    workload, ts = build(config)
-    state, times = ts.state, []
-    for i in range(steps):
-        step = i % config.steps  # a short run's batches again
-        batch = place_for_step(ts, workload.batch_at, step, config.steps)
-        start = time.perf_counter()
-        state, loss = ts.step(state, batch)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - start)
-    return runtime.agreed_mean(statistics.median(times[1:]))
+    timed = dataclasses.replace(config, bucket_mb=repr(bucket_bytes / 2**20))
+    return interleaved_step_seconds([timed], build, rounds=1, steps=TIMED_STEPS)[0]
 
 
 def choose_bucket(config: RunConfig, build: Callable) -> tuple[RunConfig, dict[str, Any]]:
@@ -171,7 +149,7 @@ DEFAULT_BUCKET_MB = RunConfig().bucket_mb  # the threshold candidates are timed 
 def interleaved_step_seconds(
     configs: list[RunConfig],
     build: Callable,
-    names: list[str],
+    names: list[str] | None = None,
     rounds: int = PLAN_ROUNDS,
     steps: int = PLAN_STEPS,
 ) -> list[float]:
@@ -185,7 +163,7 @@ def interleaved_step_seconds(
       configs: the runs to time (their batches from step 0 on, again from 0 past the
         end).
       build: ``config -> (workload, TrainStep)`` (``experiments.train.build``).
-      names: one per config, for the progress lines (rank 0).
+      names: one per config, for the progress lines (rank 0; ``None``: no lines).
       rounds: turns over the configs.
       steps: steps of each config per turn.
 
@@ -193,8 +171,8 @@ def interleaved_step_seconds(
       Seconds per step, one per config.
     """
     built = []
-    for k, (config, name) in enumerate(zip(configs, names, strict=True)):
-        if jax.process_index() == 0:  # each costs a compile (at its first step): say which
+    for k, (config, name) in enumerate(zip(configs, names or [None] * len(configs), strict=True)):
+        if name and jax.process_index() == 0:  # each costs a compile (at its first step)
             print(f"timing: building {k + 1}/{len(configs)} ({name})", file=sys.stderr, flush=True)
         built.append(build(config))
     states = [ts.state for _, ts in built]

@@ -299,11 +299,12 @@ def candidate_plans(
     found: dict[str, Plan] = {}
     for names, group in allowed:
         plan = _plan_within(stats, workers, link, optimizer_slots, names)
+        if plan is not None:
+            plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
         if plan is None:
             continue
-        plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
-        key = json.dumps(plan.layouts(), sort_keys=True) if plan else ""
-        if plan is not None and (key not in found or plan.seconds < found[key].seconds):
+        key = json.dumps(plan.layouts(), sort_keys=True)
+        if key not in found or plan.seconds < found[key].seconds:
             found[key] = plan
     if not found:
         raise ValueError(
