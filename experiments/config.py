@@ -184,7 +184,8 @@ class RunConfig:
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
         "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
         "each timed a few steps here, the fastest kept), model (its modelled best) or a JSON "
-        'object {"table path": "column|row|replicated|dense"}; "" = the strategy\'s layout',
+        'object {"table path": "column|row|table|replicated|dense"}; "" = the strategy\'s '
+        "layout",
         lambda v: check_plan(v),
     )
     plan_memory_mb: float = _field(
@@ -331,7 +332,7 @@ def check_fields(config: RunConfig) -> None:
             raise ValueError(f"{flag} {problem}")
 
 
-PLAN_LAYOUTS = ("column", "row", "replicated", "dense")
+PLAN_LAYOUTS = ("column", "row", "table", "replicated", "dense")
 
 
 def check_plan(value: str) -> str | None:

@@ -128,12 +128,18 @@ def _is_shard_of(shape: tuple[int, ...], vocab: int, features: int) -> bool:
     )
 
 
+def _is_table_wise(shape: tuple[int, ...], features: int) -> bool:
+    """A worker's block of a table-wise pack (R rows of D, ``embedding.tablewise``) or
+    the row of zeros a table packed with another's is stored as: any rows, D columns."""
+    return len(shape) == 2 and shape[1] == features
+
+
 def _check_table(module: linen.Embed, shape: tuple[int, ...]) -> None:
     full = (module.num_embeddings, module.features)
     if shape == full:
         return
     sharded = current_ops() not in (None, PLAIN)
-    if sharded and _is_shard_of(shape, *full):
+    if sharded and (_is_shard_of(shape, *full) or _is_table_wise(shape, module.features)):
         return
     where = "/".join(module.scope.path) if module.scope is not None else "?"
     hint = (

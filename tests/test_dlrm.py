@@ -22,6 +22,7 @@ SMALL = dict(tables="64,48,24,16", dim=8, bottom="16", top="16", batch=32)
         ("embrace", {}),
         ("embrace_rowwise", {"multi_hot": 3}),
         ("embrace", {"table_layouts": "mixed"}),
+        ("embrace", {"table_layouts": "table", "multi_hot": 3}),
     ],
 )
 def test_dlrm_equals_single_device(strategy, options):
@@ -31,6 +32,8 @@ def test_dlrm_equals_single_device(strategy, options):
     if options.get("table_layouts") == "mixed":  # one of each, the big table by rows
         kinds = ["row", "column", "replicated", "replicated"]
         options["table_layouts"] = dict(zip(w.embedding_paths, kinds, strict=True))
+    if options.get("table_layouts") == "table":  # each table whole on one worker
+        options["table_layouts"] = dict.fromkeys(w.embedding_paths, "table")
     opt = optax.adagrad(0.1)
     ref_losses, ref_params = reference_run(w, opt, params, 3)
     losses, got, ts = strategy_run(w, opt, params, 3, strategy, **options)

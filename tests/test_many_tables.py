@@ -1,6 +1,7 @@
 """Many tables of different sizes in one model: each batch key checked against the
-tables it feeds, a layout per table (column, row, replicated) mixed in one step and exact
-against single-device training, features sharing a table, pooled multi-hot bags."""
+tables it feeds, a layout per table (column, row, table-wise, replicated) mixed in one
+step and exact against single-device training, features sharing a table, pooled
+multi-hot bags."""
 
 import flax.linen as linen
 import jax
@@ -89,6 +90,8 @@ MIXES = {
     "rows and a copy": {"user": "replicated", "item": "row", "tag": "row"},
     "one data parallel": {"user": "column", "item": "row", "tag": "dense"},
     "all data parallel": dict.fromkeys(SIZES, "dense"),  # what a plan of small tables gives
+    "table-wise everywhere": dict.fromkeys(SIZES, "table"),  # three owners, one pack
+    "two table-wise, one by rows": {"user": "table", "item": "row", "tag": "table"},
 }
 
 
@@ -180,7 +183,7 @@ def bag_loss(params, batch):
     return jnp.mean((Bags().apply(params, batch) - batch["y"]) ** 2)
 
 
-@pytest.mark.parametrize("layout", ["column", "row", "replicated"])
+@pytest.mark.parametrize("layout", ["column", "row", "table", "replicated"])
 def test_pooled_bags_under_every_layout_equal_single_device(layout):
     params = Bags().init(jax.random.key(1), bag_batch(0))
     opt = optax.sgd(0.5)
@@ -215,6 +218,7 @@ ODD = {"a": (13, 6), "b": (21, 8), "c": (11, 6)}  # (V, D): c is read by a full 
 ODD_MIXES = {
     "a, c by columns, b by rows": {"a": "column", "b": "row", "c": "column"},
     "a, c by rows, b by columns": {"a": "row", "b": "column", "c": "row"},
+    "a, b table-wise (two packs), c by columns": {"a": "table", "b": "table", "c": "column"},
 }
 ODD_OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),  # the row update
@@ -275,10 +279,11 @@ def test_tables_not_divisible_by_the_workers_are_padded_and_exact(mix, opt):
     got = ts.host_params(state)  # cut back to V x D
     assert {k: got[k].shape for k in ODD} == ODD
     assert_trees_close(got, params, rtol=1e-4, atol=1e-5)
-    for k, (v, d) in ODD.items():  # stored padded; the padding still zero
+    for k, (v, d) in ODD.items():  # stored padded (or packed); the padding still zero
         stored = np.asarray(state.params[k])
-        assert stored.shape[0] % N == 0 if ODD_MIXES[mix][k] == "row" else stored.shape[1] % N == 0
-        assert not np.any(stored[v:]) and not np.any(stored[:, d:]), k
+        split = {"row": 0, "column": 1, "table": 0}[ODD_MIXES[mix][k]]
+        assert stored.shape[split] % N == 0
+        assert not np.any(stored[v:]) and not np.any(stored[:, d:]), k  # table-wise: on w0
     bad = odd_batch(0)
     bad["a"][0] = 13  # a padded row is not a valid id
     with pytest.raises(ValueError, match=r"outside \[0, 13\) of table a"):

@@ -128,10 +128,8 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
     rows: dict[int, Any] = {}
     backs, missed = [], {}
     for layout, ks in groups.values():
-        mine = {reads[k].table for k in ks}
-        fetched = layout.fetch(
-            {i: leaves[i] for i in mine}, [reads[k] for k in ks], capacity, axis, wire
-        )
+        shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
+        fetched = layout.fetch(shards, [reads[k] for k in ks], capacity, axis, wire)
         rows.update(zip(ks, fetched.rows, strict=True))
         backs.append((ks, fetched.back))
         missed.update(fetched.missed)

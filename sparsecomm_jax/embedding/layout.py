@@ -1,7 +1,8 @@
 """The table layout protocol: how a table is placed over the workers and read.
 
 A ``Layout`` is a value, one per file (``column.COLUMN``, ``row.ROW``,
-``replicated.REPLICATED``), that implements a fixed trio for the tables placed with it:
+``replicated.REPLICATED``, ``tablewise.TABLE``), that implements a fixed trio for the
+tables placed with it:
 
 1. **plan the ids** (host, before the step): ``capacity`` sizes the static buffers a
    batch needs, per table, from the ids each worker reads (``access.host_reads``);
@@ -14,7 +15,7 @@ A ``Layout`` is a value, one per file (``column.COLUMN``, ``row.ROW``,
 
 Besides the trio a layout says where its tables live (``spec``), which dimension it
 splits (``split_dim``; a table is stored padded to a multiple of P there, see
-``padded_shape``), how a full softmax reads a table
+``padded_shape``, unless its ``storage`` packs tables together), how a full softmax reads a table
 (``attend``, differentiated by autodiff, and ``sum_dense`` that sums that dense gradient
 over the workers), and how a row gradient lies as global arrays (``row_specs``, for the
 row-sparse update). ``embedding.gradients`` drives the trio; ``embedding.update`` turns
@@ -83,6 +84,23 @@ class CapacityPolicy(NamedTuple):
     bound: Callable[[HostReads, Any, int], int] | None = None
 
 
+class Storage(NamedTuple):
+    """How a layout stores its tables when not each as its own leaf padded along
+    ``split_dim`` (the table-wise layout packs several tables into one leaf).
+
+    Attributes:
+      shape: ``shape(table, P) -> (rows, columns)`` of the leaf that stores ``table``.
+      pack: ``pack(leaves, P) -> leaves`` (host): table leaf index -> V x D array, to
+        table leaf index -> stored array, for the tables of this layout.
+      unpack: ``unpack(stored, vocabs) -> leaves``: the inverse, ``vocabs`` table leaf
+        index -> V.
+    """
+
+    shape: Callable[[Any, int], tuple[int, int]]
+    pack: Callable[[dict, int], dict]
+    unpack: Callable[[dict, dict], dict]
+
+
 class Layout(NamedTuple):
     """One way to place tables over the workers (see the module doc).
 
@@ -100,6 +118,11 @@ class Layout(NamedTuple):
         over the workers.
       row_specs: ``row_specs(axis) -> (ids spec, rows spec)`` of a table's row gradient
         as global arrays.
+      storage: how its tables are stored when not one padded leaf each (``None``: one
+        leaf each, ``padded_shape``).
+      bind: ``bind(tables, P) -> tables`` for a layout that places its tables by looking
+        at all of them (table-wise owners): called once when a step is built, it returns
+        the records with a layout bound to that placement (``None``: nothing to bind).
     """
 
     name: str
@@ -110,6 +133,8 @@ class Layout(NamedTuple):
     attend: Callable[[jax.Array, jax.Array, str], jax.Array]
     sum_dense: Callable[[jax.Array, str], jax.Array]
     row_specs: Callable[[str], tuple[P, P]]
+    storage: Storage | None = None
+    bind: Callable[[tuple, int], tuple] | None = None
 
 
 def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:
@@ -132,6 +157,8 @@ def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:
         >>> padded_shape(tables.Table(0, "t", 10, 6, column.COLUMN), 4)
         (10, 8)
     """
+    if table.layout.storage is not None:
+        return table.layout.storage.shape(table, num_workers)
     shape = [table.vocab, table.dim]
     split = table.layout.split_dim
     if split is not None:

@@ -4,7 +4,7 @@ table_layouts=...)``, a planner's plan) refers to.
 Example:
     >>> from sparsecomm_jax.embedding import layouts
     >>> layouts.get("row").name, sorted(layouts.LAYOUTS)
-    ('row', ['column', 'replicated', 'row'])
+    ('row', ['column', 'replicated', 'row', 'table'])
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
+from sparsecomm_jax.embedding.tablewise import TABLE
 
-LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, REPLICATED)}
+LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, REPLICATED, TABLE)}
 
 
 def get(layout: str | Layout) -> Layout:

@@ -311,9 +311,15 @@ def initial_agg_state(ctx: StepContext, host_params):
 
 def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each table padded with zero rows or columns to the shape it is
-    stored in (``layout.padded_shape``: its split dimension a multiple of P)."""
+    stored in (``layout.padded_shape``: its split dimension a multiple of P), or packed
+    with others by its layout's ``storage`` (table-wise)."""
     leaves, treedef = jax.tree.flatten(params)
+    for layout, tables in _stored_together(ctx):
+        mine = {t.index: leaves[t.index] for t in tables}
+        leaves = _replaced(leaves, layout.storage.pack(mine, ctx.num_workers))
     for t in ctx.tables:
+        if t.layout.storage is not None:
+            continue
         rows, cols = padded_shape(t, ctx.num_workers)
         if (rows, cols) != (t.vocab, t.dim):  # no copy of a table that divides
             leaves[t.index] = np.pad(leaves[t.index], ((0, rows - t.vocab), (0, cols - t.dim)))
@@ -323,9 +329,27 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
 def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each stored table cut back to its V x D (``pad_tables`` undone)."""
     leaves, treedef = jax.tree.flatten(params)
+    for layout, tables in _stored_together(ctx):
+        vocabs = {t.index: t.vocab for t in tables}
+        stored = {t.index: leaves[t.index] for t in tables}
+        leaves = _replaced(leaves, layout.storage.unpack(stored, vocabs))
     for t in ctx.tables:
-        leaves[t.index] = leaves[t.index][: t.vocab, : t.dim]
+        if t.layout.storage is None:
+            leaves[t.index] = leaves[t.index][: t.vocab, : t.dim]
     return treedef.unflatten(leaves)
+
+
+def _stored_together(ctx: StepContext) -> list[tuple]:
+    """Each layout with a ``storage`` and its tables (stored as that layout packs them)."""
+    out: dict = {}
+    for t in ctx.tables:
+        if t.layout.storage is not None:
+            out.setdefault(id(t.layout), (t.layout, []))[1].append(t)
+    return list(out.values())
+
+
+def _replaced(leaves: list, new: dict) -> list:
+    return [new.get(i, x) for i, x in enumerate(leaves)]
 
 
 def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainState]:

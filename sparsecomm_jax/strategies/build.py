@@ -383,8 +383,9 @@ def make_train_step(
         dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
       table_layouts: a layout per table, ``{table path: layout}`` (a path like
         ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
-        a layout ``"column"``, ``"row"``, ``"replicated"``, a ``Layout`` value, or
-        ``"dense"``: an ordinary parameter, its gradient in the dense all-reduce), for
+        a layout ``"column"``, ``"row"``, ``"replicated"``, ``"table"``, a ``Layout``
+        value, or ``"dense"``: an ordinary parameter, its gradient in the dense
+        all-reduce), for
         ``sparse_allgather``, ``embrace`` and ``embrace_rowwise``; the tables it leaves
         out keep the strategy's layout. A planner's plan (``planner.plan_tables``) is
         such a mapping.
@@ -470,6 +471,8 @@ def make_context(
         tables = tuple(t for t in tables if t.layout is not None)
         leaves, treedef = jax.tree.flatten(mask)
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
+    for bind in {t.layout.bind for t in tables if t.layout.bind is not None}:
+        tables = bind(tables, num)  # e.g. table-wise owners
     if name.strategy.needs_tables and not tables and not dense:  # all "dense": data parallel
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "

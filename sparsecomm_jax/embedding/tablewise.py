@@ -1,0 +1,254 @@
+"""Table-wise tables: each table whole on one worker (torchrec's table-wise).
+
+A program over the mesh gives every worker a shard of the same shape, so a table cannot
+live on one worker alone as a leaf of its own. The table-wise tables of one D are
+therefore *packed*: one stored leaf (the first such table's) of ``[P * R, D]`` holds, in
+worker w's block of R rows, the tables w owns one after the other; the other tables of
+the pack are stored as ``[P, D]`` zeros (a row per worker, never read: an array of
+no elements would be neither saved by orbax nor kept sharded by XLA). Owners are
+assigned once, when the step is built (``bind``): the largest table first, each to the
+worker holding the fewest rows so far, so that R (the most rows any worker holds) stays
+near the pack's rows over P.
+
+An id ``v`` of a table owned by worker ``o`` at row ``offset`` of its block is row
+``o * R + offset + v`` of the pack, and the pack is read as one row-wise table whose
+worker w owns rows ``[wR, (w+1)R)``: the layout's trio is the row-wise one
+(``embedding.row``) on those ids:
+
+1. **plan** (host): per pack, the most distinct ids any worker asks of any one owner
+   (``row.bucket_slots`` on the packed ids), rounded up to a power of two;
+2. **fetch**: ids to their table's owner, its rows back, the lookups of every pack in
+   one exchange (``row.fetch_many``);
+3. **back**: the gradient rows by the transposed exchange, summed per id at the owner.
+
+The bytes are those of the row-wise layout when the owners' loads are even; a worker
+that owns the busiest tables receives more than its share (every bucket of the exchange
+is padded to the fullest owner's), so table-wise pays off with many tables of similar
+traffic, where each table's optimizer state and update stay on one worker.
+
+A full softmax (``emb.attend``) is not served: it would gather the whole table onto
+every worker; give such a table the row or column layout.
+
+Example:
+    >>> from sparsecomm_jax.embedding import tables, tablewise
+    >>> found = (tables.Table(0, "a", 10, 4, tablewise.TABLE),
+    ...          tables.Table(1, "b", 6, 4, tablewise.TABLE),
+    ...          tables.Table(2, "c", 5, 4, tablewise.TABLE))
+    >>> bound = tablewise.bind(found, 2)
+    >>> [bound[0].layout.storage.shape(t, 2) for t in bound]  # a, then b and c on worker 1
+    [(22, 4), (2, 4), (2, 4)]
+
+References:
+    Mudigere et al., "High-performance, Distributed Training of Large-scale DLRMs", 2021
+    (table-wise model parallelism); torchrec's table-wise sharding (``tw_sharding.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax.embedding import row
+from sparsecomm_jax.embedding.access import HostReads, Read
+from sparsecomm_jax.embedding.layout import (
+    CapacityPolicy,
+    Fetched,
+    Layout,
+    Storage,
+    next_power_of_two,
+)
+
+F32 = jnp.float32
+
+
+class Slot(NamedTuple):
+    """Where one table-wise table is stored.
+
+    Attributes:
+      pack: the leaf index of the pack that holds it (the first table of its D).
+      owner: the worker that holds it whole.
+      offset: its first row in the owner's block of the pack.
+    """
+
+    pack: int
+    owner: int
+    offset: int
+
+
+class Packing(NamedTuple):
+    """The owners and packs of a step's table-wise tables.
+
+    Attributes:
+      slots: table leaf index -> its ``Slot``.
+      rows: pack leaf index -> R, the rows of each worker's block.
+      dims: pack leaf index -> D.
+    """
+
+    slots: dict[int, Slot]
+    rows: dict[int, int]
+    dims: dict[int, int]
+
+    def members(self, pack: int) -> list[int]:
+        """The tables stored in ``pack``, in leaf order."""
+        return sorted(i for i, s in self.slots.items() if s.pack == pack)
+
+    def packed_ids(self, table: int, ids):
+        """``ids`` of ``table`` as rows of its pack (numpy or jax)."""
+        s = self.slots[table]
+        return ids + (s.owner * self.rows[s.pack] + s.offset)
+
+
+def assign(tables, num_workers: int) -> Packing:
+    """Owners and offsets: per D, the largest table first to the worker holding the
+    fewest rows so far (ties to the lowest worker).
+
+    Example:
+        >>> from sparsecomm_jax.embedding.tables import Table
+        >>> t = [Table(3, "a", 10, 4, None), Table(5, "b", 6, 4, None)]
+        >>> assign(t, 2).slots[5], assign(t, 2).rows
+        (Slot(pack=3, owner=1, offset=0), {3: 10})
+    """
+    slots, rows, dims = {}, {}, {}
+    for dim in sorted({t.dim for t in tables}):
+        group = [t for t in tables if t.dim == dim]
+        pack = min(t.index for t in group)
+        held = [0] * num_workers
+        for t in sorted(group, key=lambda t: (-t.vocab, t.index)):
+            owner = min(range(num_workers), key=lambda w: (held[w], w))
+            slots[t.index] = Slot(pack, owner, held[owner])
+            held[owner] += t.vocab
+        rows[pack], dims[pack] = max(held), dim
+    return Packing(slots, rows, dims)
+
+
+# ------------------------------------------------------------------ storage
+
+
+def _storage(packing: Packing) -> Storage:
+    def shape(table, num_workers: int) -> tuple[int, int]:
+        pack = packing.slots[table.index].pack
+        return num_workers * (packing.rows[pack] if pack == table.index else 1), table.dim
+
+    def pack(leaves: dict[int, np.ndarray], num_workers: int) -> dict[int, np.ndarray]:
+        out = {
+            i: np.zeros((num_workers, np.shape(x)[1]), np.asarray(x).dtype)
+            for i, x in leaves.items()
+        }
+        for p, rows in packing.rows.items():
+            dtypes = {np.asarray(leaves[i]).dtype for i in packing.members(p)}
+            if len(dtypes) > 1:
+                raise ValueError(
+                    f"the table-wise tables of D = {packing.dims[p]} are stored together "
+                    f"and must share a dtype, got {sorted(map(str, dtypes))}"
+                )
+            block = np.zeros((num_workers * rows, packing.dims[p]), dtypes.pop())
+            for i in packing.members(p):
+                start = packing.packed_ids(i, 0)
+                block[start : start + np.shape(leaves[i])[0]] = leaves[i]
+            out[p] = block
+        return out
+
+    def unpack(stored: dict[int, Any], vocabs: dict[int, int]) -> dict[int, Any]:
+        out = {}
+        for i, s in packing.slots.items():
+            start = packing.packed_ids(i, 0)
+            out[i] = stored[s.pack][start : start + vocabs[i]]
+        return out
+
+    return Storage(shape, pack, unpack)
+
+
+# ------------------------------------------------------------------ 1. plan the ids
+
+
+def _capacity(packing: Packing) -> CapacityPolicy:
+    def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
+        first, out = reads[0], {}
+        for p, rows in packing.rows.items():
+            read = [i for i in packing.members(p) if i in first]
+            if not read:
+                continue
+            per_worker = [
+                np.concatenate([packing.packed_ids(i, first[i][0][w].ravel()) for i in read])
+                for w in range(workers)
+            ]
+            out[p] = row.bucket_slots(per_worker, workers * rows, workers)
+        return out
+
+    def bound(reads: HostReads, table, workers: int) -> int:
+        """Every id a worker reads distinct and owned by one worker: min(n, R)."""
+        rows = packing.rows[packing.slots[table.index].pack]
+        return min(reads[table.index][0].shape[1], rows)
+
+    return CapacityPolicy(need, "distinct rows from one owner", next_power_of_two, bound)
+
+
+# ------------------------------------------------------- 2. fetch rows, 3. send back
+
+
+def _fetch(packing: Packing):
+    def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32):
+        """The reads as reads of their packs (``Packing.packed_ids``), through the
+        row-wise exchange; the gradients come back as pairs of the packs."""
+        moved = [
+            r._replace(table=packing.slots[r.table].pack, ids=packing.packed_ids(r.table, r.ids))
+            for r in reads
+        ]
+        slots = {  # a pack's capacity: its own, or the most a member was given
+            p: max(capacity.get(i, 0) for i in packing.members(p)) for p in packing.rows
+        }
+        got = row.fetch(shards, moved, slots, axis, wire)
+        return Fetched(got.rows, got.back, got.missed)
+
+    return fetch
+
+
+def _no_attend(shard, h, axis: str):
+    raise ValueError(
+        "a table-wise table cannot serve a full softmax (emb.attend): every worker would "
+        "gather the whole table; give it the row or column layout"
+    )
+
+
+def bind(tables, num_workers: int) -> tuple:
+    """``tables`` with their table-wise layout bound to owners (``assign``): the
+    layout the step reads them through. Other tables are returned as they are.
+
+    Args:
+      tables: the step's ``tables.Table`` records.
+      num_workers: P.
+
+    Returns:
+      The records, the table-wise ones with one bound ``Layout`` for all of them.
+    """
+    mine = [t for t in tables if t.layout is not None and t.layout.name == TABLE.name]
+    if not mine:
+        return tuple(tables)
+    packing = assign(mine, num_workers)
+    bound = TABLE._replace(
+        capacity=_capacity(packing),
+        fetch=_fetch(packing),
+        storage=_storage(packing),
+        bind=None,
+    )
+    return tuple(t._replace(layout=bound) if t.index in packing.slots else t for t in tables)
+
+
+def _unbound(*args, **kwargs):
+    raise ValueError("the table-wise layout reads its tables once bound to owners (bind)")
+
+
+TABLE = Layout(
+    name="table",
+    spec=lambda axis: P(axis, None),  # the pack: each worker its block of R rows
+    split_dim=0,
+    capacity=None,
+    fetch=_unbound,
+    attend=_no_attend,
+    sum_dense=lambda g, axis: g,
+    row_specs=lambda axis: (P(axis), P(axis, None)),  # each owner its own rows
+    bind=bind,
+)
