@@ -28,6 +28,7 @@ replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per step   V D b (1 + s)
             the ids and gradient rows)
 column      (P-1) C (4 + 2 D b / P)          3(P-1) per step   V D b (1 + s) / P
 row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
+table       (P-1) C (4 + 2 D b) per pack     3(P-1) per step   R D b (1 + s) per pack
 =========== ================================ ================= ===================
 
 The tables of one layout share its exchange (``embedding.column.fetch``,
@@ -35,6 +36,10 @@ The tables of one layout share its exchange (``embedding.column.fetch``,
 are paid once per step whatever number of tables it holds; the search therefore tries
 every set of sharded layouts and gives each table its cheapest layout within the set. A
 table whose D (column) or V (row) does not divide by P is priced at its padded size.
+Table-wise tables are priced together, as ``embedding.tablewise`` places them: per pack
+(the tables of one D), C is the most distinct ids one worker asks of the busiest owner
+and R the most rows an owner holds; while the search compares one table's layouts it
+takes the table's share of an even split (C = distinct / P).
 
 Example:
     >>> from sparsecomm_jax import planner
@@ -66,16 +71,16 @@ import jax
 import numpy as np
 
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.embedding import access, row
+from sparsecomm_jax.embedding import access, row, tablewise
 from sparsecomm_jax.embedding.layout import distinct_per_worker
-from sparsecomm_jax.embedding.tables import find_tables, table_mask
+from sparsecomm_jax.embedding.tables import Table, find_tables, table_mask
 
 FLOAT = 4  # bytes
 # Seconds per table entry of a dense table's update on the host (gradient, optimizer,
 # apply: about 4 passes of 0.2 ns; one jitted pass over 8M float32 takes 1.2-2 ms).
 DENSE_UPDATE_S = 0.8e-9
-LAYOUT_NAMES = ("dense", "replicated", "column", "row")
-SHARDED = ("column", "row")
+LAYOUT_NAMES = ("dense", "replicated", "column", "row", "table")
+SHARDED = ("column", "row", "table")
 
 
 class TableStats(NamedTuple):
@@ -216,7 +221,45 @@ def layout_cost(
     if layout == "row":
         nbytes = (p - 1) * stats.bucket * (4 + 2 * d * FLOAT)
         return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / v * v_padded / p)
+    if layout == "table":  # its share of an even split; table_wise_choices prices the packs
+        nbytes = (p - 1) * stats.distinct / p * (4 + 2 * d * FLOAT)
+        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
     raise ValueError(f"unknown layout {layout!r}; choose among {LAYOUT_NAMES}")
+
+
+def table_wise_choices(
+    stats: Sequence[TableStats], workers: int, link: Link, optimizer_slots: int = 1
+) -> list[Choice]:
+    """The table-wise tables priced as they are placed (``tablewise.assign``): per pack,
+    the bytes of an exchange whose buckets hold C = the most distinct ids one worker asks
+    of one owner (the owner's tables' ``distinct`` summed), and R rows per worker; each
+    table gets its share (by distinct ids, by rows).
+
+    Example:
+        >>> link = Link.from_bandwidth(1.0)
+        >>> two = [TableStats("a", 1000, 8, 64, 60, 20), TableStats("b", 900, 8, 64, 50, 20)]
+        >>> found = table_wise_choices(two, 2, link)  # an owner each, buckets of 60 ids
+        >>> round(sum(c.bytes for c in found)) == (2 - 1) * 60 * (4 + 2 * 8 * 4)
+        True
+    """
+    records = [Table(i, s.name, s.vocab, s.dim, None) for i, s in enumerate(stats)]
+    packing = tablewise.assign(records, workers)
+    choices = [None] * len(stats)
+    for pack, rows in packing.rows.items():
+        members = packing.members(pack)
+        per_owner = [0] * workers
+        for i in members:
+            per_owner[packing.slots[i].owner] += stats[i].distinct
+        dim = packing.dims[pack]
+        nbytes = (workers - 1) * max(per_owner) * (4 + 2 * dim * FLOAT)
+        memory = rows * dim * FLOAT * (1 + optimizer_slots)
+        distinct = sum(stats[i].distinct for i in members) or 1
+        vocab = sum(stats[i].vocab for i in members)
+        for i in members:
+            share = nbytes * stats[i].distinct / distinct
+            held = memory * stats[i].vocab / vocab
+            choices[i] = Choice(stats[i].name, "table", share, share * link.beta, held)
+    return choices
 
 
 def group_seconds(layouts: set[str], workers: int, link: Link) -> float:
@@ -289,7 +332,7 @@ def candidate_plans(
         >>> from sparsecomm_jax.comm.costmodel import Link
         >>> stats = [TableStats("big", 100_000, 64, 512, 400, 60)]
         >>> [p.layouts()["big"] for p in candidate_plans(stats, 4, Link.from_bandwidth(1.0))]
-        ['row', 'column', 'replicated']
+        ['row', 'column', 'replicated', 'table']
     """
     local = [name for name in layouts if name not in SHARDED]
     sharded = [name for name in layouts if name in SHARDED]
@@ -351,10 +394,17 @@ def _plan_within(stats, workers, link, slots, allowed) -> Plan | None:
     for s in stats:
         options = [layout_cost(s, x, workers, link, slots) for x in allowed]
         choices.append(min(options, key=lambda c: c.seconds))
-    return _total(choices, workers, link)
+    return _total(choices, stats, workers, link, slots)
 
 
-def _total(choices: list[Choice], workers: int, link: Link) -> Plan:
+def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -> Plan:
+    """The plan of ``choices``, its table-wise tables priced by their packs."""
+    mine = [k for k, c in enumerate(choices) if c.layout == "table"]
+    if mine:
+        packed = table_wise_choices([stats[k] for k in mine], workers, link, slots)
+        choices = list(choices)
+        for k, c in zip(mine, packed, strict=True):
+            choices[k] = c
     used = {c.layout for c in choices}
     seconds = sum(c.seconds for c in choices) + group_seconds(used, workers, link)
     return Plan(tuple(choices), seconds, sum(c.memory for c in choices), workers)
@@ -379,7 +429,7 @@ def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan 
             return None
         _, i, new = max(moves, key=lambda m: m[0])
         choices[i] = new
-    return _total(choices, workers, link)
+    return _total(choices, stats, workers, link, slots)
 
 
 def describe(layouts: dict[str, str]) -> str:

@@ -19,6 +19,8 @@ from experiments.train import build, main
 from models import get_workload
 from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm.costmodel import Link
+from sparsecomm_jax.embedding import access, tablewise
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 SLOW = Link.from_bandwidth(1.0)
 
@@ -242,7 +244,8 @@ def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     assert plan_check.table_names(small) == list(zip(names, (30, 10), strict=True))
     tables = [("a", 1000), ("b", 10), ("c", 100)]
     plans = plan_check.hand_plans(tables)
-    mixed = {f"{big}+{small}" for big in ("column", "row") for small in ("replicated", "dense")}
+    sharded = ("column", "row", "table")
+    mixed = {f"{big}+{small}" for big in sharded for small in ("replicated", "dense")}
     assert set(plans) == {*planner.LAYOUT_NAMES, *mixed}
     assert plans["row+dense"] == {"a": "row", "c": "row", "b": "dense"}  # the larger half
     assert all(set(p) == {"a", "b", "c"} for p in plans.values())
@@ -273,3 +276,37 @@ def test_resume_with_plan_auto_keeps_the_layout_the_checkpoints_hold(tmp_path, f
     assert resumed_config(config).plan == first
     fresh = RunConfig(checkpoint_dir=str(tmp_path), plan="auto")  # not resuming: plans
     assert resumed_config(fresh).plan == "auto"
+
+
+def test_table_wise_tables_are_priced_by_their_packs():
+    """Eight equal tables over four owners cost what row-wise costs them (two tables per
+    owner: buckets of twice a table's ids); one table alone costs P times as much (its
+    owner's bucket holds all its ids); the memory is an owner's rows."""
+    eight = [stats(f"t{i}", 1000, reads=256, distinct=200, bucket=50) for i in range(8)]
+    packed = planner.table_wise_choices(eight, 4, SLOW, optimizer_slots=1)
+    rows = [planner.layout_cost(s, "row", 4, SLOW) for s in eight]
+    assert sum(c.bytes for c in packed) == pytest.approx(sum(c.bytes for c in rows))
+    assert sum(c.memory for c in packed) == 2 * 1000 * 16 * 4 * 2  # R = two tables' rows
+    (alone,) = planner.table_wise_choices(eight[:1], 4, SLOW)
+    assert alone.bytes == pytest.approx(4 * rows[0].bytes)
+    plan = planner.plan_tables(eight, 4, SLOW, layouts=["table"])
+    assert plan.seconds == pytest.approx(
+        sum(c.seconds for c in packed) + planner.group_seconds({"table"}, 4, SLOW)
+    )
+
+
+def test_the_modelled_buckets_of_a_pack_hold_what_its_batches_need():
+    """The model's C of a pack (each owner's tables' most distinct ids, summed) is at
+    least what the layout's capacity plan asks for the same sample batches."""
+    w = get_workload("dlrm", tables="500,300,200,100,50", dim=8, batch=64, multi_hot=2)
+    params = w.init(jax.random.key(0))
+    batches = [w.batch_at(s) for s in range(3)]
+    found = planner.table_stats(w.loss, params, w.embedding_paths, batches, 4)
+    packed = planner.table_wise_choices(found, 4, SLOW)
+    modelled_c = sum(c.bytes for c in packed) / (3 * (4 + 2 * 8 * 4))
+    mask = table_mask(params, w.embedding_paths)
+    tables = tablewise.bind(find_tables(params, mask, tablewise.TABLE), 4)
+    reads_of = access.host_reads(w.loss, params, mask, (), 4)
+    plan_ids = tables[0].layout.capacity.need
+    needs = [n for b in batches for n in plan_ids([reads_of(b)], tables, 4).values()]  # one pack
+    assert max(needs) <= modelled_c <= 1.5 * max(needs), (needs, modelled_c)
