@@ -8,8 +8,9 @@ mix of 100 to 100k rows), every hand-picked plan runs on the emulated cluster
 (``experiments.cluster``, one ``--bandwidth`` link per worker) under ``--strategy
 embrace --plan JSON``, then the planner's own (``--plan auto``, priced on the link
 calibrated on the same cluster). The hand plans: each layout for every table
-(``column``, ``row``, ``replicated``, ``dense``), and the larger half of the tables
-sharded (column or row) with the smaller half ``replicated`` or ``dense``. The planner
+(``column``, ``row``, ``table``, ``replicated``, ``dense``), and the larger half of the
+tables sharded (column, row or table-wise) with the smaller half ``replicated`` or
+``dense``. The planner
 runs twice: ``planner`` (``--plan auto``: its candidates timed a few steps on the
 cluster, the fastest kept) and ``model`` (``--plan model``: the modelled best alone).
 Every plan runs once per round (``--repeats`` rounds, the median counts; ``--plans``

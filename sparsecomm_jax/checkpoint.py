@@ -315,7 +315,8 @@ def _check_shapes(saved: PyTree, target: PyTree, where: str) -> None:
             elif _one_dimension_differs(theirs[name], shape):
                 hint = (
                     " (if it is an embedding table stored padded to a multiple of the workers: "
-                    "resume it on a device count that pads it to the same size)"
+                    "resume it on a device count that pads it to the same size; a "
+                    "table-wise pack on the same device count)"
                 )
             else:
                 hint = ""
@@ -602,8 +603,9 @@ class Checkpointer:
 
         Replicated state restores onto any device count; sharded tables onto any count
         that stores them at the same size (that divides their sharded dimension, or pads
-        it to the same multiple: ``layout.padded_shape``) under the same layout.
-        Per-worker residuals need the same count.
+        it to the same multiple: ``layout.padded_shape``) under the same layout;
+        table-wise tables (packed by owner) onto the same count. Per-worker residuals need
+        the same count.
         """
         tree, s = self.restore(portable(ts, ts.state), step, on_skip)
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])

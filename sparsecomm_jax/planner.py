@@ -93,6 +93,8 @@ class TableStats(NamedTuple):
       distinct: the most distinct ids one worker reads in a step (column's slots).
       bucket: the most distinct ids one worker asks of one owner (row's slots).
       lookups: how many reads of the table the loss makes (replicated pays per read).
+      attended: the loss reads the whole table by a full softmax (``emb.attend``),
+        which the table-wise layout does not serve.
     """
 
     name: str
@@ -102,6 +104,7 @@ class TableStats(NamedTuple):
     distinct: int
     bucket: int
     lookups: int = 1
+    attended: bool = False
 
 
 class Choice(NamedTuple):
@@ -171,24 +174,26 @@ def table_stats(
     tables = find_tables(params, mask, None)
     reads_of = access.host_reads(loss_fn, params, mask, replicated_keys, workers)
     samples = [reads_of(b) for b in batches]
-    lookups = _lookups_per_table(loss_fn, params, batches[0], mask)
+    lookups, attended = _reads_per_table(loss_fn, params, batches[0], mask)
     stats = []
     for t in tables:
         seen = [s for s in samples if t.index in s]
         if not seen:
-            stats.append(TableStats(t.name, t.vocab, t.dim, 0, 0, 0, 0))
+            stats.append(TableStats(t.name, t.vocab, t.dim, 0, 0, 0, 0, t.index in attended))
             continue
         reads = max(s[t.index][0].shape[1] + s[t.index][1].size for s in seen)
         distinct = max(int(distinct_per_worker(s, t.index).max(initial=0)) for s in seen)
         bucket = max(row.bucket_slots(list(s[t.index][0]), t.vocab, workers) for s in seen)
+        count = lookups.get(t.index, 1)
         stats.append(
-            TableStats(t.name, t.vocab, t.dim, reads, distinct, bucket, lookups.get(t.index, 1))
+            TableStats(t.name, t.vocab, t.dim, reads, distinct, bucket, count, t.index in attended)
         )
     return stats
 
 
-def _lookups_per_table(loss_fn, params, batch, mask) -> dict[int, int]:
-    """Table leaf index -> how many reads of it the loss makes."""
+def _reads_per_table(loss_fn, params, batch, mask) -> tuple[dict[int, int], set[int]]:
+    """Table leaf index -> how many reads of it the loss makes; the tables it reads by a
+    full softmax."""
     pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(mask), strict=True))
     widths = {i: np.shape(x)[1] for i, (x, f) in enumerate(pairs) if f}
     vocabs = {i: np.shape(x)[0] for i, (x, f) in enumerate(pairs) if f}
@@ -196,7 +201,7 @@ def _lookups_per_table(loss_fn, params, batch, mask) -> dict[int, int]:
     counts: dict[int, int] = {}
     for r in reads:
         counts[r.table] = counts.get(r.table, 0) + 1
-    return counts
+    return counts, {r.table for r in reads if r.kind == access.ATTEND}
 
 
 def layout_cost(
@@ -307,7 +312,8 @@ def candidate_plans(
     within: float = 10.0,
 ) -> list[Plan]:
     """The plans worth timing (``choose_measured``), least modelled time first: the best
-    modelled plan of each set of sharded exchanges (none, column, row, both) and each
+    modelled plan of each set of sharded exchanges (none, column, row, table-wise and
+    their combinations) and each
     layout for every table, within ``memory_bytes``; distinct plans only, none modelled
     slower than ``within`` times the best.
 
@@ -392,9 +398,16 @@ def _plan_within(stats, workers, link, slots, allowed) -> Plan | None:
         return None
     choices = []
     for s in stats:
-        options = [layout_cost(s, x, workers, link, slots) for x in allowed]
+        options = [layout_cost(s, x, workers, link, slots) for x in allowed if serves(s, x)]
+        if not options:  # a softmax table, table-wise only
+            return None
         choices.append(min(options, key=lambda c: c.seconds))
     return _total(choices, stats, workers, link, slots)
+
+
+def serves(stats: TableStats, layout: str) -> bool:
+    """Whether ``layout`` can serve the table's reads (table-wise: no full softmax)."""
+    return not (layout == "table" and stats.attended)
 
 
 def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -> Plan:
@@ -416,12 +429,12 @@ def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan 
     if memory_bytes is None or plan.memory <= memory_bytes:
         return plan
     choices = list(plan.choices)
-    while sum(c.memory for c in choices) > memory_bytes:
+    while _total(choices, stats, workers, link, slots).memory > memory_bytes:
         moves = []
         for i, (c, s) in enumerate(zip(choices, stats, strict=True)):
             if c.layout in SHARDED:
                 continue
-            for x in group:
+            for x in (x for x in group if serves(s, x)):
                 new = layout_cost(s, x, workers, link, slots)
                 saved = c.memory - new.memory
                 moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))

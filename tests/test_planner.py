@@ -310,3 +310,22 @@ def test_the_modelled_buckets_of_a_pack_hold_what_its_batches_need():
     plan_ids = tables[0].layout.capacity.need
     needs = [n for b in batches for n in plan_ids([reads_of(b)], tables, 4).values()]  # one pack
     assert max(needs) <= modelled_c <= 1.5 * max(needs), (needs, modelled_c)
+
+
+def test_a_table_read_by_a_full_softmax_is_never_table_wise():
+    """An LM's output table (a full softmax) gets no table-wise candidate, not even the
+    one-layout-everywhere plan; its statistics say it is attended."""
+    w = get_workload("lstm_lm", vocab=64, dim=8, hidden=8, seq_len=4, batch=8, sampled_softmax=0)
+    params = w.init(jax.random.key(0))
+    found = planner.table_stats(w.loss, params, w.embedding_paths, [w.batch_at(0)], 4)
+    assert any(s.attended for s in found)
+    plans = planner.candidate_plans(found, 4, SLOW, layouts=planner.LAYOUT_NAMES, within=1e9)
+    for plan in plans:
+        for s in found:
+            assert not (s.attended and plan.layouts()[s.name] == "table"), plan.layouts()
+    mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
+    mid = [mid[0]._replace(attended=True), *mid[1:]]
+    with pytest.raises(ValueError, match="no layout of the tables fits"):  # t0 fits no layout
+        planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table"])
+    tight = planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table", "row"])
+    assert tight.layouts()["t0"] == "row" and tight.memory <= 4.5e5

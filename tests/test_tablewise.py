@@ -82,10 +82,9 @@ def test_the_exchange_brings_each_read_its_rows_and_each_owner_its_gradients():
         reads = [Read(LOOKUP, 0, ids_a[0]), Read(LOOKUP, 1, ids_b[0])]
         need = {0: 8, 1: 8}
         got = layout.fetch({0: pack, 1: empty}, reads, need, "data")
-        (i0, (ids0, rows0)), (i1, (ids1, rows1)) = got.back([g_a[0], g_b[0]])
-        assert i0 == i1 == 0  # both pairs go to the pack
-        dense = jnp.zeros(pack.shape).at[ids0].add(rows0, mode="drop")
-        dense = dense.at[ids1].add(rows1, mode="drop")
+        ((i, (ids, rows)),) = got.back([g_a[0], g_b[0]])  # one pair: the pack's
+        assert i == 0
+        dense = jnp.zeros(pack.shape).at[ids].add(rows, mode="drop")
         return got.rows[0][None], got.rows[1][None], dense
 
     spec = P("data")
@@ -104,6 +103,8 @@ def test_the_exchange_brings_each_read_its_rows_and_each_owner_its_gradients():
 
 
 def test_the_capacity_plan_counts_distinct_ids_per_owner():
+    """One bucket plan per pack: the most distinct ids one worker asks of one owner, the
+    lookups of both tables together."""
     rng = np.random.default_rng(3)
     tables = tablewise.bind(
         (Table(0, "a", 50, 4, tablewise.TABLE), Table(1, "b", 20, 4, tablewise.TABLE)), N
@@ -119,7 +120,7 @@ def test_the_capacity_plan_counts_distinct_ids_per_owner():
             slot = packing.slots[t.index]
             owners.setdefault(slot.owner, set()).update((t.index, v) for v in look[t.index][w])
         count = max(count, *(len(s) for s in owners.values()))
-    assert need == {0: count}
+    assert need == {0: count, 1: count}  # the pack's slots, for each of its tables
 
 
 def test_a_full_softmax_of_a_table_wise_table_is_refused():
@@ -160,3 +161,77 @@ def test_a_table_wise_run_resumes_from_its_checkpoints(tmp_path):
     resumed = train_and_evaluate(RunConfig(steps=3, resume=True, **base, **ck), progress=False)
     assert resumed["start_step"] == 2
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+SIZES = {"a": 20, "b": 12}
+
+
+def small_params() -> dict:
+    rng = np.random.default_rng(5)
+    params = {k: rng.normal(size=(v, 4)).astype(np.float32) for k, v in SIZES.items()}
+    params["w"] = rng.normal(size=(4,)).astype(np.float32)
+    return params
+
+
+def small_loss(params, batch, emb):
+    a = emb.lookup(params["a"], batch["a"] + batch["shift"])  # ids computed by the model
+    b = emb.lookup(params["b"], batch["b"])
+    return jnp.mean(jnp.sum(a * b * params["w"], -1) ** 2)
+
+
+def table_wise_step(optimizer, **kw):
+    return sc.make_train_step(
+        small_loss,
+        optimizer,
+        runtime.data_mesh(N),
+        small_params(),
+        "embrace",
+        embedding_paths=[("a",), ("b",)],
+        id_keys=("a", "b"),
+        table_layouts={"a": "table", "b": "table"},
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.lamb(0.1),  # a trust ratio per parameter
+        optax.partition(
+            {"slow": optax.sgd(0.01), "fast": optax.sgd(0.5)},
+            {"a": "slow", "b": "fast", "w": "fast"},
+        ),
+    ],
+    ids=["lamb", "partition by table"],
+)
+def test_an_optimizer_that_treats_tables_apart_is_refused(optimizer):
+    with pytest.raises(ValueError, match="does not move table-wise tables stored together"):
+        table_wise_step(optimizer)
+
+
+def test_an_optimizer_that_labels_the_tables_alike_is_accepted():
+    labels = {"a": "tables", "b": "tables", "w": "dense"}
+    table_wise_step(
+        optax.partition({"tables": optax.adagrad(0.1), "dense": optax.adam(0.1)}, labels)
+    )
+
+
+def test_an_id_the_model_computes_outside_its_table_reads_no_other_tables_row():
+    """Table a (20 rows) and b share a pack; an id of a shifted past 20 would be a row of
+    b there: it finds no row, the step's loss is +inf and the step is skipped."""
+    ts = table_wise_step(optax.sgd(0.1))
+    rng = np.random.default_rng(0)
+    batch = {
+        "a": rng.integers(0, 20, N * 2).astype(np.int32),
+        "b": rng.integers(0, 12, N * 2).astype(np.int32),
+        "shift": np.zeros(N * 2, np.int32),
+    }
+    state, loss = ts.step(ts.state, ts.place_batch(batch))
+    assert np.isfinite(sc.loss_value(loss))
+    before = ts.host_params(state)
+    batch["shift"][3] = 20  # a's id 20 + x: beyond a, inside the pack
+    state, loss = ts.step(state, ts.place_batch(batch))
+    assert sc.loss_value(loss) == np.inf
+    after = ts.host_params(state)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])

@@ -94,11 +94,15 @@ class Storage(NamedTuple):
         table leaf index -> stored array, for the tables of this layout.
       unpack: ``unpack(stored, vocabs) -> leaves``: the inverse, ``vocabs`` table leaf
         index -> V.
+      check: ``check(optimizer, params, P)``: ``ValueError`` where the optimizer would
+        not move tables stored together as it moves them apart (per-parameter labels or
+        norms); called when a step is built.
     """
 
     shape: Callable[[Any, int], tuple[int, int]]
     pack: Callable[[dict, int], dict]
     unpack: Callable[[dict, dict], dict]
+    check: Callable[[Any, Any, int], None] | None = None
 
 
 class Layout(NamedTuple):

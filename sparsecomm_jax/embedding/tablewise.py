@@ -15,10 +15,11 @@ An id ``v`` of a table owned by worker ``o`` at row ``offset`` of its block is r
 worker w owns rows ``[wR, (w+1)R)``: the layout's trio is the row-wise one
 (``embedding.row``) on those ids:
 
-1. **plan** (host): per pack, the most distinct ids any worker asks of any one owner
-   (``row.bucket_slots`` on the packed ids), rounded up to a power of two;
-2. **fetch**: ids to their table's owner, its rows back, the lookups of every pack in
-   one exchange (``row.fetch_many``);
+1. **plan** (host): per pack, the most distinct ids any worker asks of any one owner,
+   every lookup of the pack's tables together (``row.bucket_slots`` on the packed ids),
+   rounded up to a power of two;
+2. **fetch**: ids to their table's owner, its rows back: per pack one bucket plan of
+   all its lookups, every pack in one exchange (``row.fetch_many``);
 3. **back**: the gradient rows by the transposed exchange, summed per id at the owner.
 
 The bytes are those of the row-wise layout when the owners' loads are even; a worker
@@ -47,12 +48,14 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.embedding import row
-from sparsecomm_jax.embedding.access import HostReads, Read
+from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
 from sparsecomm_jax.embedding.layout import (
     CapacityPolicy,
     Fetched,
@@ -60,6 +63,7 @@ from sparsecomm_jax.embedding.layout import (
     Storage,
     next_power_of_two,
 )
+from sparsecomm_jax.embedding.tables import Table
 
 F32 = jnp.float32
 
@@ -85,11 +89,13 @@ class Packing(NamedTuple):
       slots: table leaf index -> its ``Slot``.
       rows: pack leaf index -> R, the rows of each worker's block.
       dims: pack leaf index -> D.
+      vocabs: table leaf index -> V.
     """
 
     slots: dict[int, Slot]
     rows: dict[int, int]
     dims: dict[int, int]
+    vocabs: dict[int, int]
 
     def members(self, pack: int) -> list[int]:
         """The tables stored in ``pack``, in leaf order."""
@@ -112,6 +118,7 @@ def assign(tables, num_workers: int) -> Packing:
         (Slot(pack=3, owner=1, offset=0), {3: 10})
     """
     slots, rows, dims = {}, {}, {}
+    vocabs = {t.index: t.vocab for t in tables}
     for dim in sorted({t.dim for t in tables}):
         group = [t for t in tables if t.dim == dim]
         pack = min(t.index for t in group)
@@ -121,7 +128,7 @@ def assign(tables, num_workers: int) -> Packing:
             slots[t.index] = Slot(pack, owner, held[owner])
             held[owner] += t.vocab
         rows[pack], dims[pack] = max(held), dim
-    return Packing(slots, rows, dims)
+    return Packing(slots, rows, dims, vocabs)
 
 
 # ------------------------------------------------------------------ storage
@@ -158,7 +165,60 @@ def _storage(packing: Packing) -> Storage:
             out[i] = stored[s.pack][start : start + vocabs[i]]
         return out
 
-    return Storage(shape, pack, unpack)
+    def check(optimizer, params, num_workers: int) -> None:
+        check_optimizer(optimizer, params, packing, num_workers)
+
+    return Storage(shape, pack, unpack, check)
+
+
+def check_optimizer(optimizer, params, packing: Packing, num_workers: int) -> None:
+    """``ValueError`` unless ``optimizer`` moves the tables of ``packing`` stored in
+    their packs as it moves them apart: two steps of it on small stand-ins of every
+    parameter (the tables a few rows of their D), packed and apart, on random gradients.
+
+    Per-parameter labels (``optax.partition``, ``masked``, weight decay by mask) and
+    per-parameter norms (``lamb``'s and ``lars``' trust ratios, ``clip_by_block_rms``)
+    would treat a pack as the first table of it, and a mean over a whole leaf
+    (``centralize``) would see the other tables' rows: such optimizers are refused.
+    """
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(params)
+    small = {i: 2 + k % 3 for k, i in enumerate(sorted(packing.slots))}  # stand-in V
+    stand = assign(
+        [Table(i, "", v, np.shape(leaves[i])[1], None) for i, v in small.items()], num_workers
+    )
+    storage = _storage(stand)
+
+    def stand_in(i, x):
+        shape = (small[i], np.shape(x)[1]) if i in small else tuple(min(n, 3) for n in np.shape(x))
+        return rng.normal(size=shape).astype(np.float32)
+
+    apart = [[stand_in(i, x) for i, x in enumerate(leaves)] for _ in range(3)]  # params, 2 grads
+
+    def packed(tree: list) -> list:
+        new = storage.pack({i: tree[i] for i in small}, num_workers)
+        return [new.get(i, x) for i, x in enumerate(tree)]
+
+    def unpacked(tree: list) -> list:
+        new = storage.unpack({i: tree[i] for i in small}, small)
+        return [new.get(i, x) for i, x in enumerate(tree)]
+
+    def run(trees: list) -> list:  # two steps from trees[0], gradients trees[1:]
+        tree = treedef.unflatten(trees[0])
+        state = optimizer.init(tree)
+        for grads in trees[1:]:
+            updates, state = optimizer.update(treedef.unflatten(grads), state, tree)
+            tree = optax.apply_updates(tree, updates)
+        return jax.tree.leaves(tree)
+
+    want, got = run(apart), unpacked(run([packed(t) for t in apart]))
+    if not all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(want, got, strict=True)):
+        raise ValueError(
+            "this optimizer does not move table-wise tables stored together (one leaf per D) "
+            "as it moves them apart: it labels or normalises each parameter on its own "
+            "(optax.partition or masked by path, lamb, lars, clip_by_block_rms, "
+            "centralize); give these tables the row or column layout"
+        )
 
 
 # ------------------------------------------------------------------ 1. plan the ids
@@ -166,6 +226,9 @@ def _storage(packing: Packing) -> Storage:
 
 def _capacity(packing: Packing) -> CapacityPolicy:
     def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
+        """Per pack, the most distinct ids one worker asks of one owner, every lookup of
+        the pack's tables together (one bucket plan per pack); each table of the pack
+        gets the pack's slots (the step reads the largest)."""
         first, out = reads[0], {}
         for p, rows in packing.rows.items():
             read = [i for i in packing.members(p) if i in first]
@@ -175,13 +238,16 @@ def _capacity(packing: Packing) -> CapacityPolicy:
                 np.concatenate([packing.packed_ids(i, first[i][0][w].ravel()) for i in read])
                 for w in range(workers)
             ]
-            out[p] = row.bucket_slots(per_worker, workers * rows, workers)
+            slots = row.bucket_slots(per_worker, workers * rows, workers)
+            out.update(dict.fromkeys([p, *read], slots))
         return out
 
     def bound(reads: HostReads, table, workers: int) -> int:
-        """Every id a worker reads distinct and owned by one worker: min(n, R)."""
-        rows = packing.rows[packing.slots[table.index].pack]
-        return min(reads[table.index][0].shape[1], rows)
+        """Every id a worker reads of the pack distinct and owned by one worker:
+        min(the pack's lookups per worker, R)."""
+        pack = packing.slots[table.index].pack
+        ids = sum(reads[i][0].shape[1] for i in packing.members(pack) if i in reads)
+        return min(ids, packing.rows[pack])
 
     return CapacityPolicy(need, "distinct rows from one owner", next_power_of_two, bound)
 
@@ -190,18 +256,47 @@ def _capacity(packing: Packing) -> CapacityPolicy:
 
 
 def _fetch(packing: Packing):
+    def packed(read: Read, num: int):
+        """A read's ids as rows of its pack; an id outside its table (computed by the
+        model: the host checks the batch's) as no row at all (``P * R``: NaN, missed)."""
+        pack, vocab = packing.slots[read.table].pack, packing.vocabs[read.table]
+        inside = (read.ids >= 0) & (read.ids < vocab)
+        nowhere = num * packing.rows[pack]
+        return pack, jnp.where(inside, packing.packed_ids(read.table, read.ids), nowhere)
+
     def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32):
-        """The reads as reads of their packs (``Packing.packed_ids``), through the
-        row-wise exchange; the gradients come back as pairs of the packs."""
-        moved = [
-            r._replace(table=packing.slots[r.table].pack, ids=packing.packed_ids(r.table, r.ids))
-            for r in reads
-        ]
-        slots = {  # a pack's capacity: its own, or the most a member was given
-            p: max(capacity.get(i, 0) for i in packing.members(p)) for p in packing.rows
-        }
-        got = row.fetch(shards, moved, slots, axis, wire)
-        return Fetched(got.rows, got.back, got.missed)
+        """Per pack, the ids of every lookup of its tables in one bucket plan, every pack
+        through one row-wise exchange (``row.fetch_many``); a shared read through its own
+        sum (``row.fetch_shared_one``). The gradients come back as pairs of the packs."""
+        num = jax.lax.axis_size(axis)
+        moved = [packed(r, num) for r in reads]  # per read (pack, int[*ids.shape])
+        look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
+        packs = sorted({moved[k][0] for k in look})
+        of_pack = {p: [k for k in look if moved[k][0] == p] for p in packs}
+        flat = [jnp.concatenate([moved[k][1].reshape(-1) for k in of_pack[p]]) for p in packs]
+        slots = [max(capacity.get(i, 0) for i in packing.members(p)) for p in packs]
+        got, look_back, miss = row.fetch_many([shards[p] for p in packs], flat, slots, axis, wire)
+        rows = {}
+        for p, block in zip(packs, got, strict=True):  # block: float[sum n, D]
+            ends = np.cumsum([0, *(reads[k].ids.size for k in of_pack[p])])
+            for k, a, b in zip(of_pack[p], ends[:-1], ends[1:], strict=True):
+                rows[k] = block[int(a) : int(b)].reshape(*reads[k].ids.shape, -1)
+        shared_backs = {}
+        for k, r in enumerate(reads):
+            if r.kind != LOOKUP:
+                p, ids = moved[k]
+                rows[k], shared_backs[k] = row.fetch_shared_one(shards[p], ids, axis, wire)
+
+        def back(grads):
+            cat = [
+                jnp.concatenate([grads[k].reshape(-1, grads[k].shape[-1]) for k in of_pack[p]])
+                for p in packs
+            ]  # per pack float[sum n, D]
+            pairs = list(zip(packs, look_back(cat), strict=True)) if packs else []
+            return pairs + [(moved[k][0], b(grads[k])) for k, b in shared_backs.items()]
+
+        missed = dict(zip(packs, miss, strict=True))
+        return Fetched([rows[k] for k in range(len(reads))], back, missed)
 
     return fetch
 

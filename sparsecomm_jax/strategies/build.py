@@ -473,6 +473,9 @@ def make_context(
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
     for bind in {t.layout.bind for t in tables if t.layout.bind is not None}:
         tables = bind(tables, num)  # e.g. table-wise owners
+    for storage in {t.layout.storage for t in tables if t.layout.storage is not None}:
+        if storage.check is not None:  # tables stored together: the optimizer must agree
+            storage.check(optimizer, params, num)
     if name.strategy.needs_tables and not tables and not dense:  # all "dense": data parallel
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "
