@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close, reference_run, strategy_run
 from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
+from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import tablewise
 from sparsecomm_jax.embedding.access import LOOKUP, Read
@@ -235,3 +237,26 @@ def test_an_id_the_model_computes_outside_its_table_reads_no_other_tables_row():
     after = ts.host_params(state)
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["two tables", "tied"])
+def test_an_lm_with_shared_negatives_equals_single_device(tied):
+    """The LSTM LM's input and output tables table-wise (one pack of two tables, or one
+    tied table read by inputs, targets and shared negatives: ``lookup_shared``)."""
+    w = get_workload(
+        "lstm_lm",
+        vocab=96,
+        dim=8,
+        hidden=8,
+        seq_len=4,
+        batch=16,
+        sampled_softmax=8,
+        tie_embeddings=tied,
+    )
+    params = w.init(jax.random.key(2))
+    opt = optax.adagrad(0.1)
+    ref_losses, ref_params = reference_run(w, opt, params, 3)
+    layouts = dict.fromkeys(w.embedding_paths, "table")
+    losses, got, ts = strategy_run(w, opt, params, 3, "embrace", table_layouts=layouts)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_trees_close(got, ref_params, rtol=1e-5, atol=1e-6)
