@@ -18,7 +18,7 @@ from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
 from models import get_workload
 from sparsecomm_jax import runtime
-from sparsecomm_jax.embedding import tablewise
+from sparsecomm_jax.embedding import access, tablewise
 from sparsecomm_jax.embedding.access import LOOKUP, Read
 from sparsecomm_jax.embedding.tables import Table
 
@@ -260,3 +260,48 @@ def test_an_lm_with_shared_negatives_equals_single_device(tied):
     losses, got, ts = strategy_run(w, opt, params, 3, "embrace", table_layouts=layouts)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert_trees_close(got, ref_params, rtol=1e-5, atol=1e-6)
+
+
+def narrow_loss(params, batch, emb):
+    """Table a read by shared ids alone (every worker the same negatives), b by int8 ids
+    whose packed rows (b's block starts at row 100) do not fit in int8."""
+    neg = emb.lookup_shared(params["a"], batch["neg"])  # [K, 4]
+    b = emb.lookup(params["b"], batch["b"])  # [B/P, 4]
+    return jnp.mean((b @ neg.T) ** 2) + jnp.mean(b * params["w"])
+
+
+def test_shared_reads_alone_and_narrow_ids_equal_single_device():
+    rng = np.random.default_rng(9)
+    params = {
+        "a": rng.normal(size=(100, 4)).astype(np.float32),
+        "b": rng.normal(size=(90, 4)).astype(np.float32),
+        "w": rng.normal(size=(4,)).astype(np.float32),
+    }
+    batches = [
+        {
+            "neg": rng.integers(0, 100, 6).astype(np.int32),
+            "b": rng.integers(0, 90, N * 2).astype(np.int8),
+        }
+        for _ in range(3)
+    ]
+    opt = optax.sgd(0.3)
+    ref, state = jax.tree.map(jnp.asarray, params), opt.init(params)
+    for batch in batches:
+        grads = jax.grad(narrow_loss)(ref, batch, access.PLAIN)
+        updates, state = opt.update(grads, state, ref)
+        ref = optax.apply_updates(ref, updates)
+    ts = sc.make_train_step(
+        narrow_loss,
+        opt,
+        runtime.data_mesh(N),
+        params,
+        "embrace",
+        replicated_keys=("neg",),
+        embedding_paths=[("a",), ("b",)],
+        table_layouts={"a": "table", "b": "table"},
+    )
+    state = ts.state
+    for batch in batches:
+        state, loss = ts.step(state, ts.place_batch(batch))
+        assert np.isfinite(sc.loss_value(loss))
+    assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)
