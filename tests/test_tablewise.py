@@ -123,6 +123,8 @@ def test_the_capacity_plan_counts_distinct_ids_per_owner():
             owners.setdefault(slot.owner, set()).update((t.index, v) for v in look[t.index][w])
         count = max(count, *(len(s) for s in owners.values()))
     assert need == {0: count, 1: count}  # the pack's slots, for each of its tables
+    only_a = {0: reads[0]}  # a step that reads one table: the other's slots grow too
+    assert tables[0].layout.capacity.need([only_a], tables, N).keys() == {0, 1}
 
 
 def test_a_full_softmax_of_a_table_wise_table_is_refused():

@@ -236,8 +236,9 @@ def check_optimizer(optimizer, params, packing: Packing, num_workers: int) -> No
 def _capacity(packing: Packing) -> CapacityPolicy:
     def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
         """Per pack, the most distinct ids one worker asks of one owner, every lookup of
-        the pack's tables together (one bucket plan per pack); each table of the pack
-        gets the pack's slots (the step reads the largest)."""
+        the pack's tables together (one bucket plan per pack); every table of the pack
+        gets the pack's slots, read or not, so that they grow together (a table read
+        later changes no capacity, so compiles nothing)."""
         first, out = reads[0], {}
         for p, rows in packing.rows.items():
             read = [i for i in packing.members(p) if i in first]
@@ -250,7 +251,7 @@ def _capacity(packing: Packing) -> CapacityPolicy:
                 for w in range(workers)
             ]
             slots = row.bucket_slots(per_worker, workers * rows, workers)
-            out.update(dict.fromkeys([p, *read], slots))
+            out.update(dict.fromkeys(packing.members(p), slots))  # grown together
         return out
 
     def bound(reads: HostReads, table, workers: int) -> int:
