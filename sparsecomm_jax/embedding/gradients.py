@@ -127,8 +127,8 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
         groups.setdefault(layout.name, (layout, []))[1].append(k)
     rows: dict[int, Any] = {}
     backs, missed = [], {}
+    shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
     for layout, ks in groups.values():
-        shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
         fetched = layout.fetch(shards, [reads[k] for k in ks], capacity, axis, wire)
         rows.update(zip(ks, fetched.rows, strict=True))
         backs.append((ks, fetched.back))
