@@ -63,7 +63,7 @@ from sparsecomm_jax.embedding.layout import (
     Storage,
     next_power_of_two,
 )
-from sparsecomm_jax.embedding.tables import Table
+from sparsecomm_jax.embedding.tables import Table, replace_leaves
 
 F32 = jnp.float32
 
@@ -112,7 +112,7 @@ def assign(tables, num_workers: int) -> Packing:
     fewest rows so far (ties to the lowest worker).
 
     Example:
-        >>> from sparsecomm_jax.embedding.tables import Table
+        >>> from sparsecomm_jax.embedding.tables import Table, replace_leaves
         >>> t = [Table(3, "a", 10, 4, None), Table(5, "b", 6, 4, None)]
         >>> assign(t, 2).slots[5], assign(t, 2).rows
         (Slot(pack=3, owner=1, offset=0), {3: 10})
@@ -202,25 +202,31 @@ def check_optimizer(optimizer, params, packing: Packing, num_workers: int) -> No
         )
         return rng.normal(size=shape).astype(np.float32)
 
-    apart = [[stand_in(i, x) for i, x in enumerate(leaves)] for _ in range(1 + PROBE_STEPS)]
+    apart = [  # the parameters, then a gradient per step
+        treedef.unflatten([stand_in(i, x) for i, x in enumerate(leaves)])
+        for _ in range(1 + PROBE_STEPS)
+    ]
 
-    def packed(tree: list) -> list:
-        new = storage.pack({i: tree[i] for i in small}, num_workers)
-        return [new.get(i, x) for i, x in enumerate(tree)]
+    def tables_of(tree) -> dict:
+        leaves = jax.tree.leaves(tree)
+        return {i: leaves[i] for i in small}
 
-    def unpacked(tree: list) -> list:
-        new = storage.unpack({i: tree[i] for i in small}, small)
-        return [new.get(i, x) for i, x in enumerate(tree)]
+    def packed(tree):
+        return replace_leaves(tree, storage.pack(tables_of(tree), num_workers))
 
-    def run(trees: list) -> list:  # steps from trees[0], gradients trees[1:]
-        tree = treedef.unflatten(trees[0])
+    def unpacked(tree):
+        return replace_leaves(tree, storage.unpack(tables_of(tree), small))
+
+    def run(trees: list):  # steps from trees[0], gradients trees[1:]
+        tree = trees[0]
         state = optimizer.init(tree)
         for grads in trees[1:]:
-            updates, state = optimizer.update(treedef.unflatten(grads), state, tree)
+            updates, state = optimizer.update(grads, state, tree)
             tree = optax.apply_updates(tree, updates)
-        return jax.tree.leaves(tree)
+        return tree
 
-    want, got = run(apart), unpacked(run([packed(t) for t in apart]))
+    want = jax.tree.leaves(run(apart))
+    got = jax.tree.leaves(unpacked(run([packed(t) for t in apart])))
     if not all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(want, got, strict=True)):
         raise ValueError(
             "this optimizer does not move table-wise tables stored together (one leaf per D) "
@@ -268,54 +274,51 @@ def _capacity(packing: Packing) -> CapacityPolicy:
 
 
 def _fetch(packing: Packing):
-    def packed(read: Read, num: int):
-        """A read's ids (as int32: a narrower type could not hold a pack's rows) as rows
-        of its pack; an id outside its table (computed by the model: the host checks the
-        batch's) as no row at all (``P * R``: a lookup's row NaN and missed, a shared
-        read's zero), never a row of another table."""
+    def packed(read: Read, num: int) -> Read:
+        """The read as a read of its pack: its ids (as int32: a narrower type could not
+        hold a pack's rows) as rows of the pack; an id outside its table (computed by the
+        model: the host checks the batch's) as no row at all (``P * R``: a lookup's row
+        NaN and missed, a shared read's zero), never a row of another table."""
         pack, vocab = packing.slots[read.table].pack, packing.vocabs[read.table]
         ids = read.ids.astype(jnp.int32)
         inside = (ids >= 0) & (ids < vocab)
         nowhere = num * packing.rows[pack]
-        return pack, jnp.where(inside, packing.packed_ids(read.table, ids), nowhere)
+        return Read(
+            read.kind, pack, jnp.where(inside, packing.packed_ids(read.table, ids), nowhere)
+        )
 
     def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32):
-        """Per pack, the ids of every lookup of its tables in one bucket plan, every pack
-        through one row-wise exchange (``row.fetch_many``); a shared read through its own
-        sum (``row.fetch_shared_one``). The gradients come back as pairs of the packs."""
-        num = jax.lax.axis_size(axis)
-        moved = [packed(r, num) for r in reads]  # per read (pack, int[*ids.shape])
-        look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
-        packs = sorted({moved[k][0] for k in look})
-        of_pack = {p: [k for k in look if moved[k][0] == p] for p in packs}
-        flat = [jnp.concatenate([moved[k][1].reshape(-1) for k in of_pack[p]]) for p in packs]
-        slots = [max(capacity.get(i, 0) for i in packing.members(p)) for p in packs]
-        got, look_back, miss = [], None, []
-        if packs:  # a step may read its table-wise tables by shared ids alone
-            got, look_back, miss = row.fetch_many(
-                [shards[p] for p in packs], flat, slots, axis, wire
-            )
-        rows = {}
-        for p, block in zip(packs, got, strict=True):  # block: float[sum n, D]
+        """The reads as reads of their packs through the row-wise layout's fetch
+        (``row.fetch``), the lookups of each pack merged into one read (one bucket plan
+        per pack, every pack in one exchange), each shared read as it is. The gradients
+        come back as pairs of the packs."""
+        moved = [packed(r, jax.lax.axis_size(axis)) for r in reads]
+        look = [k for k, r in enumerate(moved) if r.kind == LOOKUP]
+        shared = [k for k, r in enumerate(moved) if r.kind != LOOKUP]
+        packs = sorted({moved[k].table for k in look})
+        of_pack = {p: [k for k in look if moved[k].table == p] for p in packs}
+        merged = [
+            Read(LOOKUP, p, jnp.concatenate([moved[k].ids.reshape(-1) for k in of_pack[p]]))
+            for p in packs
+        ]  # per pack int[sum n]
+        slots = {  # a pack's capacity: the most any of its tables was given
+            p: max(capacity.get(i, 0) for i in packing.members(p)) for p in packing.rows
+        }
+        got = row.fetch(shards, merged + [moved[k] for k in shared], slots, axis, wire)
+        rows = dict(zip(shared, got.rows[len(packs) :], strict=True))
+        for p, block in zip(packs, got.rows, strict=False):  # block: float[sum n, D]
             ends = np.cumsum([0, *(reads[k].ids.size for k in of_pack[p])])
             for k, a, b in zip(of_pack[p], ends[:-1], ends[1:], strict=True):
                 rows[k] = block[int(a) : int(b)].reshape(*reads[k].ids.shape, -1)
-        shared_backs = {}
-        for k, r in enumerate(reads):
-            if r.kind != LOOKUP:
-                p, ids = moved[k]
-                rows[k], shared_backs[k] = row.fetch_shared_one(shards[p], ids, axis, wire)
 
         def back(grads):
             cat = [
                 jnp.concatenate([grads[k].reshape(-1, grads[k].shape[-1]) for k in of_pack[p]])
                 for p in packs
             ]  # per pack float[sum n, D]
-            pairs = list(zip(packs, look_back(cat), strict=True)) if packs else []
-            return pairs + [(moved[k][0], b(grads[k])) for k, b in shared_backs.items()]
+            return got.back(cat + [grads[k] for k in shared])
 
-        missed = dict(zip(packs, miss, strict=True))
-        return Fetched([rows[k] for k in range(len(reads))], back, missed)
+        return Fetched([rows[k] for k in range(len(reads))], back, got.missed)
 
     return fetch
 

@@ -29,6 +29,7 @@ from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec, padded_shape
 from sparsecomm_jax.embedding.row_optimizers import map_params
+from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
@@ -313,10 +314,11 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each table padded with zero rows or columns to the shape it is
     stored in (``layout.padded_shape``: its split dimension a multiple of P), or packed
     with others by its layout's ``storage`` (table-wise)."""
-    leaves, treedef = jax.tree.flatten(params)
     for layout, tables in _stored_together(ctx):
+        leaves = jax.tree.leaves(params)
         mine = {t.index: leaves[t.index] for t in tables}
-        leaves = _replaced(leaves, layout.storage.pack(mine, ctx.num_workers))
+        params = replace_leaves(params, layout.storage.pack(mine, ctx.num_workers))
+    leaves, treedef = jax.tree.flatten(params)
     for t in ctx.tables:
         if t.layout.storage is not None:
             continue
@@ -328,11 +330,13 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
 
 def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each stored table cut back to its V x D (``pad_tables`` undone)."""
-    leaves, treedef = jax.tree.flatten(params)
     for layout, tables in _stored_together(ctx):
-        vocabs = {t.index: t.vocab for t in tables}
+        leaves = jax.tree.leaves(params)
         stored = {t.index: leaves[t.index] for t in tables}
-        leaves = _replaced(leaves, layout.storage.unpack(stored, vocabs))
+        params = replace_leaves(
+            params, layout.storage.unpack(stored, {t.index: t.vocab for t in tables})
+        )
+    leaves, treedef = jax.tree.flatten(params)
     for t in ctx.tables:
         if t.layout.storage is None:
             leaves[t.index] = leaves[t.index][: t.vocab, : t.dim]
@@ -346,10 +350,6 @@ def _stored_together(ctx: StepContext) -> list[tuple]:
         if t.layout.storage is not None:
             out.setdefault(id(t.layout), (t.layout, []))[1].append(t)
     return list(out.values())
-
-
-def _replaced(leaves: list, new: dict) -> list:
-    return [new.get(i, x) for i, x in enumerate(leaves)]
 
 
 def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainState]:
