@@ -12,10 +12,11 @@ auto`` as the update it chose, ``--bucket-mb auto`` as the threshold its search 
 Example:
     >>> from experiments.config import RunConfig
     >>> from experiments.checkpoints import resolved_trajectory, trajectory_differences
-    >>> theirs = {"trajectory": resolved_trajectory(RunConfig(lr=0.2))}
-    >>> trajectory_differences(RunConfig(lr=0.1), theirs)
+    >>> sgd = dict(strategy="embrace", optimizer="sgd")  # --table-update auto: rows
+    >>> theirs = {"trajectory": resolved_trajectory(RunConfig(lr=0.2, **sgd))}
+    >>> trajectory_differences(RunConfig(lr=0.1, **sgd), theirs)
     ['--lr (0.2 there, 0.1 here)']
-    >>> trajectory_differences(RunConfig(lr=0.2, table_update="rows"), theirs)
+    >>> trajectory_differences(RunConfig(lr=0.2, table_update="rows", **sgd), theirs)
     []
 """
 

@@ -372,8 +372,10 @@ def _warn(step: int, reason: str) -> None:
 
 
 class Checkpointer:
-    """Saves any pytree of arrays every ``every`` steps into ``directory``; keeps the
-    newest ``keep``; restores it exactly, sharded like the arrays it is given.
+    """Saves any pytree of arrays every ``every`` steps into ``directory`` (and at the
+    first save of a folder that holds none, so that a run has a checkpoint from its
+    start and an unwritable folder shows at once); keeps the newest ``keep``; restores
+    it exactly, sharded like the arrays it is given.
 
     Args:
       directory: checkpoint folder (created if missing).
@@ -387,11 +389,11 @@ class Checkpointer:
         >>> from sparsecomm_jax import checkpoint
         >>> ckpt = checkpoint.Checkpointer(tempfile.mkdtemp(), every=2)
         >>> state = {"w": jnp.zeros(3), "residual": jnp.ones((2, 3))}
-        >>> [ckpt.save(s, state) for s in (1, 2)]
-        [False, True]
+        >>> [ckpt.save(s, state) for s in (1, 2, 3, 4)]  # the first, then every 2nd
+        [True, True, False, True]
         >>> restored, step = ckpt.restore(state)
         >>> step, restored["residual"].shape
-        (2, (2, 3))
+        (4, (2, 3))
         >>> ckpt.close()
     """
 
@@ -431,7 +433,8 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def should_save(self, step: int) -> bool:
-        """Whether the interval says to save after ``step`` completed steps."""
+        """Whether to save after ``step`` completed steps: the interval says so, or the
+        folder holds no checkpoint yet."""
         if self._superseded:  # resumed before newer checkpoints: they go at the first save
             return step % self.every == 0
         return self._manager.should_save(step)
@@ -459,8 +462,9 @@ class Checkpointer:
         self._manager.reload()
 
     def save(self, step: int, tree: PyTree, force: bool = False) -> bool:
-        """Saves ``tree`` after ``step`` completed steps when the interval says so (or
-        ``force``). Returns whether it saved.
+        """Saves ``tree`` after ``step`` completed steps when the interval says so, at
+        the first save into a folder without checkpoints, or with ``force``. Returns
+        whether it saved.
 
         Args:
           step: completed steps; the checkpoint's name.

@@ -4,7 +4,7 @@ and TopKA2A's binary search for the bucket-size threshold.
 Planning (``plan_buckets``) is pure and host-side; ``pack`` / ``unpack`` move data.
 
 Example:
-    >>> from sparsecomm_jax import fusion
+    >>> from sparsecomm_jax.comm import fusion
     >>> fusion.plan_buckets([10, 10, 30, 5], bucket_bytes=80, itemsize=4)
     [[0, 1], [2], [3]]
 
@@ -125,7 +125,7 @@ def search_threshold(cost: Callable[[int], float], candidates: Sequence[int]) ->
 
     Example:
         >>> search_threshold(lambda c: {1: 5, 2: 5, 3: 5, 4: 1}[c], [1, 2, 3, 4])
-        (4, 4)
+        (4, 3)
     """
     if not candidates:
         raise ValueError("candidates must not be empty")

@@ -13,7 +13,8 @@ collective-permute  S
 
 Example:
     >>> import jax, jax.numpy as jnp
-    >>> from sparsecomm_jax import hlo, runtime
+    >>> from sparsecomm_jax import runtime
+    >>> from sparsecomm_jax.comm import hlo
     >>> mesh = runtime.data_mesh()
     >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
     ...             in_specs=jax.P("data"), out_specs=jax.P()))

@@ -15,8 +15,9 @@ workers. These helpers read and set that type:
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
+    >>> from sparsecomm_jax import runtime
     >>> from sparsecomm_jax.comm import vma
-    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    >>> mesh = runtime.data_mesh()  # every device on the axis "data"
     >>> f = jax.shard_map(lambda x: vma.all_gather_replicated(x, "data"), mesh=mesh,
     ...                   in_specs=P("data"), out_specs=P())
     >>> f(jnp.arange(float(len(jax.devices())))).shape == (len(jax.devices()),)
