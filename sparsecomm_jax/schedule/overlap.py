@@ -27,10 +27,8 @@ the tables and their state from the count before step t (``split_roles``). Eithe
 ``TableUpdate`` works (dense, or the rows alone). A skipped non-finite step keeps both
 halves and fetches batch t+1's rows from the unchanged tables.
 
-Example:
-    >>> # ov = overlap.make_overlapped(loss, optax.sgd(0.1), mesh, params,
-    >>> #                              embedding_paths=[("embed",)])
-    >>> # state, losses = ov.run(ov.state, batch_at, steps=10)
+Built by ``sparsecomm_jax.make_overlapped`` (``build`` here); its module,
+``sparsecomm_jax.strategies.overlapped``, has a runnable example.
 
 References:
     Li et al., "EmbRace", ICPP 2022, section 4 (2D communication scheduling).

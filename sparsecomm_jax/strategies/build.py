@@ -140,8 +140,18 @@ def placed_batches(
       for the batch in flight and drops it.
 
     Example:
-        >>> # for step, batch in enumerate(placed_batches(ts, batch_at, 0, 100)):
-        >>> #     state, loss = ts.step(state, batch)  # batch step + 1 is placed meanwhile
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from sparsecomm_jax import make_train_step, runtime
+        >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+        >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(),
+        ...                      {"w": jnp.zeros((3, 1))})
+        >>> n = len(jax.devices())
+        >>> batch_at = lambda step: {"x": jnp.full((n, 3), step), "y": jnp.ones((n, 1))}
+        >>> state = ts.state
+        >>> for batch in placed_batches(ts, batch_at, 0, 3):
+        ...     state, loss_value = ts.step(state, batch)  # the next batch placed meanwhile
+        >>> ts.host_params(state)["w"].shape
+        (3, 1)
     """
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place-batch") as pool:
         place = functools.partial(place_for_step, ts, batch_at, steps=steps)

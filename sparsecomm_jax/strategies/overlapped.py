@@ -6,10 +6,25 @@ one program per step (``run(..., fused=True)``). It takes ``make_train_step``'s
 arguments and returns an ``Overlapped`` whose ``run(state, batch_at, steps)`` trains;
 ``python -m experiments.train --strategy embrace_2d --overlap`` runs it.
 
-Example:
-    >>> # ov = make_overlapped(loss, optax.sgd(0.1), mesh, params,
-    >>> #                      embedding_paths=[("embed",)])
-    >>> # state, losses = ov.run(ov.state, batch_at, steps=10)
+Example (a bag of words regressed to one number; its table exchanged as ``embrace_2d``
+exchanges it, the next step's rows first):
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> from sparsecomm_jax import make_overlapped, nn, runtime
+    >>> V, D, B, T = 64, 8, 16, 4
+    >>> params = {"embed": {"embedding": jax.random.normal(jax.random.key(0), (V, D))},
+    ...           "w": jnp.zeros((D, 1))}
+    >>> def loss(p, batch):
+    ...     rows = nn.Embed(V, D).apply({"params": p["embed"]}, batch["tokens"])  # [B, T, D]
+    ...     return jnp.mean((rows.mean(1) @ p["w"] - batch["y"]) ** 2)
+    >>> def batch_at(step):
+    ...     tokens = np.random.default_rng(step).integers(0, V, (B, T), np.int32)
+    ...     return {"tokens": tokens, "y": np.ones((B, 1), np.float32)}
+    >>> ov = make_overlapped(nn.loss_with_embeddings(loss), optax.sgd(0.1),
+    ...                      runtime.data_mesh(), params,
+    ...                      embedding_paths=[("embed", "embedding")], id_keys=("tokens",))
+    >>> state, losses = ov.run(ov.state, batch_at, steps=3)
+    >>> len(losses), losses[-1] < losses[0]
+    (3, True)
 
 References:
     Li et al., "EmbRace", ICPP 2022, section 4 (2D communication scheduling).
