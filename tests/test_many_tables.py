@@ -167,14 +167,15 @@ class Bags(linen.Module):
         return linen.Dense(1)(jnp.concatenate([tags, clicks], -1))[:, 0]
 
 
-def bag_batch(step: int) -> dict:
+def bag_batch(step: int, clicks: int = 5) -> dict:
+    """``clicks``: the width of the clicks bags (0: the feature reads no id)."""
     rng = np.random.default_rng(200 + step)
     tags = rng.integers(1, 16, (B, 4))
     tags[rng.random((B, 4)) < 0.4] = 0  # padded places
     return {
         "tags": tags.astype(np.int32),
-        "clicks": rng.integers(0, 40, (B, 5)).astype(np.int32),
-        "lengths": rng.integers(0, 6, B).astype(np.int32),  # empty bags too
+        "clicks": rng.integers(0, 40, (B, clicks)).astype(np.int32),
+        "lengths": rng.integers(0, clicks + 1, B).astype(np.int32),  # empty bags too
         "y": rng.normal(size=B).astype(np.float32),
     }
 
@@ -186,10 +187,31 @@ def bag_loss(params, batch):
 @pytest.mark.parametrize("layout", ["column", "row", "table", "replicated"])
 def test_pooled_bags_under_every_layout_equal_single_device(layout):
     params = Bags().init(jax.random.key(1), bag_batch(0))
+    ts, state, ref = _bags_against_single_device(params, layout, bag_batch)
+    untouched = ~np.isin(np.arange(40), [bag_batch(s)["clicks"] for s in range(3)])
+    table = np.asarray(params["params"]["clicks"]["embedding"])
+    got = ts.host_params(state)["params"]["clicks"]["embedding"]
+    np.testing.assert_array_equal(got[untouched], table[untouched])
+
+
+@pytest.mark.parametrize("layout", ["column", "row", "table"])
+def test_a_bag_of_width_zero_reads_nothing_under_every_layout(layout):
+    """A feature whose bags have no places (shape [B, 0]) is an empty read: its table
+    stays as it was, the rest trains as on one device."""
+    params = Bags().init(jax.random.key(1), bag_batch(0))
+    ts, state, _ = _bags_against_single_device(params, layout, lambda s: bag_batch(s, 0))
+    clicks = ts.host_params(state)["params"]["clicks"]["embedding"]
+    np.testing.assert_array_equal(clicks, params["params"]["clicks"]["embedding"])
+
+
+def _bags_against_single_device(params, layout, batch_of):
+    """Three SGD steps of ``Bags`` on ``batch_of(step)`` under ``embrace`` with every
+    table laid out as ``layout``, checked against single-device training; returns
+    ``(ts, state, reference params)``."""
     opt = optax.sgd(0.5)
     ref, state = params, opt.init(params)
     for s in range(3):
-        grads = jax.grad(bag_loss)(ref, bag_batch(s))
+        grads = jax.grad(bag_loss)(ref, batch_of(s))
         updates, state = opt.update(grads, state, ref)
         ref = optax.apply_updates(ref, updates)
     paths = nn.embedding_paths(params)
@@ -205,12 +227,9 @@ def test_pooled_bags_under_every_layout_equal_single_device(layout):
     assert ts.table_update == "rows"
     state = ts.state
     for s in range(3):
-        state, _ = ts.step(state, ts.place_batch(bag_batch(s)))
+        state, _ = ts.step(state, ts.place_batch(batch_of(s)))
     assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)
-    untouched = ~np.isin(np.arange(40), [bag_batch(s)["clicks"] for s in range(3)])
-    table = np.asarray(params["params"]["clicks"]["embedding"])
-    got = ts.host_params(state)["params"]["clicks"]["embedding"]
-    np.testing.assert_array_equal(got[untouched], table[untouched])
+    return ts, state, ref
 
 
 # Tables whose split dimension does not divide by the 8 workers: stored padded.

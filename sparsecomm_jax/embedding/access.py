@@ -339,7 +339,7 @@ def _host_reads(loss_fn, treedef, leaves, flags, replicated_keys, workers):
     def reads(batch):
         axes = {k: None if k in replicated_keys else 0 for k in batch}
         split = {
-            k: v if k in replicated_keys else v.reshape(workers, -1, *v.shape[1:])
+            k: v if k in replicated_keys else v.reshape(workers, len(v) // workers, *v.shape[1:])
             for k, v in batch.items()
         }
         out = jax.vmap(one_worker, in_axes=(axes,))(split)

@@ -118,14 +118,19 @@ def table_gradients(
 
 def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, Any]:
     """Each layout's ``fetch`` on the reads of its tables; the rows back in read order,
-    one ``back`` for all of them and every layout's ``missed``."""
+    one ``back`` for all of them and every layout's ``missed``. A read of no ids (a bag
+    of width 0) gets its empty rows here: no layout sees it."""
     order = [k for k, r in enumerate(reads) if r.kind != ATTEND]
     dims = {t.index: t.dim for t in tables}
     groups: dict[str, tuple[Any, list[int]]] = {}
+    rows: dict[int, Any] = {}
     for k in order:
+        if reads[k].ids.size == 0:  # nothing to exchange, and no gradient to send back
+            table = reads[k].table
+            rows[k] = jnp.zeros((*reads[k].ids.shape, dims[table]), leaves[table].dtype)
+            continue
         layout = next(t.layout for t in tables if t.index == reads[k].table)
         groups.setdefault(layout.name, (layout, []))[1].append(k)
-    rows: dict[int, Any] = {}
     backs, missed = [], {}
     shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
     for layout, ks in groups.values():

@@ -415,7 +415,7 @@ def pmap_placer(ctx: StepContext) -> Callable[[Batch], PlacedBatch]:
             if k in ctx.replicated_keys:
                 out[k] = np.broadcast_to(v, (len(local), *v.shape))
             else:
-                out[k] = v.reshape(num, -1, *v.shape[1:])[first : first + len(local)]
+                out[k] = v.reshape(num, len(v) // num, *v.shape[1:])[first : first + len(local)]
         return PlacedBatch(out)
 
     return place
