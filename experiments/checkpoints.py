@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from typing import Any
@@ -124,6 +125,44 @@ def _check_owner(config: RunConfig) -> None:
             f"{', '.join(diff)}; these change the trajectory: use the "
             "checkpoint's values or another --checkpoint-dir"
         )
+    _check_table_wise(config, record)
+
+
+def _table_wise(plan: Any) -> set[str] | None:
+    """The tables a ``--plan`` value lays out table-wise (``None``: not a JSON plan that
+    says, e.g. ``auto`` with no plan recorded)."""
+    if plan == "":
+        return set()  # the strategy's layout for every table
+    try:
+        layouts = json.loads(plan) if isinstance(plan, str) else None
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(layouts, dict):
+        return None
+    return {table for table, layout in layouts.items() if layout == "table"}
+
+
+def _check_table_wise(config: RunConfig, record: dict[str, Any]) -> None:
+    """A resume may change ``--plan`` (the layouts give the same trajectory) but not
+    which tables are table-wise: those are stored packed together, and the checkpoint
+    holds them as its own plan packed them (restoring them under another plan could
+    read one table's rows as another's, silently where the shapes agree)."""
+    recorded = (record.get("config") or {}).get("plan")
+    theirs, ours = _table_wise(recorded), _table_wise(config.plan)
+    if theirs is None or ours is None or theirs == ours:
+        return
+
+    def said(plan: str, tables: set[str]) -> str:
+        how = f"--plan '{plan}'" if plan else "no --plan (the strategy's layouts)"
+        return f"{how}, {sorted(tables) if tables else 'no table'} table-wise"
+
+    fix = f"pass --plan '{recorded}'" if recorded else "leave --plan out"
+    raise ValueError(
+        f"--resume: the checkpoints in {config.checkpoint_dir} were saved under "
+        f"{said(recorded, theirs)}; this run has {said(config.plan, ours)}. Table-wise "
+        f"tables are stored packed together, so these checkpoints restore only as they "
+        f"were saved: {fix} (the other tables' layouts may change)"
+    )
 
 
 def claim_checkpoint_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:

@@ -4,6 +4,7 @@ refused, and a run that resumes from its checkpoints (exact against single-devic
 training: ``test_many_tables``, ``test_dlrm``)."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,34 @@ def test_a_table_wise_run_resumes_from_its_checkpoints(tmp_path):
     train_and_evaluate(RunConfig(steps=2, **base, **ck), progress=False)
     full = train_and_evaluate(RunConfig(steps=3, **base), progress=False)
     resumed = train_and_evaluate(RunConfig(steps=3, resume=True, **base, **ck), progress=False)
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+def test_a_resume_keeps_the_table_wise_tables_and_may_change_the_rest(tmp_path):
+    """The third table has V = P rows: as a pack's member it is stored [P, D] zeros, as
+    a table of its own [V, D] = [P, D], so only the recorded plan can tell the two apart.
+    A resume that moves it in or out of the pack is refused, naming the plan to pass;
+    one that changes a table outside the pack resumes exactly."""
+    paths = ["/".join(("params", f"sparse_{f}", "embedding")) for f in range(3)]
+    base = dict(model="dlrm", tables="64,48,4", dim=8, batch=32, strategy="embrace", devices=4)
+
+    def plan(*layouts):
+        return json.dumps(dict(zip(paths, layouts, strict=True)))
+
+    packed = plan("table", "table", "table")
+    ck = dict(checkpoint_dir=str(tmp_path / "a"), checkpoint_every=1)
+    train_and_evaluate(RunConfig(steps=2, plan=packed, **base, **ck), progress=False)
+    for other in (plan("table", "table", "row"), ""):
+        with pytest.raises(ValueError, match=f"pass --plan '{re.escape(packed)}'"):
+            train_and_evaluate(RunConfig(steps=3, resume=True, plan=other, **base, **ck))
+    ck = dict(checkpoint_dir=str(tmp_path / "b"), checkpoint_every=1)
+    first, then = plan("table", "table", "row"), plan("table", "table", "column")
+    train_and_evaluate(RunConfig(steps=2, plan=first, **base, **ck), progress=False)
+    full = train_and_evaluate(RunConfig(steps=3, plan=first, **base), progress=False)
+    resumed = train_and_evaluate(
+        RunConfig(steps=3, resume=True, plan=then, **base, **ck), progress=False
+    )
     assert resumed["start_step"] == 2
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
 
