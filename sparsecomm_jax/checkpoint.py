@@ -295,6 +295,17 @@ def _one_dimension_differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) == 2 and (a[0] == b[0]) != (a[1] == b[1])
 
 
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _stored_words(groups: list) -> str:
+    """``stored_together`` in words: ``table-wise [a, b] on 4 workers``, or ``none``."""
+    said = [f"{layout} {list(names)} on {workers} workers" for layout, names, workers in groups]
+    return "; ".join(said) or "none"
+
+
 def _check_shapes(saved: PyTree, target: PyTree, where: str) -> None:
     """Each array of ``target`` against the saved one of the same key path."""
     ours, theirs = _shapes(target), _shapes(saved)
@@ -461,7 +472,9 @@ class Checkpointer:
         self._superseded, self._damaged = [], set()
         self._manager.reload()
 
-    def save(self, step: int, tree: PyTree, force: bool = False) -> bool:
+    def save(
+        self, step: int, tree: PyTree, force: bool = False, stored_together: tuple | None = None
+    ) -> bool:
         """Saves ``tree`` after ``step`` completed steps when the interval says so, at
         the first save into a folder without checkpoints, or with ``force``. Returns
         whether it saved.
@@ -470,6 +483,8 @@ class Checkpointer:
           step: completed steps; the checkpoint's name.
           tree: a pytree of arrays (global ``jax.Array`` or numpy).
           force: save whatever the interval says.
+          stored_together: how the tree's tables are stored
+            (``TrainStep.stored_together``), recorded with it for ``restore``.
 
         Raises:
           OSError: the checkpoint could not be written (it is then not kept).
@@ -480,6 +495,8 @@ class Checkpointer:
             self._replace_superseded()
             self._record_run()
             identity = {"run_id": self.run_id if jax.process_index() == 0 else None, "step": step}
+            if stored_together is not None:
+                identity["stored_together"] = _as_json(stored_together)
             args = ocp.args.Composite(
                 **{
                     STATE_ITEM: ocp.args.StandardSave(tree),
@@ -495,8 +512,9 @@ class Checkpointer:
             ) from e
 
     def save_state(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
-        """``save`` of a library step's state (see ``portable``)."""
-        return self.save(step, portable(ts, state), force=force)
+        """``save`` of a library step's state (see ``portable``), with how its tables
+        are stored."""
+        return self.save(step, portable(ts, state), force, ts.stored_together)
 
     def delete(self, step: int) -> None:
         """Removes the checkpoint of ``step``."""
@@ -519,9 +537,29 @@ class Checkpointer:
                 f"{step} (copied, linked or renamed from elsewhere?); move it away"
             )
 
-    def _restore_step(self, step: int, target: PyTree) -> PyTree:
+    def _check_stored_together(self, step: int, folder: Path, ours: tuple) -> None:
+        """The tables stored together must be stored so here too: a table-wise pack
+        restored into other layouts (or another pack) would read one table's rows as
+        another's, silently where the shapes agree. A checkpoint that does not record
+        it (written by ``save`` without it, or by an earlier version) is not checked."""
+        args = ocp.args.Composite(**{IDENTITY_ITEM: ocp.args.JsonRestore()})
+        try:
+            theirs = self._manager.restore(step, args=args)[IDENTITY_ITEM]["stored_together"]
+        except Exception:  # no record, or damage (``_check_identity`` tells which)
+            return
+        if theirs != _as_json(ours):
+            raise MismatchError(
+                f"checkpoint {folder} stores tables together as {_stored_words(theirs)}; "
+                f"this step stores {_stored_words(_as_json(ours))}: restore it into a "
+                "step with the table layouts it was saved with (the same tables "
+                "table-wise, on as many workers)"
+            )
+
+    def _restore_step(self, step: int, target: PyTree, stored_together=None) -> PyTree:
         folder = Path(self.directory) / str(step)
         _check_files(folder)
+        if stored_together is not None:
+            self._check_stored_together(step, folder, stored_together)
         try:
             saved = self._manager.item_metadata(step)[STATE_ITEM]
         except Exception as e:
@@ -541,6 +579,7 @@ class Checkpointer:
         like: PyTree,
         step: int | None = None,
         on_skip: Callable[[int, str], None] = _warn,
+        stored_together: tuple | None = None,
     ) -> tuple[PyTree, int]:
         """The saved pytree, shaped, typed and sharded like ``like``, and its step.
 
@@ -555,6 +594,8 @@ class Checkpointer:
             saved one; restored arrays take its structure, dtypes and shardings.
           step: the checkpoint to restore (default: the newest that restores).
           on_skip: told of each checkpoint skipped.
+          stored_together: how ``like``'s tables are stored (``TrainStep.
+            stored_together``): a checkpoint that recorded another is refused.
 
         Returns:
           ``(tree, step)``.
@@ -575,7 +616,7 @@ class Checkpointer:
         target, failed = abstract(like), []
         for s in [step] if step is not None else steps:
             try:
-                tree = self._restore_step(s, target)
+                tree = self._restore_step(s, target, stored_together)
             except MismatchError:
                 raise
             except Exception as e:  # damage: the next older checkpoint; the OS failing: raise
@@ -608,10 +649,11 @@ class Checkpointer:
         Replicated state restores onto any device count; sharded tables onto any count
         that stores them at the same size (that divides their sharded dimension, or pads
         it to the same multiple: ``layout.padded_shape``) under the same layout;
-        table-wise tables (packed by owner) onto the same count. Per-worker residuals need
-        the same count.
+        table-wise tables (packed by owner) onto the same count with the same tables
+        table-wise (``TrainStep.stored_together``; another is refused). Per-worker
+        residuals need the same count.
         """
-        tree, s = self.restore(portable(ts, ts.state), step, on_skip)
+        tree, s = self.restore(portable(ts, ts.state), step, on_skip, ts.stored_together)
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
         if ts.per_device_state:
             local = jax.local_device_count()

@@ -18,7 +18,7 @@ import sparsecomm_jax as sc
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
 from models import get_workload
-from sparsecomm_jax import runtime
+from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.embedding import access, tablewise
 from sparsecomm_jax.embedding.access import LOOKUP, Read
 from sparsecomm_jax.embedding.tables import Table
@@ -194,6 +194,42 @@ def test_a_resume_keeps_the_table_wise_tables_and_may_change_the_rest(tmp_path):
     )
     assert resumed["start_step"] == 2
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+def test_a_checkpoint_restores_only_into_a_step_that_packs_its_tables_alike(tmp_path):
+    """Table b has V = P rows: packed with a it is stored [P, 4] zeros, laid out by
+    rows [V, 4] = [P, 4]; the shapes agree, the record of what is stored together
+    does not."""
+    rng = np.random.default_rng()
+    params = {k: rng.normal(size=(v, 4)).astype(np.float32) for k, v in (("a", 20), ("b", N))}
+
+    def loss(p, batch, emb):
+        return jnp.sum(emb.lookup(p["a"], batch["a"]) * emb.lookup(p["b"], batch["b"]))
+
+    def step_of(layouts):
+        paths = [("a",), ("b",)]
+        mesh = runtime.data_mesh(N)
+        return sc.make_train_step(
+            loss,
+            optax.sgd(0.1),
+            mesh,
+            params,
+            "embrace",
+            embedding_paths=paths,
+            table_layouts=layouts,
+        )
+
+    packed = step_of({"a": "table", "b": "table"})
+    assert packed.stored_together == (("table", ("a", "b"), N),)
+    ckpt = checkpoint.Checkpointer(tmp_path)
+    ckpt.save_state(1, packed, packed.state, force=True)
+    state, _ = ckpt.restore_state(step_of({"a": "table", "b": "table"}))
+    assert_trees_close(packed.host_params(state), params)
+    apart = step_of({"a": "table", "b": "row"})
+    assert apart.state.params["b"].shape == packed.state.params["b"].shape
+    with pytest.raises(checkpoint.MismatchError, match=r"table \['a', 'b'\] on 8 workers"):
+        ckpt.restore_state(apart)
+    ckpt.close()
 
 
 SIZES = {"a": 20, "b": 12}

@@ -343,6 +343,15 @@ def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     return treedef.unflatten(leaves)
 
 
+def stored_together(ctx: StepContext) -> tuple:
+    """``TrainStep.stored_together``: per layout with a ``storage``, its name, its
+    tables' names and P."""
+    return tuple(
+        (layout.name, tuple(t.name for t in tables), ctx.num_workers)
+        for layout, tables in _stored_together(ctx)
+    )
+
+
 def _stored_together(ctx: StepContext) -> list[tuple]:
     """Each layout with a ``storage`` and its tables (stored as that layout packs them)."""
     out: dict = {}

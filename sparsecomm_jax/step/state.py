@@ -82,6 +82,9 @@ class TrainStep(NamedTuple):
       runs_as: the strategy whose step was built, as a full name: ``strategy`` itself,
         but ``"embrace"`` for ``"embrace_2d"`` (``"embrace+topk_a2a"`` for
         ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU).
+      stored_together: the tables a layout stores together (``Layout.storage``, e.g.
+        table-wise packs): per group ``(layout name, table names, P)``. A checkpoint
+        records it and restores only into a step that stores its tables the same way.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -94,6 +97,7 @@ class TrainStep(NamedTuple):
     table_update: str = "dense"
     capacity_slots: tuple = ()
     runs_as: str = ""
+    stored_together: tuple = ()
 
 
 class StepContext(NamedTuple):

@@ -64,6 +64,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         lookahead=strategy.lookahead,
         capacity_slots=_capacity_slots(ctx, policies),
         runs_as=strategy.name,
+        stored_together=placement.stored_together(ctx),
     )
 
 
