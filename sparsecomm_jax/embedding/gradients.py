@@ -51,7 +51,10 @@ def layout_attend(tables, axis: str):
         def attend(shard, h):
             t = table_of[id(shard)]
             width = padded_shape(t, jax.lax.axis_size(axis))[1]
-            logits = t.layout.attend(shard, pad_last(h, width), axis)  # [..., V padded]
+            try:
+                logits = t.layout.attend(shard, pad_last(h, width), axis)  # [..., V padded]
+            except ValueError as e:  # a layout that cannot serve it: say which table
+                raise ValueError(f"table {t.name}: {e}") from None
             return logits[..., : t.vocab]
 
         return attend

@@ -235,8 +235,8 @@ def place_tables(
     gradient dense and in the dense layers' all-reduce.
 
     Raises:
-      ValueError: a path that names no table, an unknown layout, or a strategy whose
-        step reads every table through one layout.
+      ValueError: a path that names no table, a table named twice, an unknown layout,
+        or a strategy whose step reads every table through one layout.
     """
     if not table_layouts:
         return tables
@@ -246,9 +246,15 @@ def place_tables(
             f"table_layouts needs a strategy among {mixed}; strategy '{strategy.name}' "
             "reads every table through one layout"
         )
+    names = [_table_name(p) for p in table_layouts]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(
+            f"table_layouts names {twice} more than once (a path as keys and as "
+            "'a/b/c' names one table): give each table one layout"
+        )
     chosen = {
-        _table_name(p): None if x == DENSE_TABLE else layouts.get(x)
-        for p, x in table_layouts.items()
+        name: None if x == DENSE_TABLE else layouts.get(x)
+        for name, x in zip(names, table_layouts.values(), strict=True)
     }
     if unknown := sorted(set(chosen) - {t.name for t in tables}):
         raise ValueError(
