@@ -196,7 +196,7 @@ def test_pooled_bags_under_every_layout_equal_single_device(layout):
     np.testing.assert_array_equal(got[untouched], table[untouched])
 
 
-@pytest.mark.parametrize("layout", ["column", "row", "table"])
+@pytest.mark.parametrize("layout", ["column", "row", "table", "replicated"])
 def test_a_bag_of_width_zero_reads_nothing_under_every_layout(layout):
     """A feature whose bags have no places (shape [B, 0]) is an empty read: its table
     stays as it was, the rest trains as on one device."""
@@ -204,6 +204,20 @@ def test_a_bag_of_width_zero_reads_nothing_under_every_layout(layout):
     ts, state, _ = _bags_against_single_device(params, layout, lambda s: bag_batch(s, 0))
     clicks = ts.host_params(state)["params"]["clicks"]["embedding"]
     np.testing.assert_array_equal(clicks, params["params"]["clicks"]["embedding"])
+
+
+def test_the_pipelined_step_refuses_a_bag_of_width_zero_by_name():
+    params = Bags().init(jax.random.key(1), bag_batch(0))
+    ts = sc.make_train_step(
+        nn.loss_with_embeddings(bag_loss),
+        optax.sgd(0.5),
+        runtime.data_mesh(N),
+        params,
+        "embrace_2d",
+        embedding_paths=nn.embedding_paths(params),
+    )
+    with pytest.raises(ValueError, match=r"\['params/clicks/embedding'\] are read with no ids"):
+        ts.step(ts.state, ts.place_batch(bag_batch(0, 0), bag_batch(1, 0)))
 
 
 def _bags_against_single_device(params, layout, batch_of):

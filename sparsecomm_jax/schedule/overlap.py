@@ -177,10 +177,10 @@ def high_exchange_body(ctx: StepContext) -> Callable:
 
     def body(state: TrainState, loss, g_dense, g_rows, batch) -> HighOut:
         leaves = jax.tree.leaves(state.params)
-        reads = ctx.reads(state.params, batch.data)
+        reads = pipeline.pipelined_reads(ctx, state.params, batch.data)
         mean, agg_state = aggregate(ctx, jax.tree.map(lambda x: x[0], g_dense), state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
-        future = [ctx.reads(state.params, b) for b in ahead]
+        future = [pipeline.pipelined_reads(ctx, state.params, b) for b in ahead]
         slots = batch.slots(ctx.tables)
         planned = {
             i: pipeline.exchange_plan(ctx, reads, list(g_rows), future, slots.get(i, 0), i)

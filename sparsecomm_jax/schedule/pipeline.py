@@ -70,6 +70,19 @@ def waits_for(x, after):
     return x + (a - a)
 
 
+def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> list:
+    """``ctx.reads``, refusing a read of no ids (a bag of width 0): the pipeline plans
+    each table's positions from its reads and has none to plan (``embrace`` takes it)."""
+    reads = ctx.reads(params, data, attend_error)
+    tables = {t.index: t.name for t in ctx.tables}
+    if empty := sorted({tables[r.table] for r in reads if r.ids.size == 0}):
+        raise ValueError(
+            f"tables {empty} are read with no ids (a bag of width 0): the pipelined step "
+            "(embrace_2d, make_overlapped) cannot plan such a read; use embrace"
+        )
+    return reads
+
+
 def prefetch(tables: dict[int, Any], reads: list, axis: str, take=None) -> list:
     """Rows for each logged read, from the (column-sharded) ``tables`` (through
     ``take(shard, ids)`` when given: the pipelined step's patched reads)."""
@@ -209,7 +222,7 @@ def exchange_body(ctx: StepContext):
 
     def body(state: TrainState, batch: PlacedBatch) -> Exchanged:
         params, leaves = state.params, jax.tree.leaves(state.params)
-        reads = ctx.reads(params, batch.data, NO_ATTEND_2D)
+        reads = pipelined_reads(ctx, params, batch.data, NO_ATTEND_2D)
         tables = {i: leaves[i] for i in widths}
         rows = list(state.carry) if state.carry != () else prefetch(tables, reads, axis)
         varying = vary((params, rows), axis)  # each worker's own gradient
@@ -218,7 +231,7 @@ def exchange_body(ctx: StepContext):
         with jax.named_scope(priority.SCOPE_DENSE):
             rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
-        future = [ctx.reads(params, b) for b in ahead]
+        future = [pipelined_reads(ctx, params, b) for b in ahead]
         slots = batch.slots(ctx.tables)
         planned = {i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i) for i in widths}
         plans = {i: plan for i, (plan, _) in planned.items()}
@@ -290,7 +303,7 @@ def next_rows_body(ctx: StepContext):
 
     def body(params, patches, data, fulls):
         leaves = jax.tree.leaves(params)
-        reads = ctx.reads(params, data)
+        reads = pipelined_reads(ctx, params, data)
         tables = {i: leaves[i] for i in widths}
         with jax.named_scope(priority.SCOPE_NEXT):
             rows = []
@@ -322,7 +335,7 @@ def fetch_body(ctx: StepContext):
     """Rows of every table access of ``data`` (per worker), from the tables."""
 
     def body(params, data):
-        reads = ctx.reads(params, data, NO_ATTEND_2D)
+        reads = pipelined_reads(ctx, params, data, NO_ATTEND_2D)
         leaves = jax.tree.leaves(params)
         return tuple(prefetch({i: leaves[i] for i in ctx.widths}, reads, ctx.axis_name))
 
@@ -339,7 +352,7 @@ def guard_body(ctx: StepContext):
 
     def body(params, carry, stale, data):
         leaves = jax.tree.leaves(params)
-        reads = ctx.reads(params, data)
+        reads = pipelined_reads(ctx, params, data)
         tables = {i: leaves[i] for i in widths}
 
         def refetch():
