@@ -161,7 +161,8 @@ def _check_table_wise(config: RunConfig, record: dict[str, Any]) -> None:
         f"--resume: the checkpoints in {config.checkpoint_dir} were saved under "
         f"{said(recorded, theirs)}; this run has {said(config.plan, ours)}. Table-wise "
         f"tables are stored packed together, so these checkpoints restore only as they "
-        f"were saved: {fix} (the other tables' layouts may change)"
+        f"were saved: {fix} (the other tables' layouts may change where their stored "
+        "shapes agree: sizes that divide by the device count)"
     )
 
 

@@ -335,16 +335,27 @@ def check_fields(config: RunConfig) -> None:
 PLAN_LAYOUTS = ("column", "row", "table", "replicated", "dense")
 
 
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, in order, repeated keys kept."""
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
 def check_plan(value: str) -> str | None:
     """The problem with a ``--plan`` value, or ``None``."""
     if value in ("", "auto", "model"):
         return None
     try:
-        plan = json.loads(value)
+        pairs = json.loads(value, object_pairs_hook=_Pairs)  # an object's keys, repeats kept
     except ValueError:
         return f"must be auto, model or a JSON object of table path -> layout, got {value!r}"
-    if not isinstance(plan, dict) or not all(isinstance(k, str) for k in plan):
+    if not isinstance(pairs, _Pairs):
         return f"must be a JSON object of table path -> layout, got {value!r}"
+    keys = [k for k, _ in pairs]
+    if twice := sorted({k for k in keys if keys.count(k) > 1}):
+        return f"names {twice} more than once: give each table one layout"
+    plan = dict(pairs)
     if bad := sorted({str(v) for v in plan.values()} - set(PLAN_LAYOUTS)):
         return f"has layouts {bad}; choose among {list(PLAN_LAYOUTS)}"
     return None

@@ -300,9 +300,13 @@ def _as_json(value: Any) -> Any:
     return json.loads(json.dumps(value))
 
 
-def _stored_words(groups: list) -> str:
-    """``stored_together`` in words: ``table-wise [a, b] on 4 workers``, or ``none``."""
-    said = [f"{layout} {list(names)} on {workers} workers" for layout, names, workers in groups]
+def _stored_words(groups: Any) -> str:
+    """``stored_together`` in words: ``table [a (20 x 4), b (8 x 4)] on 4 workers``, or
+    ``none`` (``TypeError`` or ``ValueError`` for a record of another form)."""
+    said = [
+        f"{layout} [{', '.join(f'{n} ({v} x {d})' for n, v, d in tables)}] on {p} workers"
+        for layout, tables, p in groups
+    ]
     return "; ".join(said) or "none"
 
 
@@ -537,29 +541,37 @@ class Checkpointer:
                 f"{step} (copied, linked or renamed from elsewhere?); move it away"
             )
 
-    def _check_stored_together(self, step: int, folder: Path, ours: tuple) -> None:
+    def _check_stored_together(self, step: int, folder: Path, ours: tuple | None) -> None:
         """The tables stored together must be stored so here too: a table-wise pack
         restored into other layouts (or another pack) would read one table's rows as
-        another's, silently where the shapes agree. A checkpoint that does not record
-        it (written by ``save`` without it, or by an earlier version) is not checked."""
+        another's, silently where the shapes agree (where they differ, ``_check_shapes``
+        has refused it already). A checkpoint that does not record it (written by
+        ``save`` without it, or by an earlier version) is not checked."""
+        if ours is None:
+            return
         args = ocp.args.Composite(**{IDENTITY_ITEM: ocp.args.JsonRestore()})
         try:
             theirs = self._manager.restore(step, args=args)[IDENTITY_ITEM]["stored_together"]
-        except Exception:  # no record, or damage (``_check_identity`` tells which)
+        except Exception:  # no record (damage: ``_check_identity``, run before, told it)
             return
-        if theirs != _as_json(ours):
+        if theirs == _as_json(ours):
+            return
+        try:
+            words = _stored_words(theirs)
+        except (TypeError, ValueError) as e:
             raise MismatchError(
-                f"checkpoint {folder} stores tables together as {_stored_words(theirs)}; "
-                f"this step stores {_stored_words(_as_json(ours))}: restore it into a "
-                "step with the table layouts it was saved with (the same tables "
-                "table-wise, on as many workers)"
-            )
+                f"checkpoint {folder}: its record of the tables stored together is "
+                f"unreadable ({e}); this step stores {_stored_words(_as_json(ours))}"
+            ) from e
+        raise MismatchError(
+            f"checkpoint {folder} stores tables together as {words}; this step stores "
+            f"{_stored_words(_as_json(ours))}: restore it into a step with the table "
+            "layouts it was saved with (the same tables table-wise, on as many workers)"
+        )
 
     def _restore_step(self, step: int, target: PyTree, stored_together=None) -> PyTree:
         folder = Path(self.directory) / str(step)
         _check_files(folder)
-        if stored_together is not None:
-            self._check_stored_together(step, folder, stored_together)
         try:
             saved = self._manager.item_metadata(step)[STATE_ITEM]
         except Exception as e:
@@ -570,6 +582,7 @@ class Checkpointer:
             raise _Damaged("its array metadata is missing")
         _check_shapes(saved, target, f"checkpoint {folder}")
         self._check_identity(step, folder)
+        self._check_stored_together(step, folder, stored_together)
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
         tree = self._manager.restore(step, args=args)[STATE_ITEM]
         return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))

@@ -230,6 +230,7 @@ def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp
         (["--plan", "auto", "--strategy", "dense"], "--plan places each table by its own"),
         (["--plan", "{nope"], "--plan must be auto, model or a JSON object"),
         (["--plan", '{"x": "diagonal"}'], "has layouts ['diagonal']"),
+        (["--plan", '{"x": "row", "x": "table"}'], "names ['x'] more than once"),
     ],
 )
 def test_bad_plans_are_one_line_errors(flags, message, capsys):

@@ -220,14 +220,15 @@ def test_a_checkpoint_restores_only_into_a_step_that_packs_its_tables_alike(tmp_
         )
 
     packed = step_of({"a": "table", "b": "table"})
-    assert packed.stored_together == (("table", ("a", "b"), N),)
+    assert packed.stored_together == (("table", (("a", 20, 4), ("b", N, 4)), N),)
     ckpt = checkpoint.Checkpointer(tmp_path)
     ckpt.save_state(1, packed, packed.state, force=True)
     state, _ = ckpt.restore_state(step_of({"a": "table", "b": "table"}))
     assert_trees_close(packed.host_params(state), params)
     apart = step_of({"a": "table", "b": "row"})
     assert apart.state.params["b"].shape == packed.state.params["b"].shape
-    with pytest.raises(checkpoint.MismatchError, match=r"table \['a', 'b'\] on 8 workers"):
+    packed_words = r"table \[a \(20 x 4\), b \(8 x 4\)\] on 8 workers"
+    with pytest.raises(checkpoint.MismatchError, match=packed_words):
         ckpt.restore_state(apart)
     ckpt.close()
 

@@ -54,7 +54,7 @@ def layout_attend(tables, axis: str):
             try:
                 logits = t.layout.attend(shard, pad_last(h, width), axis)  # [..., V padded]
             except ValueError as e:  # a layout that cannot serve it: say which table
-                raise ValueError(f"table {t.name}: {e}") from None
+                raise ValueError(f"table {t.name}: {e}") from e
             return logits[..., : t.vocab]
 
         return attend

@@ -345,9 +345,10 @@ def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
 
 def stored_together(ctx: StepContext) -> tuple:
     """``TrainStep.stored_together``: per layout with a ``storage``, its name, its
-    tables' names and P."""
+    tables as ``(name, V, D)`` and P (what places them: table-wise owners follow the
+    sizes)."""
     return tuple(
-        (layout.name, tuple(t.name for t in tables), ctx.num_workers)
+        (layout.name, tuple((t.name, t.vocab, t.dim) for t in tables), ctx.num_workers)
         for layout, tables in _stored_together(ctx)
     )
 

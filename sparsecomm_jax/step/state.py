@@ -83,8 +83,9 @@ class TrainStep(NamedTuple):
         but ``"embrace"`` for ``"embrace_2d"`` (``"embrace+topk_a2a"`` for
         ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU).
       stored_together: the tables a layout stores together (``Layout.storage``, e.g.
-        table-wise packs): per group ``(layout name, table names, P)``. A checkpoint
-        records it and restores only into a step that stores its tables the same way.
+        table-wise packs): per group ``(layout name, ((table name, V, D), ...), P)``. A
+        checkpoint records it and restores only into a step that stores its tables the
+        same way.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
