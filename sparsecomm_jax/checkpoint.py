@@ -554,19 +554,20 @@ class Checkpointer:
             theirs = self._manager.restore(step, args=args)[IDENTITY_ITEM]["stored_together"]
         except Exception:  # no record (damage: ``_check_identity``, run before, told it)
             return
-        if theirs == _as_json(ours):
+        ours = _as_json(ours)  # as the record reads back
+        if theirs == ours:
             return
         try:
             words = _stored_words(theirs)
         except (TypeError, ValueError) as e:
             raise MismatchError(
                 f"checkpoint {folder}: its record of the tables stored together is "
-                f"unreadable ({e}); this step stores {_stored_words(_as_json(ours))}"
+                f"unreadable ({e}); this step stores {_stored_words(ours)}"
             ) from e
         raise MismatchError(
             f"checkpoint {folder} stores tables together as {words}; this step stores "
-            f"{_stored_words(_as_json(ours))}: restore it into a step with the table "
-            "layouts it was saved with (the same tables table-wise, on as many workers)"
+            f"{_stored_words(ours)}: restore it into a step with the table layouts it was "
+            "saved with (the same tables table-wise, on as many workers)"
         )
 
     def _restore_step(self, step: int, target: PyTree, stored_together=None) -> PyTree:

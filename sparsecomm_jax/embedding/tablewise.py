@@ -112,7 +112,7 @@ def assign(tables, num_workers: int) -> Packing:
     fewest rows so far (ties to the lowest worker).
 
     Example:
-        >>> from sparsecomm_jax.embedding.tables import Table, replace_leaves
+        >>> from sparsecomm_jax.embedding.tables import Table
         >>> t = [Table(3, "a", 10, 4, None), Table(5, "b", 6, 4, None)]
         >>> assign(t, 2).slots[5], assign(t, 2).rows
         (Slot(pack=3, owner=1, offset=0), {3: 10})
