@@ -245,16 +245,16 @@ def test_topk_steps_carry_their_scalars(strategy, all_reduces):
 
 
 def test_embrace_program_bytes():
-    """One all-gather of the ids of every lookup, one all-to-all of each worker's distinct
-    rows each way (every table, the shared negatives too), the dense layers' mean."""
+    """One all-gather of each worker's distinct ids, one all-to-all of its distinct rows
+    each way (every table, the shared negatives too), the dense layers' mean."""
     ts, colls = _program("embrace", N, batch=4 * N)
     w = _lm(4 * N)
     n = 4 * T  # tokens per worker and lookup
     assert not [c for c in colls if c.kind == "all-reduce" and c.result_bytes >= V * D * 4]
-    ids = sum(c.bytes_sent for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32")
-    assert ids == (N - 1) * 2 * n * 4  # inputs and targets, once
     caps = ts.place_batch(w.batch_at(0)).capacity  # distinct rows per table, with headroom
     slots = [min(caps[0], n), min(caps[1], n + NEG)]  # never more than the reads per worker
+    ids = sum(c.bytes_sent for c in colls if c.kind == "all-gather" and c.shapes[0][0] == "s32")
+    assert ids == (N - 1) * sum(slots) * 4  # each table's distinct ids, once
     rows = 2 * (N - 1) / N * N * sum(slots) * (D // N) * 4
     a2a_and_gather = hlo.total_bytes(colls, ["all-to-all", "all-gather"]) - ids
     # the loss, the finite flag and a capacity flag per table ride the mean's all-gather

@@ -4,10 +4,11 @@ The layout's trio, for all the column-wise tables of a step at once:
 
 1. **plan** (host): per table, the most distinct ids any worker reads of it (its lookups
    and the shared ids together), with 1/8 headroom (``CAPACITY``);
-2. **fetch**: one all-gather of every worker's ids (shared ids, identical everywhere, do
-   not travel); per table and worker the *distinct* ids, padded to the capacity; each
-   owner takes its columns of every worker's distinct rows, and one all-to-all brings
-   every worker the P column slices of its rows (concatenated to D);
+2. **fetch**: each worker finds its *distinct* ids of each table (its lookups and the
+   shared ids together), padded to the capacity, and one all-gather tells every owner
+   every worker's (a table read only through shared ids, identical everywhere, sends
+   none); each owner takes its columns of every worker's distinct rows, and one
+   all-to-all brings every worker the P column slices of its rows (concatenated to D);
 3. **back**: the gradient rows of equal ids are summed on the worker that read them,
    and one all-to-all returns each owner its columns of them.
 
@@ -76,29 +77,37 @@ CAPACITY = CapacityPolicy(
 # --------------------------------------------------------------------- 2. fetch rows
 
 
-def _segments(reads: list[Read], gathered, num: int) -> dict[int, jax.Array]:
-    """Per table, every worker's ids of its reads in call order: int[P, m]."""
-    per_table: dict[int, list] = {}
-    off = 0
-    for read in reads:
-        n = read.ids.size
-        if read.kind == LOOKUP:  # gathered: int[P, n_all]
-            seg = gathered[:, off : off + n]
-            off += n
-        else:  # shared ids: the same on every worker
-            seg = jnp.broadcast_to(read.ids.reshape(1, n), (num, n))
-        per_table.setdefault(read.table, []).append(seg)
-    return {i: jnp.concatenate(s, axis=1) for i, s in per_table.items()}
+def _distinct(reads: list[Read], i: int, vocab: int, capacity: int):
+    """This worker's distinct ids of table ``i`` (its reads in call order), padded with
+    ``vocab`` to ``min(capacity, m)`` slots: ``(uniq int[C], slot int[m])``; ``slot[k]``
+    is read ``k``'s place in ``uniq``, ``>= C`` where the capacity had no slot for it."""
+    mine = jnp.concatenate([r.ids.reshape(-1) for r in reads if r.table == i])  # int[m]
+    cap = min(capacity, mine.shape[0])
+    return jnp.unique(mine, size=cap, fill_value=vocab, return_inverse=True)
 
 
-def _mine(reads: list[Read], i: int):
-    return jnp.concatenate([r.ids.reshape(-1) for r in reads if r.table == i])
+def _every(plans: dict, travels: set, axis: str, num: int) -> dict[int, jax.Array]:
+    """Per table, every worker's distinct ids, int[P, C]: one all-gather for the tables
+    some worker looks up; a table read only through shared ids (the same on every worker)
+    has the same distinct ids everywhere, which do not travel."""
+    moved = [i for i in plans if i in travels]
+    every = {i: jnp.broadcast_to(u, (num, u.shape[0])) for i, (u, _) in plans.items()}
+    if moved:
+        sizes = [plans[i][0].shape[0] for i in moved]
+        gathered = jax.lax.all_gather(
+            jnp.concatenate([plans[i][0] for i in moved]), axis, to="invarying"
+        )  # int[P, sum C]
+        off = 0
+        for i, size in zip(moved, sizes, strict=True):
+            every[i], off = gathered[:, off : off + size], off + size
+    return every
 
 
 def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
     """Rows of every read of a step through one exchange of distinct rows.
 
-    Use inside ``shard_map``.
+    Use inside ``shard_map``. Each worker finds its own distinct ids of each table (one
+    sort of its reads); one all-gather tells every owner every worker's distinct ids.
 
     Args:
       shards: table index -> float[V, D/P], this worker's columns.
@@ -112,34 +121,28 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
       A ``Fetched``: its ``back(grads)`` gives, per table, this worker's columns of every
       worker's distinct ids (padding ids = V) and their gradients summed per worker.
     """
-    num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    local = [r.ids.reshape(-1) for r in reads if r.kind == LOOKUP]
-    gathered = (
-        jax.lax.all_gather(jnp.concatenate(local), axis, to="invarying") if local else None
-    )  # int[P, n_all]: every worker's ids of every lookup
-    plans = {}
-    for i, every in _segments(reads, gathered, num).items():
-        vocab, cap = shards[i].shape[0], min(capacity[i], every.shape[1])
-        uniq = jax.vmap(lambda x, v=vocab, c=cap: jnp.unique(x, size=c, fill_value=v))(every)
-        mine = _mine(reads, i)  # int[m]
-        at = jnp.clip(jnp.searchsorted(uniq[me], mine), 0, cap - 1)  # uniq[me]: int[C]
-        plans[i] = (uniq, at, uniq[me][at] == mine)  # int[P, C], int[m], bool[m]
+    num = jax.lax.axis_size(axis)
+    order = list(dict.fromkeys(r.table for r in reads))  # tables in call order
+    plans = {i: _distinct(reads, i, shards[i].shape[0], capacity[i]) for i in order}
+    travels = {r.table for r in reads if r.kind == LOOKUP}
+    every = _every(plans, travels, axis, num)  # table -> int[P, C]
     cols = [
-        jnp.take(shards[i], uniq, axis=0, mode="fill", fill_value=0).reshape(num, -1)
-        for i, (uniq, _, _) in plans.items()
+        jnp.take(shards[i], every[i], axis=0, mode="fill", fill_value=0).reshape(num, -1)
+        for i in order
     ]  # float[P, C * D/P]: my columns of each worker's distinct rows
     got = comm_wire.a2a(jnp.concatenate(cols, axis=1), axis, wire)  # [P, sum C * D/P]
     table_rows, off = {}, 0
-    for i, (uniq, at, found) in plans.items():
-        width = shards[i].shape[1]
-        block = got[:, off : off + uniq.shape[1] * width].reshape(num, -1, width)
-        off += uniq.shape[1] * width
-        full = jnp.swapaxes(block, 0, 1).reshape(uniq.shape[1], num * width)  # [C, D]
-        table_rows[i] = jnp.where(found[:, None], jnp.take(full, at, axis=0), jnp.nan)
-    missed = {i: ~jnp.all(found) for i, (_, _, found) in plans.items()}
-    return Fetched(
-        _per_read(reads, table_rows), _backward(shards, reads, plans, axis, wire), missed
-    )
+    for i in order:
+        (uniq, slot), width = plans[i], shards[i].shape[1]
+        block = got[:, off : off + uniq.shape[0] * width].reshape(num, -1, width)
+        off += uniq.shape[0] * width
+        full = jnp.swapaxes(block, 0, 1).reshape(uniq.shape[0], num * width)  # [C, D]
+        found = slot < uniq.shape[0]  # bool[m]
+        rows = jnp.take(full, slot, axis=0, mode="fill", fill_value=0)  # float[m, D]
+        table_rows[i] = jnp.where(found[:, None], rows, jnp.nan)
+    missed = {i: jnp.any(slot >= uniq.shape[0]) for i, (uniq, slot) in plans.items()}
+    plan = {i: (every[i], slot) for i, (_, slot) in plans.items()}
+    return Fetched(_per_read(reads, table_rows), _backward(shards, reads, plan, axis, wire), missed)
 
 
 def _per_read(reads: list[Read], table_rows: dict) -> list:
@@ -164,7 +167,7 @@ def _backward(shards, reads: list[Read], plans: dict, axis: str, wire):
 
     def back(grads):
         blocks = []
-        for i, (uniq, at, found) in plans.items():
+        for i, (every, slot) in plans.items():
             full_width = shards[i].shape[1] * num
             g = jnp.concatenate(
                 [
@@ -173,16 +176,16 @@ def _backward(shards, reads: list[Read], plans: dict, axis: str, wire):
                     if read.table == i
                 ]
             )  # float[m, D]
-            slot = jnp.where(found, at, uniq.shape[1])  # ids beyond the capacity: dropped
-            summed = jnp.zeros((uniq.shape[1], full_width), F32).at[slot].add(g, mode="drop")
+            cap = every.shape[1]  # slots >= C (ids beyond the capacity): dropped
+            summed = jnp.zeros((cap, full_width), F32).at[slot].add(g, mode="drop")
             blocks.append(column_blocks(summed, num).reshape(num, -1))  # [P, C*D/P]
         got = comm_wire.a2a(jnp.concatenate(blocks, axis=1), axis, wire)
         out, off = [], 0
-        for i, (uniq, _, _) in plans.items():
-            size = uniq.shape[1] * shards[i].shape[1]
+        for i, (every, _) in plans.items():
+            size = every.shape[1] * shards[i].shape[1]
             rows = got[:, off : off + size].reshape(-1, shards[i].shape[1])  # [P*C, D/P]
             off += size
-            out.append((i, (uniq.reshape(-1), rows)))
+            out.append((i, (every.reshape(-1), rows)))
         return out
 
     return back
