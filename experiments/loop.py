@@ -6,6 +6,14 @@ gradient was not finite (``--nonfinite skip``), the run stopped when the paramet
 diverge, when ``--nonfinite error`` sees one, or when more than ``--max-skipped`` steps
 in a row are skipped; checkpoints saved when due, never of non-finite parameters.
 
+One step stays in flight: step ``t + 1`` is handed to the devices before step ``t``'s
+loss is read, so the host's work between steps (reading the loss, the log line, the
+progress bar, these checks) runs while the devices work instead of between their
+programs. The loop waits for a step to end before starting the next only where the next
+one needs it (``settles``): a checkpoint or an evaluation after it, the edges of the
+profiler's window, the last step, and pipelined steps (a non-finite step's carry is
+dropped on the host).
+
 Example:
     >>> from experiments.loop import skip_streak
     >>> skip_streak([3, 5, 6, 7], step=7)
@@ -69,18 +77,23 @@ class RunLog(NamedTuple):
     last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
 
 
-def _diverged(step: int) -> FloatingPointError:
+def _diverged(step: int, seen_at: int | None = None) -> FloatingPointError:
+    """The error of parameters found non-finite after ``step``; ``seen_at``: the step
+    whose non-finite loss made the loop look (when the step after it was in flight)."""
+    seen = "" if seen_at in (None, step) else f"step {seen_at}'s loss was not finite; "
     return FloatingPointError(
-        f"the parameters are non-finite after step {step} (diverged: "
+        f"the parameters are non-finite after step {step} ({seen}diverged: "
         "lower --lr?); stopping, this state is not saved"
     )
 
 
-def _after_nonfinite(config: RunConfig, ts, state, step: int, log: RunLog) -> None:
+def _after_nonfinite(config: RunConfig, ts, state, step: int, log: RunLog, ahead: int) -> None:
     """A step with a non-finite loss: stop (poisoned parameters, ``--nonfinite error``)
-    or record it as skipped. ``FloatingPointError`` stops the run."""
+    or record it as skipped. ``state`` is the newest state, ``ahead`` steps past ``step``
+    (the step in flight, whose input ``step``'s state was). ``FloatingPointError`` stops
+    the run."""
     if not params_finite(ts, state):
-        raise _diverged(step)
+        raise _diverged(step + ahead, seen_at=step)
     if config.nonfinite == "error":
         raise FloatingPointError(
             f"non-finite gradient at step {step}: the step was not applied "
@@ -113,11 +126,17 @@ def _stop_if_stuck(config: RunConfig, ckpt, step: int, streak: int) -> None:
     )
 
 
+def _save_due(config: RunConfig, ckpt, step: int) -> bool:
+    """Whether a checkpoint is due after ``step`` (before the skipped-steps rule)."""
+    last = step + 1 == config.steps
+    return bool(ckpt) and (last or ckpt.should_save(step + 1))
+
+
 def _save(config: RunConfig, ckpt, ts, state, step: int, streak: int) -> None:
     """Saves after ``step`` when due; never non-finite parameters, nor again the state a
     run of skipped steps keeps (it is the state from before them)."""
     last = step + 1 == config.steps
-    if not ckpt or (streak and not last) or not (last or ckpt.should_save(step + 1)):
+    if not _save_due(config, ckpt, step) or (streak and not last):
         return
     if not params_finite(ts, state):
         raise _diverged(step)
@@ -134,37 +153,61 @@ def _compiled(ts, log: RunLog, state, batch, key) -> tuple[Any, RunLog]:
     return _runner(ts, log.programs[key]), log
 
 
+class Flight(NamedTuple):
+    """A step handed to the devices whose loss has not been read yet."""
+
+    step: int
+    loss: Any  # the step's loss, a device array
+    batch: Any  # its placed batch (named in a capacity warning)
+    key: Any  # its program's (state, batch) structure
+    compiled: bool  # its program was compiled for it (no wall time recorded)
+    begin: float  # when it was handed over (time.perf_counter)
+
+
 def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool, hooks=None):
     """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
     structure (a new row-wise capacity or the pipelined carry makes a new one), each
     step's batch placed on a host thread while the step before runs
-    (``placed_batches``); ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and
-    trace around steps."""
+    (``placed_batches``), one step in flight while the step before it is read
+    (``land``); ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and trace
+    around steps."""
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     log = log._replace(last_end=time.perf_counter())
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
+    flying = None
     with contextlib.closing(placed_batches(ts, workload.batch_at, start, config.steps)) as batches:
         for step in bar:
             if hooks:
                 hooks.before_step(step)
-            state, log = _one_step(ts, state, batches, log)
-            if not math.isfinite(log.losses[-1]):
-                _after_nonfinite(config, ts, state, step, log)
-                state = state._replace(carry=())  # the early-fetched rows may hold NaN
-            if hooks:
-                program = log.programs[log.last_key]
-                hooks.after_step(step, state, log.losses[-1], log.times[-1], program)
-            streak = skip_streak(log.skipped, step)
-            _stop_if_stuck(config, ckpt, step, streak)
-            _save(config, ckpt, ts, state, step, streak)
-            bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
+            state, now, log = _dispatch(ts, state, batches, log, step)
+            if flying:  # the step before, read while this one runs
+                state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=1)
+            flying = now
+            if settles(config, ckpt, hooks, state, step):
+                state, log = land(config, ts, state, now, log, ckpt, hooks, ahead=0)
+                flying = None
+            if log.losses:
+                bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
     return state, log
 
 
-def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
-    """Waits for the next placed batch and runs its step: its loss, the wait (the host
-    time on the step path), the program's time and the wall time since the previous
-    step's loss (logging, saving, the wait and the program) go into ``log``."""
+def settles(config: RunConfig, ckpt, hooks, state, step: int) -> bool:
+    """Whether the loop waits for ``step`` to end before starting the next: its state
+    is saved or evaluated, the profiler's window opens or closes after it, it is the
+    last, or the step carries rows to the next (a pipelined step's carry is dropped on
+    the host after a non-finite step)."""
+    return (
+        step + 1 == config.steps
+        or _save_due(config, ckpt, step)
+        or bool(hooks and hooks.settles(step))
+        or bool(jax.tree.leaves(state.carry))
+    )
+
+
+def _dispatch(ts, state, batches, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
+    """Waits for the next placed batch and hands its step to the devices (the wait,
+    the host time on the step path, goes into ``log``); returns the new state and the
+    ``Flight``, neither waited for."""
     begin = time.perf_counter()
     batch = next(batches)
     log.place_times.append(time.perf_counter() - begin)
@@ -173,13 +216,39 @@ def _one_step(ts, state, batches, log: RunLog) -> tuple[Any, RunLog]:
     program, log = _compiled(ts, log, state, batch, key)
     t = time.perf_counter()
     state, loss = program(state, batch)
-    log.losses.append(loss_value(loss))
+    return state, Flight(step, loss, batch, key, compiles, t), log
+
+
+def land(config: RunConfig, ts, state, flight: Flight, log: RunLog, ckpt, hooks, ahead: int):
+    """Reads ``flight``'s loss and does what follows a step: the overflow warning, its
+    times, the non-finite policy, the hooks, the checkpoint. ``state`` is the newest
+    state, ``ahead`` (0 or 1) steps past ``flight``'s (a step due to be saved or
+    evaluated is landed with nothing after it in flight: ``settles``).
+
+    The step's time is from when the devices could start it (it was handed over, and the
+    step before it was read) to when its loss was read; its wall time from the previous
+    step's loss to its own."""
+    step = flight.step
+    loss = loss_value(flight.loss)
     end = time.perf_counter()
-    if log.losses[-1] == math.inf:  # a table's capacity was too small (mark_missed)
-        warnings.warn(overflow_message(ts, batch), CapacityWarning, stacklevel=2)
-    log.times.append(end - t)
-    log.wall_times.append(None if compiles else end - log.last_end)  # no compile time
-    return state, log._replace(last_key=key, last_end=end)
+    log.losses.append(loss)
+    if loss == math.inf:  # a table's capacity was too small (mark_missed)
+        warnings.warn(overflow_message(ts, flight.batch), CapacityWarning, stacklevel=2)
+    log.times.append(end - max(flight.begin, log.last_end))
+    log.wall_times.append(None if flight.compiled else end - log.last_end)  # no compile time
+    log = log._replace(last_key=flight.key, last_end=end)
+    if not math.isfinite(loss):
+        _after_nonfinite(config, ts, state, step, log, ahead)
+        state = state._replace(carry=())  # the early-fetched rows may hold NaN
+    if hooks:
+        hooks.after_step(step, state, loss, log.times[-1], log.programs[flight.key])
+    streak = skip_streak(log.skipped, step)
+    _stop_if_stuck(config, ckpt, step, streak)
+    if ahead:
+        assert not _save_due(config, ckpt, step), "a step due to be saved settles"
+    else:
+        _save(config, ckpt, ts, state, step, streak)
+    return state, log
 
 
 def run_overlapped(config: RunConfig, ov, workload, show: bool) -> tuple[Any, RunLog]:

@@ -201,6 +201,10 @@ class Trace:
         if self.active and step + 1 >= self.stop:
             self.close()
 
+    def edge(self, step: int) -> bool:
+        """Whether the window opens or closes right after ``step``."""
+        return step + 1 == self.start or (self.start <= step < self.stop <= step + 1)
+
     def close(self) -> None:
         if self.active:
             jax.profiler.stop_trace()
@@ -250,6 +254,14 @@ class RunHooks:
     def before_step(self, step: int) -> None:
         if self.trace:
             self.trace.before(step)
+
+    def settles(self, step: int) -> bool:
+        """Whether the step loop must wait for ``step`` to end before starting the next:
+        an evaluation of its state is due, or the profiler's window opens or closes
+        after it (a trace holds whole steps)."""
+        every = self.config.eval_every
+        due = bool(every) and (step + 1) % every == 0
+        return due or bool(self.trace and self.trace.edge(step))
 
     def after_step(self, step: int, state, loss: float, seconds: float, program) -> None:
         """Closes the trace window, evaluates when due, writes the step's line."""

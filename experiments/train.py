@@ -130,7 +130,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
 
     Returns:
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
-      step_time_s (the program's median time after warm-up), wall_time_s (the median
+      step_time_s (the median time after warm-up from when the devices could start a step
+      to its loss; ``experiments.loop`` keeps one step in flight), wall_time_s (the median
       time from one step's loss to the next one's: logging, waiting for the batch, the
       program), tokens_per_s or samples_per_s (per wall_time_s), place_time_s,
       comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,

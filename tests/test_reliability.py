@@ -18,6 +18,7 @@ from conftest import REPO
 from helpers import place
 
 import sparsecomm_jax as sc
+from experiments import loop
 from experiments import train as cli
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
@@ -475,6 +476,40 @@ def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
     assert main(args) == 2
     assert checkpoint.saved_steps(tmp_path / "ck") == [1, 2]
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, tmp_path):
+    """Step t + 1 is handed to the devices before step t's loss is read (the host's work
+    between steps overlaps the devices'); a run that saves after every step waits for
+    each one instead; both give the same losses, bitwise."""
+    events = []
+    real_runner, real_read = loop._runner, loop.loss_value
+
+    def runner(ts, compiled):
+        program = real_runner(ts, compiled)
+        return lambda state, batch: events.append("run") or program(state, batch)
+
+    monkeypatch.setattr(loop, "_runner", runner)
+    monkeypatch.setattr(loop, "loss_value", lambda loss: events.append("read") or real_read(loss))
+    cfg = RunConfig(strategy="embrace", steps=4, **SMALL)
+    ahead = train_and_evaluate(cfg, progress=False)
+    assert events == ["run", "run", "read", "run", "read", "run", "read", "read"]
+    events.clear()
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    settled = train_and_evaluate(
+        RunConfig(strategy="embrace", steps=4, **ck, **SMALL), progress=False
+    )
+    assert events == ["run", "read"] * 4
+    assert ahead["losses"] == settled["losses"] and np.all(np.isfinite(ahead["losses"]))
+
+
+def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
+    """``off`` applies step 2's NaN gradient while step 3 is in flight: the run stops at
+    the newest state it can see, naming both steps."""
+    _poison_runs(monkeypatch, 2)
+    match = r"non-finite after step 3 \(step 2's loss was not finite; diverged"
+    with pytest.raises(FloatingPointError, match=match):
+        train_and_evaluate(RunConfig(nonfinite="off", steps=6, **SMALL), progress=False)
 
 
 def test_too_many_skipped_steps_stop_the_run(monkeypatch, tmp_path):
