@@ -200,6 +200,13 @@ class RunConfig:
     max_skipped: int = _field(
         10, "stop (non-zero exit) when more than this many steps in a row are skipped", at_least(0)
     )
+    in_flight: int = _field(
+        1,
+        "steps handed to the devices before the one before them is read: 1 overlaps the "
+        "host's work between steps with the devices' (one process per core or device), "
+        "0 waits for every step (faster where processes outnumber cores)",
+        choices=(0, 1),
+    )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
     checkpoint_every: int = _field(0, "save every N steps (0 = only at the end)", at_least(0))
     resume: bool = _field(
@@ -286,6 +293,7 @@ NOT_TRAJECTORY = frozenset(
         "capacity",
         "nonfinite",
         "max_skipped",
+        "in_flight",
         "checkpoint_dir",
         "checkpoint_every",
         "resume",

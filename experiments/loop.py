@@ -169,8 +169,9 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     structure (a new row-wise capacity or the pipelined carry makes a new one), each
     step's batch placed on a host thread while the step before runs
     (``placed_batches``), one step in flight while the step before it is read
-    (``land``); ``hooks`` (``experiments.runlog.RunHooks``) log, evaluate and trace
-    around steps."""
+    (``land``; a step whose program is compiled first waits for the one before, so no
+    step's time holds a compilation); ``hooks`` (``experiments.runlog.RunHooks``) log,
+    evaluate and trace around steps."""
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     log = log._replace(last_end=time.perf_counter())
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
@@ -179,7 +180,12 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
         for step in bar:
             if hooks:
                 hooks.before_step(step)
-            state, now, log = _dispatch(ts, state, batches, log, step)
+            batch, log = _next_batch(batches, log)
+            key = jax.tree.structure((state, batch))
+            if flying and key not in log.programs:  # read the step before, then compile
+                state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=0)
+                flying = None
+            state, now, log = _dispatch(ts, state, batch, key, log, step)
             if flying:  # the step before, read while this one runs
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=1)
             flying = now
@@ -192,26 +198,32 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
 
 
 def settles(config: RunConfig, ckpt, hooks, state, step: int) -> bool:
-    """Whether the loop waits for ``step`` to end before starting the next: its state
-    is saved or evaluated, the profiler's window opens or closes after it, it is the
-    last, or the step carries rows to the next (a pipelined step's carry is dropped on
-    the host after a non-finite step)."""
+    """Whether the loop waits for ``step`` to end before starting the next: told so
+    (``--in-flight 0``), its state is saved or evaluated, the profiler's window opens or
+    closes after it, it is the last, or the step carries rows to the next (a pipelined
+    step's carry is dropped on the host after a non-finite step)."""
     return (
-        step + 1 == config.steps
+        not config.in_flight
+        or step + 1 == config.steps
         or _save_due(config, ckpt, step)
         or bool(hooks and hooks.settles(step))
         or bool(jax.tree.leaves(state.carry))
     )
 
 
-def _dispatch(ts, state, batches, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
-    """Waits for the next placed batch and hands its step to the devices (the wait,
-    the host time on the step path, goes into ``log``); returns the new state and the
-    ``Flight``, neither waited for."""
+def _next_batch(batches, log: RunLog) -> tuple[Any, RunLog]:
+    """The next placed batch; the wait for it (the host time on the step path) goes
+    into ``log``."""
     begin = time.perf_counter()
     batch = next(batches)
     log.place_times.append(time.perf_counter() - begin)
-    key = jax.tree.structure((state, batch))
+    return batch, log
+
+
+def _dispatch(ts, state, batch, key, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
+    """Hands ``step`` (its placed ``batch``, ``key`` the (state, batch) structure) to the
+    devices, compiling its program on first use; returns the new state and the
+    ``Flight``, neither waited for."""
     compiles = key not in log.programs
     program, log = _compiled(ts, log, state, batch, key)
     t = time.perf_counter()

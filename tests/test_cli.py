@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO
 
 import sparsecomm_jax as sc
+from experiments import loop
 from experiments import train as cli
 from experiments.config import RunConfig
 from experiments.startup import adaptive_link
@@ -237,8 +238,19 @@ def test_writes_json(tmp_path):
     assert result["devices"] == 2 and len(result["losses"]) == 2
 
 
-def test_rowwise_run_survives_capacity_growth():
-    """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails."""
+def test_rowwise_run_survives_capacity_growth(monkeypatch):
+    """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails,
+    and reads the step in flight before compiling (no step's time holds a compile)."""
+    events = []
+    real_compiled, real_runner, real_read = loop._compiled, loop._runner, loop.loss_value
+
+    def compiled(ts, log, state, batch, key):
+        events.append("compile" if key not in log.programs else "cached")
+        return real_compiled(ts, log, state, batch, key)
+
+    monkeypatch.setattr(loop, "_compiled", compiled)
+    monkeypatch.setattr(loop, "_runner", lambda *a: events.append("run") or real_runner(*a))
+    monkeypatch.setattr(loop, "loss_value", lambda x: events.append("read") or real_read(x))
     config = RunConfig(
         model="transformer",
         strategy="embrace_rowwise",
@@ -251,6 +263,10 @@ def test_rowwise_run_survives_capacity_growth():
     )
     result = train_and_evaluate(config, progress=False)
     assert result["programs"] >= 2 and len(result["losses"]) == 3
+    compiles = [k for k, e in enumerate(events) if e == "compile"]
+    assert len(compiles) == result["programs"]
+    for k in compiles:  # nothing in flight when a program is compiled
+        assert events[:k].count("run") == events[:k].count("read")
     dense = train_and_evaluate(
         RunConfig(**{**config.__dict__, "strategy": "dense"}), progress=False
     )

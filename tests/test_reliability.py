@@ -480,8 +480,8 @@ def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
 
 def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, tmp_path):
     """Step t + 1 is handed to the devices before step t's loss is read (the host's work
-    between steps overlaps the devices'); a run that saves after every step waits for
-    each one instead; both give the same losses, bitwise."""
+    between steps overlaps the devices'); a run that saves after every step, or is told
+    ``--in-flight 0``, waits for each one instead; all give the same losses, bitwise."""
     events = []
     real_runner, real_read = loop._runner, loop.loss_value
 
@@ -501,6 +501,11 @@ def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, t
     )
     assert events == ["run", "read"] * 4
     assert ahead["losses"] == settled["losses"] and np.all(np.isfinite(ahead["losses"]))
+    events.clear()
+    told = train_and_evaluate(
+        RunConfig(strategy="embrace", steps=4, in_flight=0, **SMALL), progress=False
+    )
+    assert events == ["run", "read"] * 4 and told["losses"] == ahead["losses"]
 
 
 def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
