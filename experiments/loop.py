@@ -12,7 +12,9 @@ progress bar, these checks) runs while the devices work instead of between their
 programs. The loop waits for a step to end before starting the next only where the next
 one needs it (``settles``): a checkpoint or an evaluation after it, the edges of the
 profiler's window, the last step, and pipelined steps (a non-finite step's carry is
-dropped on the host).
+dropped on the host); before compiling a new program (no step's time holds a
+compilation); and at every step with ``--in-flight 0``. With a step in flight a step's
+time is the time between two loss reads: the program and any host work it did not hide.
 
 Example:
     >>> from experiments.loop import skip_streak
@@ -185,6 +187,7 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
             if flying and key not in log.programs:  # read the step before, then compile
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=0)
                 flying = None
+                key = jax.tree.structure((state, batch))  # landing may have dropped a carry
             state, now, log = _dispatch(ts, state, batch, key, log, step)
             if flying:  # the step before, read while this one runs
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=1)

@@ -16,7 +16,7 @@ from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import column, replicated, row
-from sparsecomm_jax.embedding.access import LOOKUP, PLAIN, Read
+from sparsecomm_jax.embedding.access import LOOKUP, PLAIN, SHARED, Read
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
@@ -416,3 +416,68 @@ def test_ids_computed_from_the_parameters_get_every_row_they_need(strategy):
     said = any("computed from the parameters" in str(w.message) for w in caught)
     assert said == (strategy != "embrace_2d")
     assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)
+
+
+def _column_fetch(shards, ids, shared, grads, capacity):
+    """``column.fetch`` of table 0 (looked up: ``ids`` int[N, n], and the ``shared`` ids)
+    and table 1 (read only through ``shared``), on N workers: every read's rows, the
+    tables' gradients scattered into dense shards from the owners' pairs, and the
+    ``missed`` flags."""
+    m = ids.shape[1]
+
+    def body(t0, t1, my_ids, g):
+        # t*: float[V, D/P]; my_ids: int[1, n]; g: float[1, n + 2s, D]
+        reads = [Read(LOOKUP, 0, my_ids[0]), Read(SHARED, 0, shared), Read(SHARED, 1, shared)]
+        got = column.fetch({0: t0, 1: t1}, reads, capacity, "data")
+        s = shared.size
+        pairs = dict(got.back([g[0, :m], g[0, m : m + s], g[0, m + s :]]))
+        dense = [
+            jnp.zeros(t.shape).at[pairs[i][0]].add(pairs[i][1], mode="drop")
+            for i, t in ((0, t0), (1, t1))
+        ]
+        flags = jnp.stack([got.missed[0], got.missed[1]])[None]
+        return *(r[None] for r in got.rows), *dense, flags
+
+    col, per = P(None, "data"), P("data")
+    run = jax.shard_map(
+        body,
+        mesh=runtime.data_mesh(N),
+        in_specs=(col, col, per, per),
+        out_specs=(per, per, per, col, col, per),
+        check_vma=False,
+    )
+    return run(*shards, ids, grads)
+
+
+@pytest.mark.parametrize("capacity", ["enough", "short"])
+def test_column_fetch_against_numpy_with_shared_only_tables_and_short_capacity(capacity):
+    """Each worker's own distinct ids: rows equal ``table[ids]`` and the owners' pairs sum
+    every worker's gradients (numpy), for a looked-up table and one read only through
+    shared ids (whose ids never travel); a capacity below a worker's distinct ids gives
+    that worker NaN rows for the ids past it, drops their gradients and raises its flag."""
+    rng = np.random.default_rng()
+    vocab, dim, n, s = 50, 16, 12, 5
+    tables = [rng.normal(size=(vocab, dim)).astype(np.float32) for _ in range(2)]
+    ids = rng.integers(0, vocab, (N, n)).astype(np.int32)
+    shared = jnp.asarray(rng.choice(vocab, s, replace=False).astype(np.int32))
+    grads = rng.normal(size=(N, n + 2 * s, dim)).astype(np.float32)
+    distinct = [np.unique(np.concatenate([w, np.asarray(shared)])) for w in ids]
+    cap0 = max(d.size for d in distinct) - (0 if capacity == "enough" else 2)
+    rows0, rows_sh0, rows_sh1, dense0, dense1, flags = _column_fetch(
+        tables, ids, shared, grads, {0: cap0, 1: s}
+    )
+    want0, want1 = np.zeros_like(tables[0]), np.zeros_like(tables[1])
+    np.add.at(want1, np.tile(np.asarray(shared), N), grads[:, n + s :].reshape(-1, dim))
+    for w in range(N):
+        kept = distinct[w][:cap0]  # the sorted distinct ids the capacity has slots for
+        reads = np.concatenate([ids[w], np.asarray(shared)])
+        ok = np.isin(reads, kept)
+        got = np.concatenate([np.asarray(rows0[w]), np.asarray(rows_sh0[w])])
+        np.testing.assert_allclose(got[ok], tables[0][reads[ok]], rtol=1e-6)
+        assert np.all(np.isnan(got[~ok]))
+        assert bool(flags[w, 0]) == (not ok.all()) and not flags[w, 1]
+        np.add.at(want0, reads[ok], grads[w, : n + s][ok])
+        np.testing.assert_allclose(rows_sh1[w], tables[1][np.asarray(shared)], rtol=1e-6)
+    assert (capacity == "short") == bool(np.asarray(flags)[:, 0].any())
+    np.testing.assert_allclose(dense0, want0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dense1, want1, rtol=1e-5, atol=1e-5)
