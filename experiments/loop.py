@@ -183,12 +183,10 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
             if hooks:
                 hooks.before_step(step)
             batch, log = _next_batch(batches, log)
-            key = jax.tree.structure((state, batch))
-            if flying and key not in log.programs:  # read the step before, then compile
+            if flying and jax.tree.structure((state, batch)) not in log.programs:
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=0)
-                flying = None
-                key = jax.tree.structure((state, batch))  # landing may have dropped a carry
-            state, now, log = _dispatch(ts, state, batch, key, log, step)
+                flying = None  # the step before is read, then the new program compiled
+            state, now, log = _dispatch(ts, state, batch, log, step)
             if flying:  # the step before, read while this one runs
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=1)
             flying = now
@@ -223,10 +221,11 @@ def _next_batch(batches, log: RunLog) -> tuple[Any, RunLog]:
     return batch, log
 
 
-def _dispatch(ts, state, batch, key, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
-    """Hands ``step`` (its placed ``batch``, ``key`` the (state, batch) structure) to the
-    devices, compiling its program on first use; returns the new state and the
-    ``Flight``, neither waited for."""
+def _dispatch(ts, state, batch, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
+    """Hands ``step`` (its placed ``batch``) to the devices, compiling the program of its
+    (state, batch) structure on first use; returns the new state and the ``Flight``,
+    neither waited for."""
+    key = jax.tree.structure((state, batch))
     compiles = key not in log.programs
     program, log = _compiled(ts, log, state, batch, key)
     t = time.perf_counter()

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
+from helpers import record_loop_events
 
 import sparsecomm_jax as sc
 from experiments import loop
@@ -241,16 +242,14 @@ def test_writes_json(tmp_path):
 def test_rowwise_run_survives_capacity_growth(monkeypatch):
     """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails,
     and reads the step in flight before compiling (no step's time holds a compile)."""
-    events = []
-    real_compiled, real_runner, real_read = loop._compiled, loop._runner, loop.loss_value
+    events = record_loop_events(monkeypatch, loop)
+    real_compiled = loop._compiled
 
     def compiled(ts, log, state, batch, key):
         events.append("compile" if key not in log.programs else "cached")
         return real_compiled(ts, log, state, batch, key)
 
     monkeypatch.setattr(loop, "_compiled", compiled)
-    monkeypatch.setattr(loop, "_runner", lambda *a: events.append("run") or real_runner(*a))
-    monkeypatch.setattr(loop, "loss_value", lambda x: events.append("read") or real_read(x))
     config = RunConfig(
         model="transformer",
         strategy="embrace_rowwise",

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO
-from helpers import place
+from helpers import place, record_loop_events
 
 import sparsecomm_jax as sc
 from experiments import loop
@@ -482,15 +482,7 @@ def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, t
     """Step t + 1 is handed to the devices before step t's loss is read (the host's work
     between steps overlaps the devices'); a run that saves after every step, or is told
     ``--in-flight 0``, waits for each one instead; all give the same losses, bitwise."""
-    events = []
-    real_runner, real_read = loop._runner, loop.loss_value
-
-    def runner(ts, compiled):
-        program = real_runner(ts, compiled)
-        return lambda state, batch: events.append("run") or program(state, batch)
-
-    monkeypatch.setattr(loop, "_runner", runner)
-    monkeypatch.setattr(loop, "loss_value", lambda loss: events.append("read") or real_read(loss))
+    events = record_loop_events(monkeypatch, loop)
     cfg = RunConfig(strategy="embrace", steps=4, **SMALL)
     ahead = train_and_evaluate(cfg, progress=False)
     assert events == ["run", "run", "read", "run", "read", "run", "read", "read"]

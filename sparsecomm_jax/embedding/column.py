@@ -91,14 +91,16 @@ def _every(plans: dict, travels: set, axis: str, num: int) -> dict[int, jax.Arra
     some worker looks up; a table read only through shared ids (the same on every worker)
     has the same distinct ids everywhere, which do not travel."""
     moved = [i for i in plans if i in travels]
-    every = {i: jnp.broadcast_to(u, (num, u.shape[0])) for i, (u, _) in plans.items()}
+    every = {
+        i: jnp.broadcast_to(u, (num, u.shape[0])) for i, (u, _) in plans.items() if i not in travels
+    }
     if moved:
-        sizes = [plans[i][0].shape[0] for i in moved]
         gathered = jax.lax.all_gather(
             jnp.concatenate([plans[i][0] for i in moved]), axis, to="invarying"
         )  # int[P, sum C]
         off = 0
-        for i, size in zip(moved, sizes, strict=True):
+        for i in moved:
+            size = plans[i][0].shape[0]
             every[i], off = gathered[:, off : off + size], off + size
     return every
 
@@ -131,7 +133,7 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
         for i in order
     ]  # float[P, C * D/P]: my columns of each worker's distinct rows
     got = comm_wire.a2a(jnp.concatenate(cols, axis=1), axis, wire)  # [P, sum C * D/P]
-    table_rows, off = {}, 0
+    table_rows, missed, off = {}, {}, 0
     for i in order:
         (uniq, slot), width = plans[i], shards[i].shape[1]
         block = got[:, off : off + uniq.shape[0] * width].reshape(num, -1, width)
@@ -140,7 +142,7 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
         found = slot < uniq.shape[0]  # bool[m]
         rows = jnp.take(full, slot, axis=0, mode="fill", fill_value=0)  # float[m, D]
         table_rows[i] = jnp.where(found[:, None], rows, jnp.nan)
-    missed = {i: jnp.any(slot >= uniq.shape[0]) for i, (uniq, slot) in plans.items()}
+        missed[i] = ~jnp.all(found)
     plan = {i: (every[i], slot) for i, (_, slot) in plans.items()}
     return Fetched(_per_read(reads, table_rows), _backward(shards, reads, plan, axis, wire), missed)
 
