@@ -28,6 +28,7 @@ from sparsecomm_jax.topk.selectors import SELECTORS, check_density
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
 TABLE_UPDATES = ("auto", "rows", "dense")
+IN_FLIGHT = ("auto", "yes", "no")
 MAX_SEED = 2**32 - 1
 
 # ----------------------------------------------------------------- value checks
@@ -200,12 +201,12 @@ class RunConfig:
     max_skipped: int = _field(
         10, "stop (non-zero exit) when more than this many steps in a row are skipped", at_least(0)
     )
-    in_flight: int = _field(
-        1,
-        "steps handed to the devices before the one before them is read: 1 overlaps the "
-        "host's work between steps with the devices' (one process per core or device), "
-        "0 waits for every step (faster where processes outnumber cores)",
-        choices=(0, 1),
+    in_flight: str = _field(
+        "auto",
+        "yes hands step t+1 to the devices before reading step t's loss (the host's work "
+        "between steps beside the devices'), no waits for every step, auto is no where "
+        "the devices are CPUs and this node runs more processes than it has cores",
+        choices=IN_FLIGHT,
     )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
     checkpoint_every: int = _field(0, "save every N steps (0 = only at the end)", at_least(0))

@@ -16,7 +16,7 @@ collectives and runs most often). Per device and step:
   (what the exchange itself costs), and ``wait_ms``, the rest (waiting for slower ones);
 - ``compute_ms``: the rest of the run (its arithmetic and the executor's dispatch);
 - ``host_ms``: the gap since the previous step's run ended on that device (the host's
-  work between steps that the step in flight did not hide: with ``--in-flight 0``
+  work between steps that the step in flight did not hide: with ``--in-flight no``
   the loss read and logging; the first traced step has none).
 
 Per device (``rank`` or ``rank/device`` when a process drives several) the medians over

@@ -33,7 +33,7 @@ import sparsecomm_jax as sc
 from experiments import runlog
 from experiments.checkpoints import claim_checkpoint_dir, resumed_config, start_state
 from experiments.config import OneLineErrors, RunConfig, add_arguments, from_namespace
-from experiments.loop import run_overlapped, run_steps
+from experiments.loop import decide_in_flight, run_overlapped, run_steps
 from experiments.record import result, write_json
 from experiments.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.validate import as_flags, check_outputs, table_update_of, validate
@@ -157,6 +157,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         if not config.devices:  # --devices left out: every device of the job
             config = dataclasses.replace(config, devices=jax.device_count())
             validate(config)
+        config = decide_in_flight(config)  # auto: by this node's processes and cores
         search = plan = None
         if config.plan in ("auto", "model"):  # a layout per table: measured or modelled
             config, plan = choose_plan(config, build)

@@ -203,6 +203,22 @@ def _process_nodes() -> list[int]:
     return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(mine)))]
 
 
+def processes_on_this_node() -> int:
+    """How many of the job's processes share this process's node (its launcher node
+    rank, else its host name); 1 in a job of one. Call it on every process: it is one
+    collective."""
+    nodes = _process_nodes()
+    return nodes.count(nodes[jax.process_index()])
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
     """Size of ``axis_name`` in ``mesh``; a clear error when the axis is not there."""
     if axis_name not in mesh.shape:

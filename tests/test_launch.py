@@ -279,7 +279,8 @@ from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import costmodel
 rank, _ = runtime.initialize_distributed()
 link, points = costmodel.calibrate(runtime.data_mesh(2), sizes=(256, 4096), repeats=2)
-print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, flush=True)
+node = runtime.processes_on_this_node()
+print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, node, flush=True)
 """
 
 
@@ -287,12 +288,12 @@ print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, f
 def test_timings_that_decide_are_the_same_on_every_process():
     """Each process times a program itself; what they choose on it (a plan, a fusion
     threshold, a strategy per bucket, the link's fit) must agree, or their programs
-    differ and the job hangs in a collective."""
+    differ and the job hangs in a collective. Both count the node's two processes."""
     proc = _launch(2, 1, [sys.executable, "-c", AGREE], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split("agreed ")[1] for line in proc.stdout.splitlines() if "agreed " in line]
     assert len(lines) == 2 and lines[0] == lines[1], lines  # the mean of 0.5 and 1.5
-    assert lines[0].split()[0] == "1.0"
+    assert lines[0].split()[0] == "1.0" and lines[0].split()[-1] == "2"
 
 
 @pytest.mark.slow

@@ -481,11 +481,13 @@ def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
 def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, tmp_path):
     """Step t + 1 is handed to the devices before step t's loss is read (the host's work
     between steps overlaps the devices'); a run that saves after every step, or is told
-    ``--in-flight 0``, waits for each one instead; all give the same losses, bitwise."""
+    ``--in-flight no``, waits for each one instead; all give the same losses, bitwise.
+    ``auto`` (the default) keeps one in flight for one process on this node's cores."""
     events = record_loop_events(monkeypatch, loop)
     cfg = RunConfig(strategy="embrace", steps=4, **SMALL)
     ahead = train_and_evaluate(cfg, progress=False)
     assert events == ["run", "run", "read", "run", "read", "run", "read", "read"]
+    assert ahead["config"]["in_flight"] == "yes"  # decided, and recorded as decided
     events.clear()
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     settled = train_and_evaluate(
@@ -495,9 +497,28 @@ def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, t
     assert ahead["losses"] == settled["losses"] and np.all(np.isfinite(ahead["losses"]))
     events.clear()
     told = train_and_evaluate(
-        RunConfig(strategy="embrace", steps=4, in_flight=0, **SMALL), progress=False
+        RunConfig(strategy="embrace", steps=4, in_flight="no", **SMALL), progress=False
     )
     assert events == ["run", "read"] * 4 and told["losses"] == ahead["losses"]
+
+
+def test_in_flight_auto_waits_where_cpu_processes_outnumber_cores(monkeypatch):
+    """``--in-flight auto``: no step in flight where a node's CPU processes outnumber its
+    cores (a host thread would take a core from another process's program), one in
+    flight otherwise and on accelerators; a choice given is kept."""
+    assert loop.in_flight_choice("auto", "cpu", processes=4, cores=2) == "no"
+    assert loop.in_flight_choice("auto", "cpu", processes=2, cores=2) == "yes"
+    assert loop.in_flight_choice("auto", "gpu", processes=8, cores=2) == "yes"
+    assert loop.in_flight_choice("yes", "cpu", processes=4, cores=2) == "yes"
+    assert loop.in_flight_choice("no", "gpu", processes=1, cores=64) == "no"
+    # this process alone on its node, seen as a node of fewer cores than processes
+    assert runtime.processes_on_this_node() == 1
+    monkeypatch.setattr(runtime, "processes_on_this_node", lambda: 3)
+    decided = loop.decide_in_flight(RunConfig(**SMALL))
+    assert decided.in_flight == ("no" if runtime.usable_cores() < 3 else "yes")
+    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
+    assert loop.decide_in_flight(RunConfig(**SMALL)).in_flight == "no"
+    assert loop.decide_in_flight(RunConfig(in_flight="yes", **SMALL)).in_flight == "yes"
 
 
 def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
