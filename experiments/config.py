@@ -205,7 +205,7 @@ class RunConfig:
         "auto",
         "yes hands step t+1 to the devices before reading step t's loss (the host's work "
         "between steps beside the devices'), no waits for every step, auto is no where "
-        "the devices are CPUs and this node runs more processes than it has cores",
+        "the devices are CPUs and a host of the job runs more processes than it has cores",
         choices=IN_FLIGHT,
     )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')

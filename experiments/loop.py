@@ -14,7 +14,7 @@ one needs it (``settles``): a checkpoint or an evaluation after it, the edges of
 profiler's window, the last step, and pipelined steps (a non-finite step's carry is
 dropped on the host); before compiling a new program (no step's time holds a
 compilation); and at every step with ``--in-flight no`` (``auto``, the default, is
-``no`` where CPU processes outnumber their node's cores: ``in_flight_choice``). With a
+``no`` where CPU processes outnumber a host's cores: ``in_flight_choice``). With a
 step in flight a step's time is the time between two loss reads: the program and any
 host work it did not hide.
 
@@ -177,7 +177,10 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     (``placed_batches``), one step in flight while the step before it is read
     (``land``; a step whose program is compiled first waits for the one before, so no
     step's time holds a compilation); ``hooks`` (``experiments.runlog.RunHooks``) log,
-    evaluate and trace around steps."""
+    evaluate and trace around steps. ``config.in_flight`` is ``yes`` or ``no``
+    (``decide_in_flight`` first)."""
+    if config.in_flight not in ("yes", "no"):
+        raise ValueError(f"--in-flight {config.in_flight!r}: decide_in_flight(config) first")
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     log = log._replace(last_end=time.perf_counter())
     bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
@@ -203,12 +206,21 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
 
 
 def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> str:
-    """``--in-flight`` decided for a node: ``auto`` is ``no`` where the devices are
-    CPUs (``platform``) and the node runs more of the job's ``processes`` than it has
-    ``cores``, else ``yes``. Where processes outnumber cores, a host thread working
-    while its program runs takes a core from another process's program instead of
-    filling idle time (4 processes on 2 cores: 0.89x the steps of waiting for each;
-    2 on 2: 1.10x; ``BENCHMARKS.md``).
+    """``--in-flight`` decided: ``auto`` is ``no`` where the devices are CPUs
+    (``platform``) and a host runs more of the job's ``processes`` than it has
+    ``cores``, else ``yes``; ``yes`` and ``no`` stay. Where processes outnumber cores, a
+    host thread working while its program runs takes a core from another process's
+    program instead of filling idle time (4 processes on 2 cores: 0.89x the steps of
+    waiting for each; 2 on 2: 1.10x; ``BENCHMARKS.md``).
+
+    Args:
+      choice: ``auto``, ``yes`` or ``no``.
+      platform: the devices' platform (``cpu``, ``gpu``, ...).
+      processes: the job's processes on its busiest host.
+      cores: the cores they may run on.
+
+    Returns:
+      ``yes`` or ``no``.
 
     Example:
         >>> in_flight_choice("auto", "cpu", processes=4, cores=2)
@@ -222,14 +234,23 @@ def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> 
 
 
 def decide_in_flight(config: RunConfig) -> RunConfig:
-    """``config`` with ``--in-flight auto`` decided for this process's node
-    (``in_flight_choice``). Call it on every process: counting a node's processes is
-    one collective."""
+    """``config`` with ``--in-flight auto`` decided for the whole job from its busiest
+    host (``runtime.busiest_host``, ``in_flight_choice``): every process makes the same
+    choice, or their programs (a step, the parameters' finite check after a non-finite
+    loss) would run in different orders and their collectives would not meet.
+
+    Args:
+      config: the run; its ``in_flight`` kept unless ``auto``.
+
+    Returns:
+      ``config`` with ``in_flight`` ``yes`` or ``no``. Call it on every process (one
+      collective in a job of several).
+    """
     if config.in_flight != "auto":
         return config
-    processes = runtime.processes_on_this_node()
+    busiest = runtime.busiest_host()
     platform = jax.devices()[0].platform
-    choice = in_flight_choice("auto", platform, processes, runtime.usable_cores())
+    choice = in_flight_choice("auto", platform, busiest.processes, busiest.cores)
     return dataclasses.replace(config, in_flight=choice)
 
 

@@ -131,14 +131,14 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     Returns:
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
       step_time_s (the median time after warm-up from when the devices could start a step
-      to its loss; ``experiments.loop`` keeps one step in flight), wall_time_s (the median
-      time from one step's loss to the next one's: logging, waiting for the batch, the
-      program), tokens_per_s or samples_per_s (per wall_time_s), place_time_s,
-      comm_bytes_per_step, collectives, peak_memory_bytes, compile_s, start_step,
-      skipped_steps, the fitted ``link`` with ``--calibrate``, ``bucket_search`` with
-      ``--bucket-mb auto``, and the full config; with held-out data ``heldout`` (final
-      metrics per split) and ``eval`` (every ``--eval-every`` steps); ``log_dir`` and
-      ``trace_dir`` when written.
+      to its loss; ``experiments.loop`` keeps one step in flight unless ``--in-flight``
+      decides no), wall_time_s (the median time from one step's loss to the next one's:
+      logging, waiting for the batch, the program), tokens_per_s or samples_per_s (per
+      wall_time_s), place_time_s, comm_bytes_per_step, collectives, peak_memory_bytes,
+      compile_s, start_step, skipped_steps, the fitted ``link`` with ``--calibrate``,
+      ``bucket_search`` with ``--bucket-mb auto``, and the full config; with held-out
+      data ``heldout`` (final metrics per split) and ``eval`` (every ``--eval-every``
+      steps); ``log_dir`` and ``trace_dir`` when written.
 
     Raises:
       ValueError: a bad flag, output location or checkpoint folder.
@@ -157,7 +157,6 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         if not config.devices:  # --devices left out: every device of the job
             config = dataclasses.replace(config, devices=jax.device_count())
             validate(config)
-        config = decide_in_flight(config)  # auto: by this node's processes and cores
         search = plan = None
         if config.plan in ("auto", "model"):  # a layout per table: measured or modelled
             config, plan = choose_plan(config, build)
@@ -168,6 +167,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         if config.overlap:
             _, log = run_overlapped(config, ts, workload, show)
             return {**result(config, workload, log, 0, rank), "overlap": True}
+        config = decide_in_flight(config)  # auto: by the busiest host's processes and cores
         ckpt, state, start = start_state(config, ts)
         hooks = runlog.RunHooks(config, workload, ts, rank, start)
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import zlib
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -203,20 +204,58 @@ def _process_nodes() -> list[int]:
     return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(mine)))]
 
 
-def processes_on_this_node() -> int:
-    """How many of the job's processes share this process's node (its launcher node
-    rank, else its host name); 1 in a job of one. Call it on every process: it is one
-    collective."""
-    nodes = _process_nodes()
-    return nodes.count(nodes[jax.process_index()])
+MASK_BITS = 4096  # CPU ids a process's affinity mask is shared with (higher ids ignored)
 
 
-def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
+class HostLoad(NamedTuple):
+    """A host's processes of the job and the CPU cores they may run on together."""
+
+    processes: int
+    cores: int
+
+
+def usable_cores() -> set[int]:
+    """The CPU ids this process may run on (its affinity mask; every CPU where the OS
+    has no masks). A CPU quota (a container's ``--cpus``) is not seen."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def busiest_host() -> HostLoad:
+    """The job's host with the most processes per core: its processes (grouped by host
+    name, so two launcher nodes on one machine count as one host) and the cores their
+    affinity masks cover together. The same on every process; one collective in a job
+    of several processes: call it on every process.
+
+    Returns:
+      A ``HostLoad``; ``HostLoad(1, cores)`` in a job of one process.
+
+    Example:
+        >>> busiest_host().processes  # one process
+        1
+    """
+    host = zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
+    mask = np.zeros(MASK_BITS, bool)
+    mask[[c for c in usable_cores() if c < MASK_BITS]] = True
+    mine = np.concatenate([[host], np.packbits(mask).view(np.int32)]).astype(np.int32)
+    if jax.process_count() == 1:
+        return host_loads(mine[None])[0]
+    every = np.asarray(multihost_utils.process_allgather(mine))  # int32[processes, 1 + 128]
+    return host_loads(every)[0]
+
+
+def host_loads(rows: np.ndarray) -> list[HostLoad]:
+    """Per host, busiest first: ``rows`` has one row per process, its host's id and its
+    affinity mask as packed bits (``busiest_host``)."""
+    hosts: dict[int, tuple[int, np.ndarray]] = {}
+    for row in rows:
+        bits = np.unpackbits(row[1:].astype(np.int32).view(np.uint8)).astype(bool)
+        count, union = hosts.get(int(row[0]), (0, np.zeros_like(bits)))
+        hosts[int(row[0])] = (count + 1, union | bits)
+    loads = [HostLoad(n, max(int(u.sum()), 1)) for n, u in hosts.values()]
+    return sorted(loads, key=lambda h: h.processes / h.cores, reverse=True)
 
 
 def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:

@@ -279,8 +279,8 @@ from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import costmodel
 rank, _ = runtime.initialize_distributed()
 link, points = costmodel.calibrate(runtime.data_mesh(2), sizes=(256, 4096), repeats=2)
-node = runtime.processes_on_this_node()
-print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, node, flush=True)
+host = runtime.busiest_host()
+print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, *host, flush=True)
 """
 
 
@@ -288,12 +288,28 @@ print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, n
 def test_timings_that_decide_are_the_same_on_every_process():
     """Each process times a program itself; what they choose on it (a plan, a fusion
     threshold, a strategy per bucket, the link's fit) must agree, or their programs
-    differ and the job hangs in a collective. Both count the node's two processes."""
+    differ and the job hangs in a collective. Both see the host's two processes."""
     proc = _launch(2, 1, [sys.executable, "-c", AGREE], timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split("agreed ")[1] for line in proc.stdout.splitlines() if "agreed " in line]
     assert len(lines) == 2 and lines[0] == lines[1], lines  # the mean of 0.5 and 1.5
-    assert lines[0].split()[0] == "1.0" and lines[0].split()[-1] == "2"
+    assert lines[0].split()[0] == "1.0" and lines[0].split()[-2] == "2"
+
+
+def _row(host: int, cpus: list[int]) -> list[int]:
+    """One process's row for ``runtime.host_loads``: its host id and affinity mask."""
+    mask = np.zeros(runtime.MASK_BITS, bool)
+    mask[cpus] = True
+    return [host, *np.packbits(mask).view(np.int32)]
+
+
+def test_host_loads_group_processes_by_host_and_join_their_cores():
+    """Two processes pinned to cores of their own are one per core; three sharing two
+    cores are the busiest host, whichever order their rows come in."""
+    rows = np.array([_row(7, [0]), _row(9, [0, 1]), _row(7, [1]), _row(9, [1]), _row(9, [0])])
+    assert runtime.host_loads(rows) == [(3, 2), (2, 2)]
+    assert runtime.host_loads(rows[::-1])[0] == (3, 2)
+    assert runtime.host_loads(np.array([_row(1, [5, 4095])])) == [(1, 2)]
 
 
 @pytest.mark.slow

@@ -503,22 +503,34 @@ def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, t
 
 
 def test_in_flight_auto_waits_where_cpu_processes_outnumber_cores(monkeypatch):
-    """``--in-flight auto``: no step in flight where a node's CPU processes outnumber its
+    """``--in-flight auto``: no step in flight where a host's CPU processes outnumber its
     cores (a host thread would take a core from another process's program), one in
-    flight otherwise and on accelerators; a choice given is kept."""
+    flight otherwise and on accelerators; a choice given is kept; a loop handed an
+    undecided ``auto`` refuses to start."""
     assert loop.in_flight_choice("auto", "cpu", processes=4, cores=2) == "no"
     assert loop.in_flight_choice("auto", "cpu", processes=2, cores=2) == "yes"
     assert loop.in_flight_choice("auto", "gpu", processes=8, cores=2) == "yes"
     assert loop.in_flight_choice("yes", "cpu", processes=4, cores=2) == "yes"
     assert loop.in_flight_choice("no", "gpu", processes=1, cores=64) == "no"
-    # this process alone on its node, seen as a node of fewer cores than processes
-    assert runtime.processes_on_this_node() == 1
-    monkeypatch.setattr(runtime, "processes_on_this_node", lambda: 3)
-    decided = loop.decide_in_flight(RunConfig(**SMALL))
-    assert decided.in_flight == ("no" if runtime.usable_cores() < 3 else "yes")
-    monkeypatch.setattr(runtime, "usable_cores", lambda: 2)
-    assert loop.decide_in_flight(RunConfig(**SMALL)).in_flight == "no"
+    alone = runtime.busiest_host()  # this process, alone in its job
+    assert alone == (1, len(runtime.usable_cores()))
+    on_cpu = jax.devices()[0].platform == "cpu"
+    monkeypatch.setattr(runtime, "busiest_host", lambda: runtime.HostLoad(3, 2))
+    assert loop.decide_in_flight(RunConfig(**SMALL)).in_flight == ("no" if on_cpu else "yes")
     assert loop.decide_in_flight(RunConfig(in_flight="yes", **SMALL)).in_flight == "yes"
+    with pytest.raises(ValueError, match="decide_in_flight"):
+        loop.run_steps(RunConfig(**SMALL), None, None, None, 0, None, False)
+
+
+def test_a_run_on_an_oversubscribed_host_waits_for_every_step(monkeypatch):
+    """A whole run where the busiest host has more CPU processes than cores: ``auto``
+    decides ``no``, the loop reads every step before the next, and says so in its JSON."""
+    monkeypatch.setattr(runtime, "busiest_host", lambda: runtime.HostLoad(3, 2))
+    events = record_loop_events(monkeypatch, loop)
+    done = train_and_evaluate(RunConfig(strategy="embrace", steps=4, **SMALL), progress=False)
+    if jax.devices()[0].platform == "cpu":
+        assert events == ["run", "read"] * 4 and done["config"]["in_flight"] == "no"
+    assert np.all(np.isfinite(done["losses"]))
 
 
 def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
