@@ -19,6 +19,10 @@ collectives and runs most often). Per device and step:
   work between steps that the step in flight did not hide: with ``--in-flight no``
   the loss read and logging; the first traced step has none).
 
+The tracing slows the thunks themselves: one process on one core ran the side-by-side LM's
+step in 19.6 ms traced and 10.3-11.0 ms untraced (``BENCHMARKS.md``). Read the parts as
+shares of a traced step, and take totals from untraced runs.
+
 Per device (``rank`` or ``rank/device`` when a process drives several) the medians over
 the traced steps, and per collective (by its HLO name) its median time on each. On
 XLA:CPU a program's collectives and compute run one after the other, so the parts add
