@@ -195,10 +195,15 @@ def host_mesh(hosts: int | None = None, axis_names: tuple[str, str] = ("hosts", 
     return Mesh(np.asarray(list(groups.values())), axis_names)
 
 
+def _host_id() -> int:
+    """This machine's host name as a non-negative int32 (its CRC-32, 30 bits)."""
+    return zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
+
+
 def _process_nodes() -> list[int]:
     """One node id per process (launcher node rank, else a hash of the host name)."""
     rank = os.environ.get(ENV_NODE_RANK)
-    mine = int(rank) if rank else zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
+    mine = int(rank) if rank else _host_id()
     if jax.process_count() == 1:
         return [mine]
     return [int(v) for v in np.ravel(multihost_utils.process_allgather(np.int32(mine)))]
@@ -236,13 +241,13 @@ def busiest_host() -> HostLoad:
         >>> busiest_host().processes  # one process
         1
     """
-    host = zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
     mask = np.zeros(MASK_BITS, bool)
     mask[[c for c in usable_cores() if c < MASK_BITS]] = True
-    mine = np.concatenate([[host], np.packbits(mask).view(np.int32)]).astype(np.int32)
+    mine = np.concatenate([[_host_id()], np.packbits(mask).view(np.int32)]).astype(np.int32)
     if jax.process_count() == 1:
-        return host_loads(mine[None])[0]
-    every = np.asarray(multihost_utils.process_allgather(mine))  # int32[processes, 1 + 128]
+        every = mine[None]
+    else:
+        every = np.asarray(multihost_utils.process_allgather(mine))  # int32[processes, 129]
     return host_loads(every)[0]
 
 
