@@ -71,11 +71,17 @@ def sampled_softmax_loss(h, out: Embed, targets, negatives) -> jax.Array:
     References:
       Jean et al., "On Using Very Large Target Vocabulary for NMT", ACL 2015.
     """
-    pos = jnp.sum(h * out(targets), axis=-1, keepdims=True)
-    neg = h @ out.lookup_shared(negatives).T
-    neg = jnp.where(negatives == targets[..., None], -1e9, neg)
-    logits = jnp.concatenate([pos, neg], axis=-1)
-    return cross_entropy(logits, jnp.zeros(targets.shape, jnp.int32))
+    # -log softmax at the target is logsumexp(pos, neg...) - pos: the target's logit
+    # is kept apart, with no [..., N+1] concatenation to read index 0 back from (its
+    # gradient copies every logit). The negatives' logits are negatives-major, [N, P]:
+    # one of the two gradient matmuls reads the logits' gradient transposed either way,
+    # and on XLA:CPU this way round is the cheaper (with the concatenation gone, the
+    # side-by-side LM's step on one core: 11.5 -> 10.8 ms).
+    h2 = h.reshape(-1, h.shape[-1])  # [P, D], P positions
+    pos = jnp.sum(h * out(targets), axis=-1).reshape(-1).astype(jnp.float32)  # [P]
+    neg = (out.lookup_shared(negatives) @ h2.T).astype(jnp.float32)  # [N, P]
+    neg = jnp.where(negatives[:, None] == targets.reshape(1, -1), -1e9, neg)
+    return jnp.mean(jnp.logaddexp(pos, jax.nn.logsumexp(neg, axis=0)) - pos)
 
 
 def init_table(key: jax.Array, vocab: int, dim: int) -> jax.Array:

@@ -1,6 +1,10 @@
-"""The dense baselines equal single-device training on the same global batch."""
+"""The dense baselines equal single-device training on the same global batch; the
+sampled softmax against numpy."""
+
+import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -8,6 +12,7 @@ from helpers import assert_trees_close, reference_run, strategy_run
 
 import sparsecomm_jax as sc
 from models import get_workload
+from models.workload import TABLE_NAME, sampled_softmax_loss, table
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 
@@ -61,6 +66,38 @@ def test_sampled_softmax_and_tied_tables_train(lm):
     losses, got, _ = strategy_run(w, optax.sgd(0.5), params, 3, "dense")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
+
+
+def _sampled_loss(h, table_rows, targets, negatives):
+    """``models.workload.sampled_softmax_loss`` on a plain ``V x D`` table."""
+    cfg = types.SimpleNamespace(vocab=table_rows.shape[0], dim=table_rows.shape[1])
+    return sampled_softmax_loss(h, table(cfg, {TABLE_NAME: table_rows}), targets, negatives)
+
+
+def test_sampled_softmax_loss_matches_numpy_and_the_concatenated_form():
+    rng = np.random.default_rng(7)
+    V, D, N = 50, 8, 12
+    h = rng.normal(size=(3, 5, D)).astype(np.float32)
+    rows = rng.normal(size=(V, D)).astype(np.float32)
+    negatives = rng.choice(V, N, replace=False).astype(np.int32)
+    targets = rng.integers(0, V, (3, 5)).astype(np.int32)
+    targets[0, :3] = negatives[:3]  # some targets are among the negatives: masked there
+    want = []  # -log softmax at the target, over the target and the other negatives
+    for hp, t in zip(h.reshape(-1, D), targets.reshape(-1), strict=True):
+        others = [n for n in negatives if n != t]
+        logits = np.concatenate([[hp @ rows[t]], rows[others] @ hp]).astype(np.float64)
+        want.append(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max() - logits[0])
+    got = jax.jit(_sampled_loss)(h, rows, targets, negatives)
+    assert float(got) == pytest.approx(np.mean(want), rel=1e-5)
+
+    def concatenated(h, rows):  # the textbook form: one softmax over [target, negatives]
+        pos = jnp.sum(h * rows[targets], axis=-1, keepdims=True)
+        neg = jnp.where(negatives == targets[..., None], -1e9, h @ rows[negatives].T)
+        logp = jax.nn.log_softmax(jnp.concatenate([pos, neg], axis=-1), axis=-1)
+        return -jnp.mean(logp[..., 0])
+
+    grads = jax.grad(_sampled_loss, argnums=(0, 1))(h, rows, targets, negatives)
+    assert_trees_close(grads, jax.grad(concatenated, argnums=(0, 1))(h, rows), rtol=1e-5)
 
 
 def test_errors_before_compiling(lm):
