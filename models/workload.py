@@ -12,6 +12,7 @@ import numpy as np
 
 from models.data import WindowStream, ZipfStream, log_uniform_negatives
 from models.datasets import heldout_windows, lm_corpus
+from sparsecomm_jax.comm.vma import same_varying
 from sparsecomm_jax.nn import TABLE_NAME, Embed, use_ops
 
 
@@ -56,22 +57,27 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
-@jax.custom_vjp
 def rows_logits(rows: jax.Array, h: jax.Array) -> jax.Array:
     """``rows @ h.T``: float[N, P] logits of ``N`` table rows at ``P`` hidden states.
 
     Its gradient materializes the logits' gradient transposed once, so that both
     gradient matmuls read their operands in row-major order. Left to itself XLA:CPU
-    folds the transpose into the ``h`` gradient's matmul, and a matmul contracting its
-    left operand's rows runs on a slower path (the sampled softmax's gradient, 512
-    positions x 1,024 negatives x 128, alone, on one core: 2.8-3.6 ms with this,
-    3.5-4.6 ms without, in the same rounds).
+    folds the transpose into the hidden states' gradient matmul, and a matmul that
+    contracts its left operand's rows runs on a slower path there (the measurement is
+    in BENCHMARKS.md, "The sampled softmax's gradient"). The tuning is for CPUs: on an
+    accelerator the transpose costs one extra ``[P, N]`` copy. Reverse mode only
+    (``jax.grad``, ``jax.vjp``), as for any ``jax.custom_vjp``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> rows_logits(jnp.ones((3, 2)), jnp.ones((4, 2))).shape
         (3, 4)
     """
+    return _rows_logits(*same_varying(rows, h))  # one replicated, one per worker: alike
+
+
+@jax.custom_vjp
+def _rows_logits(rows, h):
     return rows @ h.T
 
 
@@ -85,7 +91,7 @@ def _rows_logits_bwd(res, g):
     return (g @ h).astype(rows.dtype), (g_t @ rows).astype(h.dtype)
 
 
-rows_logits.defvjp(_rows_logits_fwd, _rows_logits_bwd)
+_rows_logits.defvjp(_rows_logits_fwd, _rows_logits_bwd)
 
 
 def sampled_softmax_loss(h, out: Embed, targets, negatives) -> jax.Array:
@@ -94,7 +100,7 @@ def sampled_softmax_loss(h, out: Embed, targets, negatives) -> jax.Array:
     Args:
       h: float[..., D] hidden states.
       out: the output table, a bound ``Embed`` (read inside ``use_ops``).
-      targets: int[...] target ids.
+      targets: int[...] target ids, of shape ``h.shape[:-1]``.
       negatives: int[N] shared negative ids; a negative equal to the target is masked.
 
     Returns:
@@ -104,10 +110,10 @@ def sampled_softmax_loss(h, out: Embed, targets, negatives) -> jax.Array:
       Jean et al., "On Using Very Large Target Vocabulary for NMT", ACL 2015.
     """
     # -log softmax at the target is logsumexp(pos, neg...) - pos: the target's logit
-    # is kept apart, with no [..., N+1] concatenation to read index 0 back from (its
-    # gradient copies every logit), and the negatives' logits are negatives-major,
-    # [N, P], from ``rows_logits``. The side-by-side LM's step on one core (512
-    # positions, 1,024 negatives): 11.5 ms before, 10.8 with the first, 10.7 with both.
+    # is kept apart, with no [..., N+1] concatenation to read index 0 back from (the
+    # concatenation's and the gather's gradients copy every logit), and the negatives'
+    # logits are negatives-major, [N, P], from ``rows_logits``; both measured faster on
+    # XLA:CPU (BENCHMARKS.md, "The sampled softmax's gradient").
     h2 = h.reshape(-1, h.shape[-1])  # [P, D], P positions
     pos = jnp.sum(h * out(targets), axis=-1).reshape(-1).astype(jnp.float32)  # [P]
     neg = rows_logits(out.lookup_shared(negatives), h2).astype(jnp.float32)  # [N, P]

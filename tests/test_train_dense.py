@@ -9,10 +9,11 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_close, reference_run, strategy_run
+from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
 from models import get_workload
-from models.workload import TABLE_NAME, sampled_softmax_loss, table
+from models.workload import TABLE_NAME, rows_logits, sampled_softmax_loss, table
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 
@@ -74,30 +75,61 @@ def _sampled_loss(h, table_rows, targets, negatives):
     return sampled_softmax_loss(h, table(cfg, {TABLE_NAME: table_rows}), targets, negatives)
 
 
-def test_sampled_softmax_loss_matches_numpy_and_the_concatenated_form():
+@pytest.mark.parametrize(
+    "positions, dtype",
+    [((3, 5), jnp.float32), ((15,), jnp.float32), ((3, 5), jnp.bfloat16)],
+    ids=["batch-by-time", "flat", "bfloat16"],
+)
+def test_sampled_softmax_loss_matches_numpy_and_the_concatenated_form(positions, dtype):
     rng = np.random.default_rng(7)
-    V, D, N = 50, 8, 12
-    h = rng.normal(size=(3, 5, D)).astype(np.float32)
+    V, D, N = 50, 8, 12  # N differs from the 15 positions: a transposed gradient cannot fit
+    h = rng.normal(size=(*positions, D)).astype(np.float32)
     rows = rng.normal(size=(V, D)).astype(np.float32)
     negatives = rng.choice(V, N, replace=False).astype(np.int32)
-    targets = rng.integers(0, V, (3, 5)).astype(np.int32)
-    targets[0, :3] = negatives[:3]  # some targets are among the negatives: masked there
+    targets = rng.integers(0, V, positions).astype(np.int32)
+    targets.reshape(-1)[:3] = negatives[:3]  # some targets are among the negatives: masked
+    h, rows = jnp.asarray(h, dtype), jnp.asarray(rows, dtype)  # rounded to dtype
+    h64, rows64 = np.asarray(h, np.float64), np.asarray(rows, np.float64)
     want = []  # -log softmax at the target, over the target and the other negatives
-    for hp, t in zip(h.reshape(-1, D), targets.reshape(-1), strict=True):
+    for hp, t in zip(h64.reshape(-1, D), targets.reshape(-1), strict=True):
         others = [n for n in negatives if n != t]
-        logits = np.concatenate([[hp @ rows[t]], rows[others] @ hp]).astype(np.float64)
+        logits = np.concatenate([[hp @ rows64[t]], rows64[others] @ hp])
         want.append(np.log(np.sum(np.exp(logits - logits.max()))) + logits.max() - logits[0])
     got = jax.jit(_sampled_loss)(h, rows, targets, negatives)
-    assert float(got) == pytest.approx(np.mean(want), rel=1e-5)
+    assert got.dtype == jnp.float32  # summed in float32 whatever the inputs' dtype
+    assert float(got) == pytest.approx(np.mean(want), rel=1e-5 if dtype == jnp.float32 else 1e-2)
 
     def concatenated(h, rows):  # the textbook form: one softmax over [target, negatives]
         pos = jnp.sum(h * rows[targets], axis=-1, keepdims=True)
         neg = jnp.where(negatives == targets[..., None], -1e9, h @ rows[negatives].T)
-        logp = jax.nn.log_softmax(jnp.concatenate([pos, neg], axis=-1), axis=-1)
-        return -jnp.mean(logp[..., 0])
+        logits = jnp.concatenate([pos, neg], axis=-1).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits, axis=-1)[..., 0])
 
     grads = jax.grad(_sampled_loss, argnums=(0, 1))(h, rows, targets, negatives)
-    assert_trees_close(grads, jax.grad(concatenated, argnums=(0, 1))(h, rows), rtol=1e-5)
+    want_grads = jax.grad(concatenated, argnums=(0, 1))(h, rows)
+    assert [g.dtype for g in grads] == [dtype, dtype]
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert_trees_close(grads, want_grads, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("varying", ["rows", "h"])
+def test_rows_logits_in_shard_map_with_one_input_replicated(varying):
+    """Inside a check_vma shard_map one input replicated and the other per worker: the
+    gradients equal those of the plain matmul (the replicated one's summed)."""
+    mesh = runtime.data_mesh()
+    n = mesh.size
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.normal(size=(2 * n if varying == "rows" else 5, 4)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(3 * n if varying == "h" else 6, 4)), jnp.float32)
+    specs = (P("data") if varying == "rows" else P(), P("data") if varying == "h" else P())
+
+    def grads_of(logits):
+        def body(rows, h):
+            return jax.grad(lambda r, x: jnp.sum(jnp.tanh(logits(r, x))), argnums=(0, 1))(rows, h)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))(rows, h)
+
+    assert_trees_close(grads_of(rows_logits), grads_of(lambda r, x: r @ x.T), rtol=1e-5)
 
 
 def test_errors_before_compiling(lm):

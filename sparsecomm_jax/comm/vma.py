@@ -9,6 +9,9 @@ workers. These helpers read and set that type:
 - ``vary(tree)``: each worker's own copy, so ``jax.grad`` gives each worker its own
   gradient (an aggregator then reduces it);
 - ``varying_like(y, x)``: ``y`` (e.g. a host callback's result) typed like ``x``;
+- ``same_varying(*xs)``: each typed varying over every axis any of them varies over
+  (what a ``jax.custom_vjp`` needs of its inputs: its backward cannot add the implicit
+  cast that a plain operation between a replicated and a varying value gets);
 - ``all_gather_replicated(x)``: a tiled all-gather typed replicated;
 - ``check_per_worker(grads)``: a clear error when gradients were already summed.
 
@@ -76,6 +79,29 @@ def varying_like(y, x):
     callback's results are otherwise typed replicated)."""
     axes = tuple(varying_axes(x))
     return jax.lax.pcast(y, axes, to="varying") if axes else y
+
+
+def same_varying(*xs) -> tuple:
+    """``xs``, each typed varying over every mesh axis that any of them varies over.
+
+    Inside ``shard_map`` an operation between a replicated and a varying value casts the
+    replicated one implicitly (and its gradient sums over the axis). A
+    ``jax.custom_vjp`` function does not: its backward must return cotangents typed like
+    its inputs, so it fails on such a pair unless they are typed alike first. Outside
+    ``shard_map`` (or under ``check_vma=False``) returns ``xs`` unchanged.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> same_varying(jnp.ones(2), jnp.zeros(3))[1].shape
+        (3,)
+    """
+    axes = frozenset().union(*(varying_axes(x) for x in xs))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return tuple(cast(x) for x in xs)
 
 
 def all_gather_replicated(x, axis_name: str):
