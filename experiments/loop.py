@@ -217,7 +217,7 @@ def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> 
       choice: ``auto``, ``yes`` or ``no``.
       platform: the devices' platform (``cpu``, ``gpu``, ...).
       processes: the job's processes on its busiest host.
-      cores: the cores they may run on.
+      cores: the cores they may run on (affinity masks, capped by a CPU quota).
 
     Returns:
       ``yes`` or ``no``.

@@ -221,18 +221,83 @@ class HostLoad(NamedTuple):
 
 def usable_cores() -> set[int]:
     """The CPU ids this process may run on (its affinity mask; every CPU where the OS
-    has no masks). A CPU quota (a container's ``--cpus``) is not seen."""
+    has no masks). A CPU quota is apart: ``cpu_quota``."""
     try:
         return set(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return set(range(os.cpu_count() or 1))
 
 
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup lets it use in all (a container's ``--cpus``):
+    the smallest quota on its cgroup's path and the folders above it, cgroup v2
+    (``cpu.max``) or v1 (``cpu.cfs_quota_us / cpu.cfs_period_us``).
+
+    Args:
+      proc_cgroup: the process's cgroup list.
+      root: where the cgroup file systems are mounted.
+
+    Returns:
+      CPUs (1.5: one and a half), or None where no quota is set or none can be read.
+
+    Example:
+        >>> q = cpu_quota()
+        >>> q is None or q > 0
+        True
+    """
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:  # cgroup v2: one hierarchy, mounted at root or root/unified
+            bases, read = [root, os.path.join(root, "unified")], _cpu_max
+        elif "cpu" in controllers.split(","):  # cgroup v1, e.g. root/cpu,cpuacct
+            bases, read = [os.path.join(root, controllers), os.path.join(root, "cpu")], _cfs_quota
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for base in dict.fromkeys(bases):
+            # the cgroup's folder and those above it (inside a container the mount may
+            # show only the container's own cgroup: its root then holds the quota)
+            for depth in range(len(parts), -1, -1):
+                quota = read(os.path.join(base, *parts[:depth]))
+                if quota is not None:
+                    found.append(quota)
+    return min(found) if found else None
+
+
+def _cpu_max(folder: str) -> float | None:
+    """cgroup v2's ``cpu.max``: ``max 100000`` (none) or ``150000 100000`` (1.5)."""
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = f.read().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cfs_quota(folder: str) -> float | None:
+    """cgroup v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1: none)."""
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
 def busiest_host() -> HostLoad:
     """The job's host with the most processes per core: its processes (grouped by host
-    name, so two launcher nodes on one machine count as one host) and the cores their
-    affinity masks cover together. The same on every process; one collective in a job
-    of several processes: call it on every process.
+    name, so two launcher nodes on one machine count as one host) and the cores they
+    may use together: those their affinity masks cover, no more than their CPU quota
+    allows (``cpu_quota``). The same on every process; one collective in a job of
+    several processes: call it on every process.
 
     Returns:
       A ``HostLoad``; ``HostLoad(1, cores)`` in a job of one process.
@@ -243,23 +308,34 @@ def busiest_host() -> HostLoad:
     """
     mask = np.zeros(MASK_BITS, bool)
     mask[[c for c in usable_cores() if c < MASK_BITS]] = True
-    mine = np.concatenate([[_host_id()], np.packbits(mask).view(np.int32)]).astype(np.int32)
+    quota = cpu_quota()
+    millis = 0 if quota is None else max(1, round(quota * 1000))  # 0: no quota
+    head = [_host_id(), min(millis, 2**31 - 1)]
+    mine = np.concatenate([head, np.packbits(mask).view(np.int32)]).astype(np.int32)
     if jax.process_count() == 1:
         every = mine[None]
     else:
-        every = np.asarray(multihost_utils.process_allgather(mine))  # int32[processes, 129]
+        every = np.asarray(multihost_utils.process_allgather(mine))  # int32[processes, 130]
     return host_loads(every)[0]
 
 
 def host_loads(rows: np.ndarray) -> list[HostLoad]:
-    """Per host, busiest first: ``rows`` has one row per process, its host's id and its
-    affinity mask as packed bits (``busiest_host``)."""
-    hosts: dict[int, tuple[int, np.ndarray]] = {}
+    """Per host, busiest first: ``rows`` has one row per process, its host's id, its
+    CPU quota in thousandths of a CPU (0: none) and its affinity mask as packed bits
+    (``busiest_host``). A host's cores are the union of its processes' masks, capped by
+    the whole CPUs of their largest quota when every one of them has a quota (processes
+    of one job on one host share a container)."""
+    hosts: dict[int, tuple[int, np.ndarray, list[int]]] = {}
     for row in rows:
-        bits = np.unpackbits(row[1:].astype(np.int32).view(np.uint8)).astype(bool)
-        count, union = hosts.get(int(row[0]), (0, np.zeros_like(bits)))
-        hosts[int(row[0])] = (count + 1, union | bits)
-    loads = [HostLoad(n, max(int(u.sum()), 1)) for n, u in hosts.values()]
+        bits = np.unpackbits(row[2:].astype(np.int32).view(np.uint8)).astype(bool)
+        count, union, quotas = hosts.get(int(row[0]), (0, np.zeros_like(bits), []))
+        hosts[int(row[0])] = (count + 1, union | bits, [*quotas, int(row[1])])
+    loads = []
+    for count, union, quotas in hosts.values():
+        cores = max(int(union.sum()), 1)
+        if all(quotas):
+            cores = min(cores, max(max(quotas) // 1000, 1))  # whole CPUs: 1.5 is 1
+        loads.append(HostLoad(count, cores))
     return sorted(loads, key=lambda h: h.processes / h.cores, reverse=True)
 
 

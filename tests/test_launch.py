@@ -296,11 +296,12 @@ def test_timings_that_decide_are_the_same_on_every_process():
     assert lines[0].split()[0] == "1.0" and lines[0].split()[-2] == "2"
 
 
-def _row(host: int, cpus: list[int]) -> list[int]:
-    """One process's row for ``runtime.host_loads``: its host id and affinity mask."""
+def _row(host: int, cpus: list[int], quota_millis: int = 0) -> list[int]:
+    """One process's row for ``runtime.host_loads``: its host id, CPU quota (thousandths
+    of a CPU, 0: none) and affinity mask."""
     mask = np.zeros(runtime.MASK_BITS, bool)
     mask[cpus] = True
-    return [host, *np.packbits(mask).view(np.int32)]
+    return [host, quota_millis, *np.packbits(mask).view(np.int32)]
 
 
 def test_host_loads_group_processes_by_host_and_join_their_cores():
@@ -310,6 +311,62 @@ def test_host_loads_group_processes_by_host_and_join_their_cores():
     assert runtime.host_loads(rows) == [(3, 2), (2, 2)]
     assert runtime.host_loads(rows[::-1])[0] == (3, 2)
     assert runtime.host_loads(np.array([_row(1, [5, 4095])])) == [(1, 2)]
+
+
+def test_host_loads_cap_a_hosts_cores_by_its_cpu_quota():
+    """A container's quota (``--cpus 2.5`` on a 64-core machine) caps the cores its
+    processes count on, in whole CPUs; a host where one process has no quota keeps its
+    masks' count."""
+    every = list(range(64))
+    quota = np.array([_row(3, every, 2500), _row(3, every, 2500), _row(3, every, 2500)])
+    assert runtime.host_loads(quota) == [(3, 2)]
+    assert runtime.host_loads(np.array([_row(3, every, 500)])) == [(1, 1)]
+    mixed = np.array([_row(3, every, 2500), _row(3, every, 0)])
+    assert runtime.host_loads(mixed) == [(2, 64)]
+    assert runtime.host_loads(np.array([_row(3, [0, 1], 8000)])) == [(1, 2)]  # masks smaller
+
+
+def _cgroup(tmp_path, lines: list[str], files: dict[str, str]) -> tuple[str, str]:
+    """A fake ``/proc/self/cgroup`` and cgroup mount: ``files`` maps paths under the
+    mount to their contents."""
+    (tmp_path / "proc_cgroup").write_text("\n".join(lines) + "\n")
+    for rel, text in files.items():
+        (tmp_path / "cg" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cg" / rel).write_text(text)
+    return str(tmp_path / "proc_cgroup"), str(tmp_path / "cg")
+
+
+@pytest.mark.parametrize(
+    "lines, files, cpus",
+    [
+        (["0::/job"], {"job/cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2
+        (["0::/job"], {"job/cpu.max": "max 100000\n"}, None),
+        (["0::/a/b"], {"a/cpu.max": "200000 100000", "a/b/cpu.max": "max 100000"}, 2.0),
+        (["0::/"], {"cpu.max": "300000 100000"}, 3.0),  # inside a container's namespace
+        (["0::/host/path"], {"cpu.max": "50000 100000"}, 0.5),  # the mount shows its root
+        (
+            ["4:memory:/x", "2:cpu,cpuacct:/x"],  # cgroup v1
+            {
+                "cpu,cpuacct/x/cpu.cfs_quota_us": "400000",
+                "cpu,cpuacct/x/cpu.cfs_period_us": "100000",
+            },
+            4.0,
+        ),
+        (
+            ["1:cpu:/x"],
+            {"cpu/x/cpu.cfs_quota_us": "-1", "cpu/x/cpu.cfs_period_us": "100000"},
+            None,
+        ),
+        (["3:cpuset:/"], {}, None),  # no cpu controller
+        (["0::/job"], {"job/cpu.max": "garbled"}, None),
+    ],
+)
+def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, lines, files, cpus):
+    assert runtime.cpu_quota(*_cgroup(tmp_path, lines, files)) == cpus
+
+
+def test_cpu_quota_without_a_cgroup_list_is_none(tmp_path):
+    assert runtime.cpu_quota(str(tmp_path / "absent"), str(tmp_path)) is None
 
 
 @pytest.mark.slow

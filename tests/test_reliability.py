@@ -513,7 +513,9 @@ def test_in_flight_auto_waits_where_cpu_processes_outnumber_cores(monkeypatch):
     assert loop.in_flight_choice("yes", "cpu", processes=4, cores=2) == "yes"
     assert loop.in_flight_choice("no", "gpu", processes=1, cores=64) == "no"
     alone = runtime.busiest_host()  # this process, alone in its job
-    assert alone == (1, len(runtime.usable_cores()))
+    quota = runtime.cpu_quota()  # a container's, capping the cores in whole CPUs
+    cores = len(runtime.usable_cores())
+    assert alone == (1, cores if quota is None else min(cores, max(int(quota), 1)))
     on_cpu = jax.devices()[0].platform == "cpu"
     monkeypatch.setattr(runtime, "busiest_host", lambda: runtime.HostLoad(3, 2))
     assert loop.decide_in_flight(RunConfig(**SMALL)).in_flight == ("no" if on_cpu else "yes")
