@@ -252,6 +252,8 @@ def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
         return None
     found = []
     for line in lines:
+        if line.count(":") < 2:  # not hierarchy:controllers:path
+            continue
         _, controllers, path = line.split(":", 2)
         if not controllers:  # cgroup v2: one hierarchy, mounted at root or root/unified
             bases, read = [root, os.path.join(root, "unified")], _cpu_max

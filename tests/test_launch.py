@@ -358,6 +358,7 @@ def _cgroup(tmp_path, lines: list[str], files: dict[str, str]) -> tuple[str, str
             None,
         ),
         (["3:cpuset:/"], {}, None),  # no cpu controller
+        (["garbled", "0::/job"], {"job/cpu.max": "100000 100000"}, 1.0),  # a bad line skipped
         (["0::/job"], {"job/cpu.max": "garbled"}, None),
     ],
 )
