@@ -57,9 +57,18 @@ class Gradients(NamedTuple):
 
 
 def finite(tree: PyTree) -> jax.Array:
-    """True when no leaf of ``tree`` holds a NaN or Inf (what this worker sees)."""
+    """True when no leaf of ``tree`` holds a NaN or Inf (what this worker sees).
+
+    The leaves' flags are combined by one minimum over an int32 vector. An ``and``
+    reduction of the stacked flags would be rewritten by XLA into a chain of scalar
+    ``and``s, which its fusion then copies into every consumer of the result: the skipped
+    step's ``where`` on each leaf of the state, so leaves x state leaves operations (a
+    transformer with Adam: 48 leaves, 7,000 ``and``s, 40% of its step's compile time).
+    """
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+    if not leaves:
+        return jnp.array(True)
+    return jnp.min(jnp.stack(leaves).astype(jnp.int32)) > 0
 
 
 def reduce_scalars(ctx: StepContext, loss, checked: PyTree, *flags):
