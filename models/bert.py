@@ -98,4 +98,6 @@ def workload(cfg: BERTConfig):
         heldout=heldout,
         metrics=lm_metrics(cfg, loss_fn),
     )
-    return w._replace(id_keys=("tokens", "labels", "negatives"))
+    # positions are ints too, but not ids: name the keys that hold token ids
+    negatives = ("negatives",) if cfg.sampled_softmax else ()
+    return w._replace(id_keys=("tokens", "labels", *negatives))

@@ -316,3 +316,35 @@ def test_results_are_strict_json(tmp_path):
         "losses": [1.5, None],
         "eval": {"loss": None},
     }
+
+
+@pytest.mark.parametrize("name", LMS)
+@pytest.mark.parametrize("sampled_softmax", [0, 8])
+def test_every_language_model_names_id_keys_its_batch_has(name, sampled_softmax):
+    """A workload's ``id_keys`` are keys of its batch in both softmax modes (BERT named
+    its negatives with the full softmax, its default, and every table strategy refused
+    its first batch); the ids in them are still checked."""
+    import optax
+
+    import sparsecomm_jax as sc
+    from sparsecomm_jax import runtime
+
+    w = get_workload(name, **{**TINY, "batch": 8}, sampled_softmax=sampled_softmax)
+    batch = w.batch_at(0)
+    assert w.id_keys is None or set(w.id_keys) <= set(batch), (w.id_keys, sorted(batch))
+    ts = sc.make_train_step(
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(),
+        w.init(jax.random.key(0)),
+        "embrace",
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+        id_keys=w.id_keys,
+    )
+    ts.place_batch(batch)
+    key = next(k for k in w.id_keys or batch if np.issubdtype(batch[k].dtype, np.integer))
+    ids = batch[key]
+    bad = {**batch, key: np.where(ids == ids.flat[0], 40, ids)}  # 40 = the vocabulary
+    with pytest.raises(ValueError, match=rf"batch\['{key}'\] has ids in \[\d+, 40\]"):
+        ts.place_batch(bad)
