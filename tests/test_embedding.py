@@ -17,6 +17,7 @@ from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import column, replicated, row
 from sparsecomm_jax.embedding.access import LOOKUP, PLAIN, SHARED, Read
+from sparsecomm_jax.embedding.tables import table_mask
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
@@ -350,6 +351,14 @@ def test_embedding_strategy_needs_tables():
         )
     with pytest.raises(ValueError, match="not in the parameters"):
         _make("embrace", w._replace(embedding_paths=(("nope",),)))
+    with pytest.raises(ValueError, match=r"embedding paths \[\('nope',\)\] are not in"):
+        _make("embrace", w._replace(embedding_paths=["nope"]))  # a string: a one-key path
+
+
+def test_a_string_names_a_one_key_table_path():
+    params = {"embed": np.zeros((4, 2)), "inner": {"embed": np.zeros((4, 2))}}
+    assert table_mask(params, ["embed"]) == {"embed": True, "inner": {"embed": False}}
+    assert table_mask(params, [("inner", "embed")]) == {"embed": False, "inner": {"embed": True}}
 
 
 def test_rowwise_capacity_growth_stays_exact():

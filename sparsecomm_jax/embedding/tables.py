@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 PyTree = Any
-TablePaths = Sequence[Sequence[str]] | Callable[..., bool]
+TablePaths = Sequence[str | Sequence[str]] | Callable[..., bool]
 
 
 class Table(NamedTuple):
@@ -56,7 +56,8 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
     Args:
       params: the parameter pytree.
       tables: parameter paths (tuples of dict keys, e.g. ``("embed",)`` or, for flax,
-        ``("params", "embed", "embedding")``) or a predicate ``tables(path, leaf) -> bool``.
+        ``("params", "embed", "embedding")``; a bare string is a path of one key:
+        ``["embed"]`` is ``[("embed",)]``) or a predicate ``tables(path, leaf) -> bool``.
 
     Returns:
       A pytree of bools shaped like ``params``.
@@ -65,7 +66,7 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
       ValueError: a path that is not in ``params`` (the message lists the 2-D leaves
         that could be tables).
     """
-    paths = None if callable(tables) else {tuple(p) for p in tables}
+    paths = None if callable(tables) else {(p,) if isinstance(p, str) else tuple(p) for p in tables}
 
     def is_table(path, leaf):
         keys = path_keys(path)
