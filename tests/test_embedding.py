@@ -358,6 +358,7 @@ def test_embedding_strategy_needs_tables():
 def test_a_string_names_a_one_key_table_path():
     params = {"embed": np.zeros((4, 2)), "inner": {"embed": np.zeros((4, 2))}}
     assert table_mask(params, ["embed"]) == {"embed": True, "inner": {"embed": False}}
+    assert table_mask(params, "embed") == {"embed": True, "inner": {"embed": False}}
     assert table_mask(params, [("inner", "embed")]) == {"embed": False, "inner": {"embed": True}}
 
 

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 PyTree = Any
-TablePaths = Sequence[str | Sequence[str]] | Callable[..., bool]
+TablePaths = str | Sequence[str | Sequence[str]] | Callable[..., bool]
 
 
 class Table(NamedTuple):
@@ -57,7 +57,8 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
       params: the parameter pytree.
       tables: parameter paths (tuples of dict keys, e.g. ``("embed",)`` or, for flax,
         ``("params", "embed", "embedding")``; a bare string is a path of one key:
-        ``["embed"]`` is ``[("embed",)]``) or a predicate ``tables(path, leaf) -> bool``.
+        ``"embed"`` and ``["embed"]`` are ``[("embed",)]``) or a predicate
+        ``tables(path, leaf) -> bool``.
 
     Returns:
       A pytree of bools shaped like ``params``.
@@ -66,6 +67,8 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
       ValueError: a path that is not in ``params`` (the message lists the 2-D leaves
         that could be tables).
     """
+    if isinstance(tables, str):  # one table by name
+        tables = [tables]
     paths = None if callable(tables) else {(p,) if isinstance(p, str) else tuple(p) for p in tables}
 
     def is_table(path, leaf):
