@@ -355,11 +355,12 @@ def test_embedding_strategy_needs_tables():
         _make("embrace", w._replace(embedding_paths=["nope"]))  # a string: a one-key path
 
 
-def test_a_string_names_a_one_key_table_path():
+def test_a_string_names_a_table_path_as_its_name():
     params = {"embed": np.zeros((4, 2)), "inner": {"embed": np.zeros((4, 2))}}
     assert table_mask(params, ["embed"]) == {"embed": True, "inner": {"embed": False}}
     assert table_mask(params, "embed") == {"embed": True, "inner": {"embed": False}}
     assert table_mask(params, [("inner", "embed")]) == {"embed": False, "inner": {"embed": True}}
+    assert table_mask(params, ["inner/embed"]) == {"embed": False, "inner": {"embed": True}}
 
 
 def test_rowwise_capacity_growth_stays_exact():

@@ -50,15 +50,21 @@ def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
+def _path(path: str | Sequence[str]) -> tuple:
+    """A table's path as a tuple of keys (a string as a table's name: keys joined by /)."""
+    return tuple(path.split("/")) if isinstance(path, str) else tuple(path)
+
+
 def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
     """Bool per leaf of ``params``: is it an embedding table?
 
     Args:
       params: the parameter pytree.
       tables: parameter paths (tuples of dict keys, e.g. ``("embed",)`` or, for flax,
-        ``("params", "embed", "embedding")``; a bare string is a path of one key:
-        ``"embed"`` and ``["embed"]`` are ``[("embed",)]``) or a predicate
-        ``tables(path, leaf) -> bool``.
+        ``("params", "embed", "embedding")``; a string is a path of dict keys written
+        as a table's name, joined by ``/``: ``"embed"`` and ``["embed"]`` are
+        ``[("embed",)]``, ``"params/embed/embedding"`` the flax path above) or a
+        predicate ``tables(path, leaf) -> bool``.
 
     Returns:
       A pytree of bools shaped like ``params``.
@@ -69,7 +75,7 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
     """
     if isinstance(tables, str):  # one table by name
         tables = [tables]
-    paths = None if callable(tables) else {(p,) if isinstance(p, str) else tuple(p) for p in tables}
+    paths = None if callable(tables) else {_path(p) for p in tables}
 
     def is_table(path, leaf):
         keys = path_keys(path)

@@ -372,8 +372,8 @@ def make_train_step(
       axis_name: the data-parallel mesh axis.
       replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
       embedding_paths: which parameters are V x D embedding tables: paths like
-        ``[("embed",)]`` (a string: a path of one key) or a predicate ``(path, leaf) ->
-        bool``.
+        ``[("embed",)]`` (a string: the path as a table's name, keys joined by ``/``)
+        or a predicate ``(path, leaf) -> bool``.
       id_keys: which batch keys hold ids, each checked to lie in [0, V) of its table:
         default every integer key that feeds a table in the loss (found from it; a
         label is left alone); a tuple of keys; or ``{key: table path}`` (a path like
