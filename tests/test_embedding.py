@@ -361,6 +361,9 @@ def test_a_string_names_a_table_path_as_its_name():
     assert table_mask(params, "embed") == {"embed": True, "inner": {"embed": False}}
     assert table_mask(params, [("inner", "embed")]) == {"embed": False, "inner": {"embed": True}}
     assert table_mask(params, ["inner/embed"]) == {"embed": False, "inner": {"embed": True}}
+    listed = {"layers": [np.zeros((4, 2)), np.zeros((4, 2))]}  # a list index in the path
+    assert table_mask(listed, ["layers/1"]) == {"layers": [False, True]}
+    assert table_mask(listed, [("layers", 1)]) == {"layers": [False, True]}
 
 
 def test_rowwise_capacity_growth_stays_exact():

@@ -50,9 +50,12 @@ def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
-def _path(path: str | Sequence[str]) -> tuple:
-    """A table's path as a tuple of keys (a string as a table's name: keys joined by /)."""
-    return tuple(path.split("/")) if isinstance(path, str) else tuple(path)
+def table_name(path: str | Sequence) -> str:
+    """A table's name: its path's keys joined by ``/`` (a string is a name already).
+
+    Example: ``("params", "embed", "embedding")`` -> ``"params/embed/embedding"``.
+    """
+    return path if isinstance(path, str) else "/".join(str(k) for k in path)
 
 
 def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
@@ -75,14 +78,16 @@ def table_mask(params: PyTree, tables: TablePaths) -> PyTree:
     """
     if isinstance(tables, str):  # one table by name
         tables = [tables]
-    paths = None if callable(tables) else {_path(p) for p in tables}
+    # a path as keys or as a table's name, matched by name (the rule of find_tables)
+    names = None if callable(tables) else {table_name(p): p for p in tables}
 
     def is_table(path, leaf):
         keys = path_keys(path)
-        return tables(keys, leaf) if paths is None else keys in paths
+        return tables(keys, leaf) if names is None else table_name(keys) in names
 
     mask = jax.tree_util.tree_map_with_path(is_table, params)
-    if paths is not None and (missing := paths - set(_paths_where(mask))):
+    found = {table_name(keys) for keys in _paths_where(mask)}
+    if names is not None and (missing := [_path(p) for n, p in names.items() if n not in found]):
         candidates = list(_paths_where(params, lambda x: np.ndim(x) == 2))
         raise ValueError(
             f"embedding paths {sorted(missing)} are not in the parameters; "
@@ -97,6 +102,11 @@ def _paths_where(tree: PyTree, keep: Callable[[Any], bool] = bool) -> dict[tuple
     return {path_keys(path): leaf for path, leaf in leaves if keep(leaf)}
 
 
+def _path(path: str | Sequence) -> tuple:
+    """A path as keys, for messages (a name split at ``/``)."""
+    return tuple(path.split("/")) if isinstance(path, str) else tuple(path)
+
+
 def find_tables(params: PyTree, mask: PyTree, layout: Any) -> tuple[Table, ...]:
     """One ``Table`` per leaf flagged in ``mask``, in leaf order, each with ``layout``.
 
@@ -109,7 +119,7 @@ def find_tables(params: PyTree, mask: PyTree, layout: Any) -> tuple[Table, ...]:
     for i, ((path, leaf), flag) in enumerate(zip(leaves, flags, strict=True)):
         if not flag:
             continue
-        name = "/".join(str(k) for k in path_keys(path))
+        name = table_name(path_keys(path))
         shape = tuple(np.shape(leaf))
         if len(shape) != 2:
             raise ValueError(f"embedding table {name} must be 2-D (V x D), got shape {shape}")

@@ -30,7 +30,13 @@ from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding import layouts, row_optimizers, update
 from sparsecomm_jax.embedding.layout import Layout
-from sparsecomm_jax.embedding.tables import Table, TablePaths, find_tables, table_mask
+from sparsecomm_jax.embedding.tables import (
+    Table,
+    TablePaths,
+    find_tables,
+    table_mask,
+    table_name,
+)
 from sparsecomm_jax.embedding.update import TableUpdate
 from sparsecomm_jax.schedule import priority
 from sparsecomm_jax.step import placement
@@ -223,10 +229,6 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
 DENSE_TABLE = "dense"  # in table_layouts: the table is data parallel, an ordinary parameter
 
 
-def _table_name(path) -> str:
-    return path if isinstance(path, str) else "/".join(str(k) for k in path)
-
-
 def place_tables(
     tables: tuple[Table, ...], table_layouts: Mapping[Any, str | Layout] | None, strategy: Strategy
 ) -> tuple[Table, ...]:
@@ -246,7 +248,7 @@ def place_tables(
             f"table_layouts needs a strategy among {mixed}; strategy '{strategy.name}' "
             "reads every table through one layout"
         )
-    names = [_table_name(p) for p in table_layouts]
+    names = [table_name(p) for p in table_layouts]
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise ValueError(
             f"table_layouts names {twice} more than once (a path as keys and as "
@@ -281,7 +283,7 @@ def resolve_id_keys(
     index = {t.name: t.index for t in tables}
 
     def table(path) -> int:
-        name = _table_name(path)
+        name = table_name(path)
         if name not in index:
             raise ValueError(
                 f"id_keys maps a key to {name!r}, which is not an embedding table; the "
