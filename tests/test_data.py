@@ -9,14 +9,17 @@ import pickle
 
 import jax
 import numpy as np
+import optax
 import pytest
 
+import sparsecomm_jax as sc
 from experiments.config import RunConfig
 from experiments.record import write_json
 from experiments.train import main, train_and_evaluate
 from models import datasets, get_workload, heldout, vision
 from models.bert import MASK_ID
 from models.data import read_words
+from sparsecomm_jax import runtime
 
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
 
@@ -324,11 +327,6 @@ def test_every_language_model_names_id_keys_its_batch_has(name, sampled_softmax)
     """A workload's ``id_keys`` are keys of its batch in both softmax modes (BERT named
     its negatives with the full softmax, its default, and every table strategy refused
     its first batch); the ids in them are still checked."""
-    import optax
-
-    import sparsecomm_jax as sc
-    from sparsecomm_jax import runtime
-
     w = get_workload(name, **{**TINY, "batch": 8}, sampled_softmax=sampled_softmax)
     batch = w.batch_at(0)
     assert w.id_keys is None or set(w.id_keys) <= set(batch), (w.id_keys, sorted(batch))
