@@ -241,9 +241,11 @@ def key_tables(loss_fn, params, batch, mask) -> dict[str, frozenset[int]]:
 
 
 def _signature(loss_fn, params, batch, mask) -> tuple:
-    """The hashable description of a reads program: loss, tree, shapes, table flags."""
+    """The hashable description of a reads program: loss, tree, each leaf's ``(shape,
+    dtype)`` as plain tuples (asked for every batch placed: cheap to build and hash),
+    table flags."""
     leaves, treedef = jax.tree.flatten((params, batch))
-    shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+    shapes = tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
     flags = tuple(bool(f) for f in jax.tree.leaves(mask))
     return loss_fn, treedef, shapes, flags, len(jax.tree.leaves(params))
 
@@ -253,6 +255,7 @@ def _read_dependences(loss_fn, treedef, shapes, flags, num_params):
     """``(reads, num_params, batch keys)``: per read of a table by ids (in call order)
     ``(table, used)``, ``used`` a bool per input leaf (parameters, then the batch's)
     that its ids depend on; the batch keys of the batch leaves, in order."""
+    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     params_shapes, batch_shapes = treedef.unflatten(shapes)
     mask = jax.tree.structure(params_shapes).unflatten(flags)
     p_leaves = jax.tree.leaves(params_shapes)
