@@ -245,7 +245,7 @@ def _signature(loss_fn, params, batch, mask) -> tuple:
     dtype)`` as plain tuples (asked for every batch placed: cheap to build and hash),
     table flags."""
     leaves, treedef = jax.tree.flatten((params, batch))
-    shapes = tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
+    shapes = tuple((np.shape(x), x.dtype) for x in leaves)
     flags = tuple(bool(f) for f in jax.tree.leaves(mask))
     return loss_fn, treedef, shapes, flags, len(jax.tree.leaves(params))
 
