@@ -201,7 +201,7 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
                 state, log = land(config, ts, state, now, log, ckpt, hooks, ahead=0)
                 flying = None
             if log.losses:
-                bar.set_postfix(loss=f"{log.losses[-1]:.4f}")
+                bar.set_postfix(loss=f"{log.losses[-1]:.4f}", refresh=False)
     return state, log
 
 

@@ -2,6 +2,7 @@
 --profile-steps trace of a run on generated WikiText-format files."""
 
 import dataclasses
+import io
 import json
 import math
 import struct
@@ -11,8 +12,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 from test_data import write_corpus
+from tqdm import tqdm
 
-from experiments import runlog
+from experiments import loop, runlog
 from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
 from sparsecomm_jax import checkpoint
@@ -113,6 +115,27 @@ def test_lines_are_on_disk_before_the_log_closes(tmp_path):
     assert json.loads(lines[1])["loss"] is None and "NaN" not in lines[1]
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
     assert read_scalars(tmp_path)["train/loss"] == {0: 1.5}
+
+
+def test_the_progress_bar_is_drawn_on_its_own_clock_not_at_every_step(monkeypatch):
+    """The loss goes into the bar without a redraw per step (a long run's log would hold
+    one line per step, written while the step runs); the bar still ends with it."""
+    draws, shown = [], io.StringIO()
+
+    class Bar(tqdm):  # redraws only when told to: its clock never comes round
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 1e9, "file": shown})
+
+        def refresh(self, *args, **kwargs):
+            draws.append(self.n)
+            return super().refresh(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "tqdm", Bar)
+    steps = 6
+    result = train_and_evaluate(RunConfig(**{**RUN, "steps": steps}), progress=True)
+    assert len(result["losses"]) == steps
+    assert len(draws) < 3  # opened (and at most once more), not once per step
+    assert f"loss={result['losses'][-1]:.4f}" in shown.getvalue()  # the last draw, at close
 
 
 TINY = ["--model", "lstm_lm", "--vocab", "64", "--dim", "8", "--hidden", "8", "--batch", "8"]
