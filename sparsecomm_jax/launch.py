@@ -13,7 +13,9 @@ Two hosts (the same command on each, ``--node-rank`` 0 on the host at ``--coordi
 Rank ``node_rank * nproc + local_rank`` gets ``SPARSECOMM_*`` variables (coordinator,
 process count and id, local device ids) for ``runtime.initialize_distributed``; on a GPU
 host local rank ``r`` drives GPUs ``r*M .. r*M+M-1`` (``M = --devices-per-proc``), on CPU
-it simulates ``M`` devices. Output lines are prefixed ``[rank i]``.
+it simulates ``M`` devices, and XLA:CPU runs each rank's programs on the rank's share
+of the host's cores (``NPROC``, at least one thread; set it to choose). Output lines are
+prefixed ``[rank i]``.
 
 The ranks die with the launcher, even under SIGKILL; a failing rank, one that exits 0
 while others run past ``--exit-grace``, or SIGINT/SIGTERM stops them all, and further
@@ -38,6 +40,8 @@ from collections.abc import Callable, Sequence
 from errno import EADDRNOTAVAIL, EAFNOSUPPORT  # no IPv6 on this host
 from typing import NamedTuple
 
+from sparsecomm_jax.cores import compute_threads, host_cores
+
 # Environment every rank gets (read by ``runtime.initialize_distributed``).
 ENV_COORDINATOR = "SPARSECOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "SPARSECOMM_NUM_PROCESSES"
@@ -47,6 +51,10 @@ ENV_LOCAL_DEVICE_IDS = "SPARSECOMM_LOCAL_DEVICE_IDS"
 ENV_NODE_RANK = "SPARSECOMM_NODE_RANK"
 ENV_INIT_TIMEOUT = "SPARSECOMM_INIT_TIMEOUT"
 ENV_LAUNCHER = "SPARSECOMM_LAUNCHER"  # "pid:start time" of the launcher (watchdog)
+# The threads of XLA:CPU's compute pool (XLA sizes the pool from this variable where it
+# is set, else from the cores the process may use). Each rank of a host gets its share
+# of the host's cores, unless the launcher's own environment sets it.
+ENV_COMPUTE_THREADS = "NPROC"
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -185,7 +193,9 @@ def check_coordinator(job: Job) -> None:
 
 
 def rank_env(job: Job, local_rank: int) -> dict[str, str]:
-    """The environment of one rank (pure; tested without starting anything)."""
+    """The environment of one rank (starts nothing; tested without starting anything):
+    the job's variables, and with several ranks on the host each one's share of its
+    cores for XLA:CPU's compute threads (``ENV_COMPUTE_THREADS``)."""
     first, per = local_rank * job.devices_per_proc, job.devices_per_proc
     env = dict(os.environ)
     env.update(
@@ -201,6 +211,8 @@ def rank_env(job: Job, local_rank: int) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    if job.nproc > 1 and ENV_COMPUTE_THREADS not in os.environ:
+        env[ENV_COMPUTE_THREADS] = str(compute_threads(job.nproc, host_cores()))
     return env
 
 

@@ -91,6 +91,37 @@ def test_rank_env_is_complete():
     assert not launch.process_alive(int(pid), str(int(start) + 1))  # a reused pid is not us
 
 
+def test_each_rank_computes_on_its_share_of_the_hosts_cores(monkeypatch):
+    """Several ranks on a host: each gets its share of the host's cores for XLA:CPU's
+    compute threads (at least one); one rank, or a share the user set, is left alone."""
+    monkeypatch.delenv(launch.ENV_COMPUTE_THREADS, raising=False)
+    monkeypatch.setattr(launch, "host_cores", lambda: 6)
+    threads = [launch.rank_env(launch.make_job(n, 1), 0).get("NPROC") for n in (1, 2, 4, 8)]
+    assert threads == [None, "3", "1", "1"]
+    monkeypatch.setenv(launch.ENV_COMPUTE_THREADS, "5")
+    assert launch.rank_env(launch.make_job(4, 1), 3)["NPROC"] == "5"
+
+
+def test_the_share_reaches_xlas_compute_pool():
+    """A rank's XLA:CPU runs its programs on as many threads as its share says (the
+    pool's threads counted by name), and the launcher counts a host's cores as the job's
+    host load does."""
+    from sparsecomm_jax import cores
+
+    assert cores.host_cores() == runtime.busiest_host().cores  # this process alone
+    env = launch.rank_env(launch.make_job(2, 1), 0)
+    code = (
+        "import os, jax.numpy as jnp; (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()"
+        "; tasks = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir("
+        "'/proc/self/task')]; print(sum('XLAEigen' in t for t in tasks))"
+    )
+    for share in ("1", "3"):
+        env[launch.ENV_COMPUTE_THREADS] = share
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == share
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
