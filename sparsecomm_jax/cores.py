@@ -90,8 +90,12 @@ def _cfs_quota(folder: str) -> float | None:
 
 
 def host_cores() -> int:
-    """The cores this process may use: its affinity mask's CPUs, no more than the whole
-    CPUs of its cgroup's quota (at least one)."""
+    """The cores this process may use.
+
+    Returns:
+      Its affinity mask's CPUs, no more than the whole CPUs of its cgroup's quota (at
+      least one).
+    """
     cores = len(usable_cores())
     quota = cpu_quota()
     return cores if quota is None else min(cores, max(int(quota), 1))

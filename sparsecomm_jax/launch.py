@@ -13,9 +13,10 @@ Two hosts (the same command on each, ``--node-rank`` 0 on the host at ``--coordi
 Rank ``node_rank * nproc + local_rank`` gets ``SPARSECOMM_*`` variables (coordinator,
 process count and id, local device ids) for ``runtime.initialize_distributed``; on a GPU
 host local rank ``r`` drives GPUs ``r*M .. r*M+M-1`` (``M = --devices-per-proc``), on CPU
-it simulates ``M`` devices, and XLA:CPU runs each rank's programs on the rank's share
-of the host's cores (``NPROC``, at least one thread; set it to choose). Output lines are
-prefixed ``[rank i]``.
+it simulates ``M`` devices. Several ranks on a host each get their share of its cores
+for XLA's host thread pool, which runs XLA:CPU's programs (``NPROC``; XLA keeps at
+least one thread per local CPU device; set ``NPROC`` or ``PJRT_NPROC`` to choose). Output
+lines are prefixed ``[rank i]``.
 
 The ranks die with the launcher, even under SIGKILL; a failing rank, one that exits 0
 while others run past ``--exit-grace``, or SIGINT/SIGTERM stops them all, and further
@@ -51,10 +52,13 @@ ENV_LOCAL_DEVICE_IDS = "SPARSECOMM_LOCAL_DEVICE_IDS"
 ENV_NODE_RANK = "SPARSECOMM_NODE_RANK"
 ENV_INIT_TIMEOUT = "SPARSECOMM_INIT_TIMEOUT"
 ENV_LAUNCHER = "SPARSECOMM_LAUNCHER"  # "pid:start time" of the launcher (watchdog)
-# The threads of XLA:CPU's compute pool (XLA sizes the pool from this variable where it
-# is set, else from the cores the process may use). Each rank of a host gets its share
-# of the host's cores, unless the launcher's own environment sets it.
+# The threads of XLA's host pool, which runs XLA:CPU's programs: XLA sizes it from
+# PJRT_NPROC, else NPROC, else the cores the process may use, and never below the
+# process's CPU devices. Each of a host's several ranks gets its share of the host's
+# cores in NPROC, unless the launcher's own environment sets either variable. (On a GPU
+# host the same pool serves host-side work: transfers, dispatch.)
 ENV_COMPUTE_THREADS = "NPROC"
+USER_THREAD_VARS = ("PJRT_NPROC", ENV_COMPUTE_THREADS)  # set by the user: left alone
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -193,9 +197,17 @@ def check_coordinator(job: Job) -> None:
 
 
 def rank_env(job: Job, local_rank: int) -> dict[str, str]:
-    """The environment of one rank (starts nothing; tested without starting anything):
-    the job's variables, and with several ranks on the host each one's share of its
-    cores for XLA:CPU's compute threads (``ENV_COMPUTE_THREADS``)."""
+    """The environment of one rank (starts nothing; tested without starting anything).
+
+    Args:
+      job: where the launcher's ranks sit in the job.
+      local_rank: the rank's index on this host.
+
+    Returns:
+      This process's environment with the job's ``SPARSECOMM_*`` variables, and with
+      several ranks on the host each one's share of its cores for XLA's host thread
+      pool (``ENV_COMPUTE_THREADS``) unless the user set it (``USER_THREAD_VARS``).
+    """
     first, per = local_rank * job.devices_per_proc, job.devices_per_proc
     env = dict(os.environ)
     env.update(
@@ -211,7 +223,7 @@ def rank_env(job: Job, local_rank: int) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if job.nproc > 1 and ENV_COMPUTE_THREADS not in os.environ:
+    if job.nproc > 1 and not any(v in os.environ for v in USER_THREAD_VARS):
         env[ENV_COMPUTE_THREADS] = str(compute_threads(job.nproc, host_cores()))
     return env
 

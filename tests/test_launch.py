@@ -94,10 +94,13 @@ def test_rank_env_is_complete():
 def test_each_rank_computes_on_its_share_of_the_hosts_cores(monkeypatch):
     """Several ranks on a host: each gets its share of the host's cores for XLA:CPU's
     compute threads (at least one); one rank, or a share the user set, is left alone."""
-    monkeypatch.delenv(launch.ENV_COMPUTE_THREADS, raising=False)
+    for var in launch.USER_THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(launch, "host_cores", lambda: 6)
     threads = [launch.rank_env(launch.make_job(n, 1), 0).get("NPROC") for n in (1, 2, 4, 8)]
     assert threads == [None, "3", "1", "1"]
+    monkeypatch.setenv("PJRT_NPROC", "2")  # XLA reads it first: the user's choice
+    assert "NPROC" not in launch.rank_env(launch.make_job(4, 1), 3)
     monkeypatch.setenv(launch.ENV_COMPUTE_THREADS, "5")
     assert launch.rank_env(launch.make_job(4, 1), 3)["NPROC"] == "5"
 
@@ -110,6 +113,11 @@ def test_the_share_reaches_xlas_compute_pool():
 
     assert cores.host_cores() == runtime.busiest_host().cores  # this process alone
     env = launch.rank_env(launch.make_job(2, 1), 0)
+    # one CPU device (XLA keeps a thread per device) and no other choice of the pool
+    env.pop("PJRT_NPROC", None)
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
+    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
     code = (
         "import os, jax.numpy as jnp; (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()"
         "; tasks = [open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir("
@@ -117,7 +125,9 @@ def test_the_share_reaches_xlas_compute_pool():
     )
     for share in ("1", "3"):
         env[launch.ENV_COMPUTE_THREADS] = share
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split()[-1] == share
 
