@@ -89,16 +89,32 @@ def _cfs_quota(folder: str) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
+def capped_cores(cpus: int, quota: float | None) -> int:
+    """The cores ``cpus`` CPUs of an affinity mask give under a CPU ``quota``.
+
+    Args:
+      cpus: the CPUs the masks cover.
+      quota: CPUs a cgroup allows (``cpu_quota``), or None for no quota.
+
+    Returns:
+      ``cpus``, no more than the quota's whole CPUs (1.5 is 1), at least one.
+
+    Example:
+        >>> capped_cores(16, 2.5), capped_cores(4, None), capped_cores(4, 0.5)
+        (2, 4, 1)
+    """
+    cores = max(cpus, 1)
+    return cores if quota is None else min(cores, max(int(quota), 1))
+
+
 def host_cores() -> int:
     """The cores this process may use.
 
     Returns:
       Its affinity mask's CPUs, no more than the whole CPUs of its cgroup's quota (at
-      least one).
+      least one): ``capped_cores``.
     """
-    cores = len(usable_cores())
-    quota = cpu_quota()
-    return cores if quota is None else min(cores, max(int(quota), 1))
+    return capped_cores(len(usable_cores()), cpu_quota())
 
 
 def compute_threads(processes: int, cores: int) -> int:

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import launch
-from sparsecomm_jax.cores import cpu_quota, usable_cores
+from sparsecomm_jax.cores import capped_cores, cpu_quota, usable_cores
 from sparsecomm_jax.launch import (
     ENV_COORDINATOR,
     ENV_INIT_TIMEOUT,
@@ -260,10 +260,8 @@ def host_loads(rows: np.ndarray) -> list[HostLoad]:
         hosts[int(row[0])] = (count + 1, union | bits, [*quotas, int(row[1])])
     loads = []
     for count, union, quotas in hosts.values():
-        cores = max(int(union.sum()), 1)
-        if all(quotas):
-            cores = min(cores, max(max(quotas) // 1000, 1))  # whole CPUs: 1.5 is 1
-        loads.append(HostLoad(count, cores))
+        quota = max(quotas) / 1000 if all(quotas) else None  # thousandths of a CPU
+        loads.append(HostLoad(count, capped_cores(int(union.sum()), quota)))
     return sorted(loads, key=lambda h: h.processes / h.cores, reverse=True)
 
 
