@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
 from experiments.validate import as_flags
-from sparsecomm_jax import launch, runtime
+from sparsecomm_jax import cores, launch, runtime
 
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)
 LAUNCH = [sys.executable, "-m", "sparsecomm_jax.launch"]
@@ -109,8 +109,6 @@ def test_the_share_reaches_xlas_compute_pool():
     """A rank's XLA:CPU runs its programs on as many threads as its share says (the
     pool's threads counted by name), and the launcher counts a host's cores as the job's
     host load does."""
-    from sparsecomm_jax import cores
-
     assert cores.host_cores() == runtime.busiest_host().cores  # this process alone
     env = launch.rank_env(launch.make_job(2, 1), 0)
     # one CPU device (XLA keeps a thread per device) and no other choice of the pool
@@ -404,11 +402,11 @@ def _cgroup(tmp_path, lines: list[str], files: dict[str, str]) -> tuple[str, str
     ],
 )
 def test_cpu_quota_reads_cgroup_v1_and_v2(tmp_path, lines, files, cpus):
-    assert runtime.cpu_quota(*_cgroup(tmp_path, lines, files)) == cpus
+    assert cores.cpu_quota(*_cgroup(tmp_path, lines, files)) == cpus
 
 
 def test_cpu_quota_without_a_cgroup_list_is_none(tmp_path):
-    assert runtime.cpu_quota(str(tmp_path / "absent"), str(tmp_path)) is None
+    assert cores.cpu_quota(str(tmp_path / "absent"), str(tmp_path)) is None
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate
 from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
+from sparsecomm_jax.cores import cpu_quota, usable_cores
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16, warmup=0)
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
@@ -513,8 +514,8 @@ def test_in_flight_auto_waits_where_cpu_processes_outnumber_cores(monkeypatch):
     assert loop.in_flight_choice("yes", "cpu", processes=4, cores=2) == "yes"
     assert loop.in_flight_choice("no", "gpu", processes=1, cores=64) == "no"
     alone = runtime.busiest_host()  # this process, alone in its job
-    quota = runtime.cpu_quota()  # a container's, capping the cores in whole CPUs
-    cores = len(runtime.usable_cores())
+    quota = cpu_quota()  # a container's, capping the cores in whole CPUs
+    cores = len(usable_cores())
     assert alone == (1, cores if quota is None else min(cores, max(int(quota), 1)))
     on_cpu = jax.devices()[0].platform == "cpu"
     monkeypatch.setattr(runtime, "busiest_host", lambda: runtime.HostLoad(3, 2))
