@@ -86,10 +86,10 @@ def test_lazy_adam_leaves_untouched_rows_alone():
         got, state = ro.apply_rows(opt, g, state, got)
     untouched = np.setdiff1d(np.arange(V), [1, 5, 7, 9])
     np.testing.assert_array_equal(np.asarray(got)[untouched], np.asarray(table)[untouched])
-    np.testing.assert_array_equal(np.asarray(state.mu)[untouched], 0.0)
+    np.testing.assert_array_equal(np.asarray(state[0].mu)[untouched], 0.0)
     counts = np.zeros(V, np.int32)
     counts[[1, 5, 7, 9]] = [2, 1, 1, 1]  # steps that touched the row (duplicates once)
-    np.testing.assert_array_equal(np.asarray(state.count), counts)
+    np.testing.assert_array_equal(np.asarray(state[0].count), counts)
     # row 1: two Adam steps on its own gradients
     ref_opt = optax.adam(0.01)
     row, ref_state = table[1], ref_opt.init(table[1])
@@ -97,6 +97,31 @@ def test_lazy_adam_leaves_untouched_rows_alone():
         updates, ref_state = ref_opt.update(jnp.asarray(g), ref_state, row)
         row = optax.apply_updates(row, updates)
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(row), rtol=1e-6)
+
+
+@pytest.mark.parametrize("count", ["row", "table"])
+def test_lazy_adam_schedule_follows_the_step_count(count):
+    """A learning-rate schedule takes the optimizer's step count, not a row's own: a row
+    first read at step 5 moves by the schedule's rate at step 5, with either bias
+    correction (numpy below)."""
+    rng = np.random.default_rng(4)
+    schedule = optax.linear_schedule(0.1, 0.01, 10)
+    opt = ro.lazy_adam(schedule, count=count)
+    table = jnp.asarray(rng.normal(size=(V, D)).astype(np.float32))
+    state, got = opt.init(table), table
+    for _ in range(5):
+        g = ro.RowGrad(jnp.array([0]), jnp.asarray(rng.normal(size=(1, D)), jnp.float32))
+        got, state = ro.apply_rows(opt, g, state, got)
+    g1 = rng.normal(size=(1, D)).astype(np.float32)
+    g = ro.RowGrad(jnp.array([1]), jnp.asarray(g1))
+    before = np.asarray(got[1])
+    got, state = ro.apply_rows(opt, g, state, got)
+    moved = np.asarray(got[1]) - before
+    t = 1 if count == "row" else 6  # the bias correction's count for row 1 at this step
+    m_hat = (1 - 0.9) * g1[0] / (1 - 0.9**t)
+    v_hat = (1 - 0.999) * g1[0] ** 2 / (1 - 0.999**t)
+    expected = -float(schedule(5)) * m_hat / (np.sqrt(v_hat) + 1e-8)
+    np.testing.assert_allclose(moved, expected, rtol=1e-4)
 
 
 PARAMS = {"t": jnp.zeros((10, 4)), "w": jnp.zeros((4, 3)), "b": jnp.zeros(3)}

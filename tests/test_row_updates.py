@@ -59,7 +59,8 @@ def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999, per="
     inputs, ``softmax`` the targets and negatives); every other parameter is read every
     step. The bias correction counts the steps that read a row (``per="row"``) or, as
     PyTorch's ``SparseAdam``, every step of the parameter (``per="table"``);
-    ``lr(count before the step)`` when ``lr`` is a schedule."""
+    ``lr(steps before this one)`` when ``lr`` is a schedule, the same for every row of
+    every parameter (a row first read late takes the schedule's value of that step)."""
     params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     mu, nu = jax.tree.map(np.zeros_like, params), jax.tree.map(np.zeros_like, params)
     count = jax.tree.map(lambda x: np.zeros(x.shape[:1], np.int64), params)
@@ -85,8 +86,7 @@ def _lazy_adam_reference(w, params, steps, lr, eps=1e-3, b1=0.9, b2=0.999, per="
             before = c[rows].copy() if per == "row" else np.full_like(c[rows], table_count)
             c[rows] += 1
             t = (before + 1).reshape(-1, *([1] * (g.ndim - 1))) if g.ndim else before + 1
-            rate = np.asarray(lr(before), np.float64) if callable(lr) else lr
-            rate = rate.reshape(t.shape) if np.ndim(rate) else rate
+            rate = float(lr(step)) if callable(lr) else lr
             m_hat, v_hat = m[rows] / (1 - b1**t), v[rows] / (1 - b2**t)
             p[rows] -= rate * m_hat / (np.sqrt(v_hat) + eps)
         table_count += 1
@@ -103,10 +103,15 @@ def _at(tree, path):
 
 @pytest.mark.parametrize(
     "strategy, per, schedule",
-    [("embrace", "row", False), ("embrace_2d", "row", False), ("embrace", "table", True)],
+    [
+        ("embrace", "row", False),
+        ("embrace_2d", "row", False),
+        ("embrace", "table", True),
+        ("embrace", "row", True),
+    ],
 )
 def test_lazy_adam_matches_single_device_reference(strategy, per, schedule):
-    """Both bias-correction counts against numpy, one with a learning-rate schedule
+    """Both bias-correction counts against numpy, both with a learning-rate schedule
     (embrace_2d: the step counts, indexed by ids every worker holds, stay replicated)."""
     w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
     params = w.init(jax.random.key(3))

@@ -260,29 +260,19 @@ class LazyAdamState(NamedTuple):
     count: PyTree
 
 
-def lazy_adam(
-    learning_rate: float | optax.Schedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    count: str = "row",
+def scale_by_lazy_adam(
+    b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, count: str = "row"
 ) -> optax.GradientTransformation:
-    """Adam whose table rows change only on steps that read them (with the row-sparse
-    table update; on a dense leaf every row is read every step, so it is Adam).
-
-    A row's moments advance only when the row view holds it. The bias correction counts
-    steps per row (``count="row"``: a row's updates are those ``optax.adam`` would make
-    on the sequence of that row's gradients) or per parameter (``count="table"``: the
-    step count of PyTorch ``SparseAdam`` and TF ``LazyAdam``, which advances on every
-    step the table has a gradient).
+    """Lazy Adam's scaling, ``m_hat / (sqrt(v_hat) + eps)`` with the bias correction of
+    ``count`` (see ``lazy_adam``), as ``optax.scale_by_adam`` is Adam's: the learning
+    rate is a separate transform.
 
     Args:
-      learning_rate: a float or an optax schedule of the table's step count.
-      b1, b2, eps: as ``optax.adam``.
+      b1, b2, eps: as ``optax.scale_by_adam``.
       count: ``"row"`` or ``"table"``.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformation`` whose state is a ``LazyAdamState``.
     """
     if count not in ("row", "table"):
         raise ValueError(f'lazy_adam count must be "row" or "table", got {count!r}')
@@ -300,17 +290,61 @@ def lazy_adam(
         nu = jax.tree.map(lambda g, v: (1 - b2) * g * g + b2 * v, grads, state.nu)
         steps = jax.tree.map(lambda c: c + 1, state.count)
 
-        def one(m, v, c):  # c: the count before this step, per row or per parameter
-            shape = c.shape + (1,) * (m.ndim - c.ndim)
-            t = (c + 1).astype(m.dtype).reshape(shape)
-            lr = learning_rate(c) if callable(learning_rate) else learning_rate
-            lr = jnp.reshape(lr, shape) if jnp.ndim(lr) else lr
+        def one(m, v, t):  # t: the count after this step, per row or per parameter
+            t = t.astype(m.dtype).reshape(t.shape + (1,) * (m.ndim - t.ndim))
             m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
-            return -lr * m_hat / (jnp.sqrt(v_hat) + eps)
+            return m_hat / (jnp.sqrt(v_hat) + eps)
 
-        return jax.tree.map(one, mu, nu, state.count), LazyAdamState(mu, nu, steps)
+        return jax.tree.map(one, mu, nu, steps), LazyAdamState(mu, nu, steps)
 
     return optax.GradientTransformation(init, update)
+
+
+def lazy_adam(
+    learning_rate: float | optax.Schedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    count: str = "row",
+) -> optax.GradientTransformation:
+    """Adam whose table rows change only on steps that read them (with the row-sparse
+    table update; on a dense leaf every row is read every step, so it is Adam).
+
+    A row's moments advance only when the row view holds it. The bias correction counts
+    steps per row (``count="row"``: a row's updates are those ``optax.adam`` would make
+    on the sequence of that row's gradients) or per parameter (``count="table"``: the
+    step count of PyTorch ``SparseAdam`` and TF ``LazyAdam``, which advances on every
+    step the table has a gradient). The learning rate, a schedule included, follows the
+    optimizer's own step count (``optax.scale_by_learning_rate``), whichever ``count``:
+    a row first read at step 1,000 takes the schedule's value at step 1,000.
+
+    Args:
+      learning_rate: a float or an optax schedule of the step count.
+      b1, b2, eps: as ``optax.adam``.
+      count: ``"row"`` or ``"table"``, for the bias correction.
+
+    Returns:
+      ``optax.chain(scale_by_lazy_adam(b1, b2, eps, count),
+      optax.scale_by_learning_rate(learning_rate))``; its state's first entry is the
+      ``LazyAdamState``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> from sparsecomm_jax.embedding import row_optimizers as ro
+        >>> opt = ro.lazy_adam(optax.linear_schedule(0.1, 0.0, 10))
+        >>> table = jnp.zeros((4, 2))
+        >>> state = opt.init(table)
+        >>> for _ in range(3):  # row 0 read three times
+        ...     g = ro.RowGrad(jnp.array([0]), jnp.ones((1, 2)))
+        ...     table, state = ro.apply_rows(opt, g, state, table)
+        >>> g = ro.RowGrad(jnp.array([1]), jnp.ones((1, 2)))  # row 1 first read at step 3
+        >>> table, state = ro.apply_rows(opt, g, state, table)
+        >>> round(float(table[1, 0]), 4)  # -schedule(3): Adam's first step is the rate
+        -0.07
+    """
+    return optax.chain(
+        scale_by_lazy_adam(b1, b2, eps, count), optax.scale_by_learning_rate(learning_rate)
+    )
 
 
 def is_lazy(optimizer: optax.GradientTransformation, params: PyTree) -> bool:
