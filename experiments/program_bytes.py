@@ -17,14 +17,18 @@ import sys
 def _summary(text: str) -> dict:
     from sparsecomm_jax.comm import hlo
 
-    sent, count = collections.Counter(), collections.Counter()
+    sent, count, branches = collections.Counter(), collections.Counter(), 0
     for c in hlo.parse_collectives(text):
+        if c.conditional:  # runs only when its branch is taken (a refetch)
+            branches += 1
+            continue
         sent[c.kind] += c.bytes_sent
         count[c.kind] += 1
     return {
         "MB": sum(sent.values()) / 1e6,
         "collectives": sum(count.values()),
         "by_kind": {k: (count[k], round(v / 1e6, 3)) for k, v in sent.items()},
+        "in_branches": branches,
     }
 
 

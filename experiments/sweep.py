@@ -105,7 +105,13 @@ def predicted_comm_s(result: dict[str, Any], link: costmodel.Link) -> float:
     """The cost model's communication seconds of a result's compiled collectives."""
     colls = [
         hlo.Collective(
-            c["kind"], c["name"], (), c["group_size"], c["result_bytes"], c["bytes_sent"]
+            c["kind"],
+            c["name"],
+            (),
+            c["group_size"],
+            c["result_bytes"],
+            c["bytes_sent"],
+            c.get("conditional", False),  # results written before the field: none
         )
         for c in result["collectives"]
     ]

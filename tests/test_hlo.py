@@ -65,6 +65,50 @@ def test_one_collective_per_call_and_order():
     assert [c.kind for c in colls] == ["all-reduce", "all-gather"]
 
 
+def test_collectives_of_a_branch_are_marked_and_left_out_of_the_bytes():
+    """A ``lax.cond`` branch's collectives, a loop's inside it too, are ``conditional``:
+    they run only when the branch is taken, so the bytes per call leave them out."""
+
+    def body(v):
+        s = jax.lax.psum(v, "data")  # every call
+
+        def taken(u):
+            looped = jax.lax.fori_loop(0, 3, lambda i, a: a + jax.lax.psum(a, "data"), u)
+            return jax.lax.all_gather(u, "data", tiled=True)[: u.shape[0]] + looped
+
+        return jax.lax.cond(s[0] > 0, taken, lambda u: u, s)
+
+    x = np.random.default_rng(1).normal(size=(N * 4,)).astype(np.float32)
+    colls = _compile(body, P("data"), x)
+    always = [c for c in colls if not c.conditional]
+    branch = sorted(c.kind for c in colls if c.conditional)
+    assert [c.kind for c in always] == ["all-reduce"] and branch == ["all-gather", "all-reduce"]
+    psum = 2 * (N - 1) / N * 4 * 4
+    gather = (N - 1) / N * N * 4 * 4
+    assert hlo.total_bytes(colls) == pytest.approx(psum)
+    assert hlo.total_bytes(colls, conditional=True) == pytest.approx(2 * psum + gather)
+
+
+def test_true_false_computations_count_as_branches():
+    text = """HloModule m, num_partitions=2
+
+%t (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (p: pred[], x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(1)
+  %ag = f32[8]{0} all-gather(%x), replica_groups={{0,1}}, dimensions={0}
+  ROOT %c = f32[4]{0} conditional(%p, %x, %x), true_computation=%t, false_computation=%f
+}
+"""
+    ar, ag = hlo.parse_collectives(text)
+    assert (ar.kind, ar.conditional) == ("all-reduce", True)
+    assert (ag.kind, ag.conditional) == ("all-gather", False)
+    assert hlo.total_bytes([ar, ag]) == pytest.approx(16)
+
+
 GPU_TEXT = """HloModule jit_step, is_scheduled=true, num_partitions=4
 
 ENTRY %main (p: f32[1024]) -> f32[4096] {

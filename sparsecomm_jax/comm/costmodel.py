@@ -93,8 +93,9 @@ def collective_time(c: hlo.Collective, link: Link) -> float:
 
 
 def program_time(colls: Sequence[hlo.Collective], link: Link) -> float:
-    """Modelled communication seconds of a compiled program (collectives in sequence)."""
-    return sum(collective_time(c, link) for c in colls)
+    """Modelled communication seconds of a compiled program (collectives in sequence;
+    those of a ``conditional``'s branches left out, as ``hlo.total_bytes`` does)."""
+    return sum(collective_time(c, link) for c in colls if not c.conditional)
 
 
 def messages_and_bytes(strategy: str, size: int, density: float, workers: int):

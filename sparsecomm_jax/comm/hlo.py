@@ -52,6 +52,12 @@ _ITEMSIZE = {
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
 _OPCODE = re.compile(r"(?:^|[\s)])([a-z][a-z0-9\-]*)\(")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_BRANCH_PAIR = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
 
 
 class Collective(NamedTuple):
@@ -64,6 +70,8 @@ class Collective(NamedTuple):
       group_size: workers taking part (P).
       result_bytes: total bytes of the result (S).
       bytes_sent: bytes each worker sends under the standard algorithm (table above).
+      conditional: it lies in a branch of a ``conditional`` (``lax.cond``, ``lax.switch``)
+        or in a computation one calls: it runs only on the calls that take that branch.
     """
 
     kind: str
@@ -72,6 +80,7 @@ class Collective(NamedTuple):
     group_size: int
     result_bytes: int
     bytes_sent: float
+    conditional: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +90,7 @@ class Collective(NamedTuple):
             "group_size": self.group_size,
             "result_bytes": self.result_bytes,
             "bytes_sent": self.bytes_sent,
+            "conditional": self.conditional,
         }
 
 
@@ -128,16 +138,50 @@ def _module_size(text: str) -> int:
     return (int(parts.group(1)) if parts else 1) * (int(reps.group(1)) if reps else 1)
 
 
+def _branch_computations(text: str) -> set[str]:
+    """The computations that run only when a ``conditional`` takes their branch: each
+    branch and every computation it calls, transitively (a loop's body in a branch)."""
+    calls: dict[str, set[str]] = {}
+    roots: set[str] = set()
+    current = ""
+    for line in text.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = m.group(1)
+            continue
+        if not _INSTR.match(line):
+            continue
+        calls.setdefault(current, set()).update(_CALLED.findall(line))
+        if " conditional(" in line:
+            for group in _BRANCHES.findall(line):
+                roots.update(n.strip().lstrip("%") for n in group.split(",") if n.strip())
+            roots.update(_BRANCH_PAIR.findall(line))
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(calls.get(name, ()))
+    return seen
+
+
 def parse_collectives(text: str) -> list[Collective]:
     """Every collective in an HLO module's text, in text order.
 
     Async pairs (``all-gather-start`` / ``all-gather-done``, GPU) count once, with the
-    shape of the ``-done`` result; collectives inside called computations count too.
+    shape of the ``-done`` result; collectives inside called computations count too,
+    those of a ``conditional``'s branches marked ``conditional`` (``total_bytes`` leaves
+    them out unless asked).
     """
     default_group = _module_size(text)
+    branches = _branch_computations(text)
     found: list[Collective] = []
     starts: dict[str, tuple[str, str]] = {}
+    current = ""
     for line in text.splitlines():
+        if c := _COMPUTATION.match(line):
+            current = c.group(1)
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -159,9 +203,8 @@ def parse_collectives(text: str) -> list[Collective]:
         shapes = parse_shapes(shape_text)
         size = nbytes(shapes)
         group = _group_size(attrs, default_group)
-        found.append(
-            Collective(base, name, shapes, group, size, bytes_per_worker(base, size, group))
-        )
+        sent = bytes_per_worker(base, size, group)
+        found.append(Collective(base, name, shapes, group, size, sent, current in branches))
     return found
 
 
@@ -177,9 +220,15 @@ def collectives(fn: Callable, *args, **kwargs) -> list[Collective]:
     return parse_collectives(compiled_text(fn, *args, **kwargs))
 
 
-def total_bytes(colls: Sequence[Collective], kinds: Sequence[str] = KINDS) -> float:
-    """Bytes each worker sends per call of the program, summed over ``colls``."""
-    return float(sum(c.bytes_sent for c in colls if c.kind in kinds))
+def total_bytes(
+    colls: Sequence[Collective], kinds: Sequence[str] = KINDS, conditional: bool = False
+) -> float:
+    """Bytes each worker sends per call of the program, summed over ``colls`` of
+    ``kinds``; a ``conditional`` branch's collectives only when ``conditional`` is true
+    (they run on the calls that take the branch: a pipelined step's refetch)."""
+    return float(
+        sum(c.bytes_sent for c in colls if c.kind in kinds and (conditional or not c.conditional))
+    )
 
 
 class Instruction(NamedTuple):
