@@ -157,7 +157,13 @@ class RunConfig:
         "one word-level text file as training data instead of "
         "synthetic tokens (language models only; no held-out split)",
     )
-    capacity: int = _field(0, "embrace_rowwise slots per bucket; 0 = sized per batch", at_least(0))
+    capacity: int = _field(
+        0,
+        "fixed slots of the tables' exchange buffers (embrace: distinct ids per worker; "
+        "embrace_rowwise: rows per bucket; embrace_2d: its first chunk), an error when a "
+        "batch needs more; 0 = sized per batch",
+        at_least(0),
+    )
     density: float = _field(0.01, "fraction sent by top-k strategies, in (0, 1]", density_range)
     selector: str = _field(
         "auto",
@@ -209,7 +215,12 @@ class RunConfig:
         choices=IN_FLIGHT,
     )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
-    checkpoint_every: int = _field(0, "save every N steps (0 = only at the end)", at_least(0))
+    checkpoint_every: int = _field(
+        0,
+        "save every N steps, and after the first step into a folder with no checkpoint "
+        "(0 = after the first step and at the end)",
+        at_least(0),
+    )
     resume: bool = _field(
         False, "continue the run in --checkpoint-dir from its newest checkpoint that restores"
     )
