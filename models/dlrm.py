@@ -262,6 +262,11 @@ def workload(cfg: DLRMConfig) -> Workload:
     )
     if cfg.multi_hot < 1:
         raise ValueError(f"--multi-hot must be >= 1, got {cfg.multi_hot}")
+    if cfg.data_dir and cfg.multi_hot != 1:
+        raise ValueError(
+            f"--multi-hot {cfg.multi_hot} is for the synthetic data: a Criteo file "
+            "(--data-dir) has one id per sparse feature; leave --multi-hot at 1"
+        )
     batch_at, heldout = (criteo_data if cfg.data_dir else synthetic_data)(cfg)
 
     def init(key):

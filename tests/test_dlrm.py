@@ -100,3 +100,11 @@ def test_dlrm_trains_on_a_criteo_file_from_the_command_line(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["heldout"]["valid"]) >= {"loss", "accuracy", "auc"}
     assert result["config"]["tables"] == "64,48,24,16" and result["samples_per_s"] > 0
+
+
+def test_multi_hot_with_a_criteo_file_is_refused(tmp_path):
+    """A Criteo line has one id per feature: a bag size for it would be ignored."""
+    write_criteo(tmp_path / "train.txt", 40)
+    cfg = dlrm.DLRMConfig(tables="64,48", dim=4, batch=8, multi_hot=3, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="--multi-hot 3 is for the synthetic data"):
+        dlrm.workload(cfg)
