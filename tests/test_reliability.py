@@ -421,6 +421,32 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy):
         assert np.all(np.isfinite(b))
 
 
+@pytest.mark.parametrize("strategy", ["dense", "embrace", "dense_pmap"])
+def test_a_donated_state_or_an_unplaced_batch_is_a_clear_error(strategy):
+    """The step donates its state: calling it again on the old state is a ValueError
+    (the runtime would crash on the deleted buffers), as is a batch not placed."""
+    w = get_workload("lstm_lm", **{k: v for k, v in SMALL.items() if k != "warmup"})
+    params = w.init(jax.random.key(0))
+    ts = sc.make_train_step(
+        w.loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        params,
+        strategy,
+        replicated_keys=w.replicated_keys,
+        embedding_paths=w.embedding_paths,
+    )
+    with pytest.raises(ValueError, match="batch must be placed first"):
+        ts.step(ts.state, w.batch_at(0))
+    old, batch = ts.state, place(ts, w, 0, 4)
+    state, _ = ts.step(old, batch)
+    if strategy != "dense_pmap":  # pmap on CPU keeps the donated buffers: nothing to catch
+        with pytest.raises(ValueError, match="donated to an earlier step"):
+            ts.step(old, batch)
+    _, loss = ts.step(state, place(ts, w, 1, 4))
+    assert np.isfinite(sc.loss_value(loss))
+
+
 def _poison_runs(monkeypatch, bad_steps, through_gradient=True):
     """Makes ``experiments.train`` build poisoned workloads."""
     real = cli.get_workload

@@ -64,7 +64,9 @@ class TrainStep(NamedTuple):
     Attributes:
       step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function or a
         ``jax.pmap`` one (``step.lower(...)`` gives its program); ``loss`` is the mean
-        loss over the global batch, a scalar (``loss_value`` reads it).
+        loss over the global batch, a scalar (``loss_value`` reads it). It donates
+        ``state``: pass the state it returned to the next call (an old one, or a batch
+        ``place_batch`` did not place, is a ``ValueError``).
       state: the initial ``TrainState``, placed on the devices (a table whose split
         dimension does not divide by P stored padded: read it through ``host_params``).
       place_batch: host batch (global, identical on every process) -> device batch;

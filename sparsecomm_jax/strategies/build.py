@@ -62,7 +62,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         else placement.layout_policies(ctx)
     )
     return TrainStep(
-        step=jax.jit(step, donate_argnums=0),
+        step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
         place_batch=placement.batch_placer(ctx, policies, strategy.lookahead),
         host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
@@ -81,6 +81,36 @@ def _capacity_slots(ctx: StepContext, policies) -> tuple:
     return tuple((t.name, what.get(t.index, "none")) for t in ctx.tables)
 
 
+def check_step_call(state: TrainState, batch: Any) -> None:
+    """``ValueError`` for a step called on a state an earlier call took (the step
+    donates its state's buffers to the new one) or on a batch ``place_batch`` did not
+    place: mistakes the runtime would otherwise meet deep in a call, or crash on."""
+    if not isinstance(batch, PlacedBatch):
+        raise ValueError(
+            f"batch must be placed first: ts.step(state, ts.place_batch(host_batch)) "
+            f"(a PlacedBatch; got {type(batch).__name__})"
+        )
+    if any(getattr(x, "is_deleted", bool)() for x in jax.tree.leaves(state)):
+        raise ValueError(
+            "this state was donated to an earlier step (its buffers became that step's "
+            "result): pass the state the last ts.step returned"
+        )
+
+
+class DonatingStep(NamedTuple):
+    """A ``jax.jit`` step that donates its state: each call is checked first
+    (``check_step_call``); ``lower`` is the jit's."""
+
+    jitted: Callable
+
+    def __call__(self, state: TrainState, batch: PlacedBatch):
+        check_step_call(state, batch)
+        return self.jitted(state, batch)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+
 class PmapStep(NamedTuple):
     """A ``jax.pmap`` step that returns the loss as one scalar, like every other step
     (the per-device copies are equal after ``pmean``); ``lower`` is the pmap's."""
@@ -88,6 +118,7 @@ class PmapStep(NamedTuple):
     pmapped: Callable
 
     def __call__(self, state: TrainState, batch: placement.PlacedBatch):
+        check_step_call(state, batch)
         state, loss = self.pmapped(state, batch)
         return state, loss.addressable_data(0).reshape(())
 
