@@ -85,10 +85,22 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
 COLLECTIVES_OVERLAP = {"auto": None, "yes": True, "no": False}  # --collectives-overlap
 
 
+def _check_tables(config: RunConfig, workload) -> None:
+    """A strategy that shards embedding tables on a model without any, told in flags."""
+    if parse_strategy(config.strategy).strategy.needs_tables and not workload.embedding_paths:
+        usable = sorted(n for n, s in sc.STRATEGIES.items() if not s.needs_tables)
+        raise ValueError(
+            f"--model {config.model} has no embedding tables for --strategy "
+            f"{parse_strategy(config.strategy).tables} to shard; use --strategy "
+            f"{', '.join(usable)} or a top-k one (e.g. topk_a2a)"
+        )
+
+
 def build(config: RunConfig):
     """The workload and ``TrainStep`` of ``config`` (JAX must be started); with
     ``--overlap`` an ``Overlapped`` trainer instead of the ``TrainStep``."""
     workload = get_workload(config.model, **config.model_overrides())
+    _check_tables(config, workload)
     try:
         mesh = runtime.data_mesh(config.devices)
     except ValueError as e:

@@ -72,7 +72,9 @@ def table_sizes(cfg: DLRMConfig) -> list[int]:
             f"--tables must be comma-separated row counts, got {cfg.tables!r}"
         ) from None
     if not sizes or min(sizes) < 2:
-        raise ValueError(f"--tables needs at least one table of >= 2 rows, got {cfg.tables!r}")
+        raise ValueError(
+            f"--tables needs one or more tables, each of >= 2 rows, got {cfg.tables!r}"
+        )
     return sizes
 
 

@@ -194,7 +194,14 @@ def lm_data(
     if corpus is None:
         stream = ZipfStream(cfg.vocab, cfg.zipf_exponent, cfg.seed)
     else:
-        stream = WindowStream(corpus.splits["train"], cfg.seed)
+        train = corpus.splits["train"]
+        if len(train) <= length:  # a window is `length` tokens, one must fit with room
+            source = f"--text-file {cfg.text_file}" if cfg.text_file else "--data-dir's train file"
+            raise ValueError(
+                f"{source} has {len(train)} tokens; an example takes {length} (from "
+                f"--seq-len {cfg.seq_len}), so it needs more than that: lower --seq-len"
+            )
+        stream = WindowStream(train, cfg.seed)
 
     def batch_at(step: int) -> dict:
         return with_negatives(cfg, make_batch(stream.tokens(step, cfg.batch, length), step), step)

@@ -181,6 +181,29 @@ def test_bad_input_is_one_line_error(args, message, capsys, monkeypatch):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+BAD_MODEL_INPUT = [
+    (
+        ["--model", "resnet", "--strategy", "embrace"],
+        "--model resnet has no embedding tables for --strategy embrace to shard",
+    ),
+    (["--model", "dlrm", "--tables", "5,0"], "--tables needs one or more tables, each of >= 2"),
+    (["--text-file", "EMPTY", "--seq-len", "16"], "has 0 tokens; an example takes 17"),
+]
+
+
+@pytest.mark.parametrize(
+    "args, message", BAD_MODEL_INPUT, ids=[" ".join(a) for a, _ in BAD_MODEL_INPUT]
+)
+def test_bad_model_input_is_one_line_error(args, message, capsys, tmp_path):
+    """What only the model knows (its tables, its data) is found when it is built,
+    before any program: one line naming the flags."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, lines = run_main([str(empty) if a == "EMPTY" else a for a in args], capsys)
+    assert code == 2
+    assert len(lines) == 1 and message in lines[0], lines
+
+
 def test_bad_input_as_a_process_is_one_line_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--lr", "nan"],

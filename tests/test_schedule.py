@@ -151,7 +151,7 @@ def test_compiled_order_and_dependencies(update):
 
 def test_full_softmax_is_refused_clearly():
     w = get_workload("lstm_lm", vocab=V, dim=16, hidden=16, seq_len=T, batch=B)
-    with pytest.raises(ValueError, match="use sampled softmax"):
+    with pytest.raises(ValueError, match="use a sampled softmax"):
         strategy_run(w, optax.sgd(0.1), w.init(jax.random.key(0)), 1, "embrace_2d")
 
 

@@ -57,7 +57,8 @@ from sparsecomm_jax.step.state import StepContext, TrainState
 
 NO_ATTEND_2D = (
     "embrace_2d needs tables that are read by lookups only; a full softmax over a table "
-    "(emb.attend) needs the whole updated table before the next step: use sampled softmax"
+    "(emb.attend) needs the whole updated table before the next step: use a sampled "
+    "softmax (models: --sampled-softmax N)"
 )
 
 

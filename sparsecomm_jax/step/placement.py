@@ -223,7 +223,8 @@ def _sized(need: int, current: int, fixed: int | None, policy: CapacityPolicy) -
         if need > fixed:
             raise ValueError(
                 f"capacity={fixed} is too small: this batch needs {need} "
-                f"{policy.what}; pass a larger capacity or None (auto)"
+                f"{policy.what}; pass a larger capacity or None (auto; --capacity 0 on the "
+                "command line)"
             )
         return fixed
     if need > current or not current:
