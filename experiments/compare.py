@@ -5,7 +5,8 @@
 Columns: final loss, median step time, comm bytes per worker per step (from the compiled
 program), speed-up of the step time and the byte reduction against ``dense_pmap``, and
 peak device memory (the compiled program's memory analysis). Writes
-``compare.json`` and ``compare.csv`` into ``--out-dir``.
+``compare.json`` and ``compare.csv`` into ``--out-dir``; with ``--checkpoint-dir`` or
+``--log-dir``, each strategy's checkpoints or logs go into its own subfolder.
 """
 
 from __future__ import annotations
@@ -73,13 +74,25 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def run_of(config: RunConfig, strategy: str) -> RunConfig:
+    """``config`` for one strategy: its checkpoints and logs in a subfolder of their own
+    (``--checkpoint-dir D`` -> ``D/<strategy>``), so that no run finds another's."""
+
+    def own(folder: str) -> str:
+        return str(Path(folder) / strategy) if folder else folder
+
+    return dataclasses.replace(
+        config,
+        strategy=strategy,
+        out="",
+        checkpoint_dir=own(config.checkpoint_dir),
+        log_dir=own(config.log_dir),
+    )
+
+
 def compare(config: RunConfig, strategies: list[str]) -> list[dict[str, Any]]:
-    """Runs ``config`` once per strategy; returns the result records."""
-    results = []
-    for strategy in strategies:
-        run = dataclasses.replace(config, strategy=strategy, out="")
-        results.append(train_and_evaluate(run))
-    return results
+    """Runs ``config`` once per strategy (``run_of``); returns the result records."""
+    return [train_and_evaluate(run_of(config, strategy)) for strategy in strategies]
 
 
 def write_outputs(results, rows, out_dir: str) -> None:
@@ -93,7 +106,9 @@ def write_outputs(results, rows, out_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.compare", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.compare", description=__doc__, allow_abbrev=False
+    )  # no abbreviations: --out would be taken for --out-dir
     add_arguments(parser, skip=("strategy", "out"))
     parser.set_defaults(**HEADLINE)
     parser.add_argument("--strategies", default="", help="comma list (default: all)")

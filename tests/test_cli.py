@@ -97,6 +97,25 @@ def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
     assert "embrace_2d ran as embrace" in said and said.count("ran as") == 1
 
 
+def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
+    """--checkpoint-dir and --log-dir hold one subfolder per strategy (one folder for
+    all would refuse the second run as another run's); --out is not --out-dir."""
+    from experiments import compare
+
+    flags = ["--vocab", "300", "--dim", "16", "--hidden", "16", "--seq-len", "8"]
+    flags += ["--batch", "16", "--steps", "2", "--warmup", "1", "--sampled-softmax", "8"]
+    ck, logs = tmp_path / "ck", tmp_path / "logs"
+    flags += ["--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--log-dir", str(logs)]
+    out = ["--out-dir", str(tmp_path / "out")]
+    assert compare.main([*flags, "--strategies", "dense,embrace", *out]) == 0
+    for strategy in ("dense", "embrace"):
+        assert (logs / strategy / "steps.jsonl").is_file()
+        assert (ck / strategy / "2").is_dir()  # the last step's checkpoint
+    with pytest.raises(SystemExit):
+        compare.main([*flags, "--out", str(tmp_path / "x.json")])
+    assert "unrecognized arguments: --out" in capsys.readouterr().err
+
+
 def test_calibrated_link_for_adaptive_and_in_the_result():
     config = RunConfig(strategy="adaptive", density=0.1, link_gbit=0, calibrate=True, **SMALL)
     link = adaptive_link(config)  # fitted on the 8 simulated devices
