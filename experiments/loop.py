@@ -102,7 +102,7 @@ def _after_nonfinite(config: RunConfig, ts, state, step: int, log: RunLog, ahead
         raise _diverged(step + ahead, seen_at=step)
     if config.nonfinite == "error":
         raise FloatingPointError(
-            f"non-finite gradient at step {step}: the step was not applied "
+            f"non-finite loss or gradient at step {step}: the step was not applied "
             "(use --nonfinite skip to skip such steps)"
         )
     if config.nonfinite == "skip":

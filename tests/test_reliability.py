@@ -396,10 +396,23 @@ def _poisoned(w, bad_steps, through_gradient=True):
     return w._replace(batch_at=batch_at, loss=loss)
 
 
-@pytest.mark.parametrize("strategy", ["dense", "embrace", "topk_a2a", "embrace_2d"])
-def test_nonfinite_step_is_skipped_and_state_kept(strategy):
+@pytest.mark.parametrize(
+    "strategy, through_gradient",
+    [
+        ("dense", True),
+        ("embrace", True),
+        ("topk_a2a", True),
+        ("embrace_2d", True),
+        ("dense", False),
+        ("embrace", False),
+        ("dense_pmap", False),
+    ],
+)
+def test_nonfinite_step_is_skipped_and_state_kept(strategy, through_gradient):
+    """A NaN gradient, or a NaN loss whose gradient is finite (``through_gradient``
+    False): the step is skipped, nothing changes."""
     w = get_workload("lstm_lm", **{k: v for k, v in SMALL.items() if k != "warmup"})
-    bad = _poisoned(w, bad_steps=1)
+    bad = _poisoned(w, bad_steps=1, through_gradient=through_gradient)
     params = w.init(jax.random.key(0))
     ts = sc.make_train_step(
         bad.loss,
@@ -462,7 +475,7 @@ def test_nonfinite_policy_in_the_runner(monkeypatch):
     cfg = dict(strategy="dense", steps=4, **SMALL)
     result = train_and_evaluate(RunConfig(**cfg), progress=False)
     assert result["skipped_steps"] == [2] and np.isfinite(result["losses"][3])
-    with pytest.raises(FloatingPointError, match="non-finite gradient at step 2"):
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 2"):
         train_and_evaluate(RunConfig(nonfinite="error", **cfg), progress=False)
 
 

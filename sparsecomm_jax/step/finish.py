@@ -1,12 +1,12 @@
 """The two halves of a step and where they meet: ``Gradients``.
 
 A step body (inside ``jax.shard_map``) ends with ``gradients(...)``: the mean loss and
-whether every worker's gradient is finite, folded into one all-reduce (or, with an
+whether every worker's gradient and loss are finite, folded into one all-reduce (or, with an
 aggregator that carries scalars, into its own last collective: the dense mean's
 all-gather, or top-k's indices'; ``carried_gradients``), and the mean gradient (the
 dense layers reduced by the aggregator; each table's gradient as its ``TableUpdate``
 wants it). ``apply_gradients`` then runs the optimizer on global arrays
-(``embedding.update``), keeping the previous state when a gradient was not finite;
+(``embedding.update``), keeping the previous state when a gradient or the loss was not finite;
 ``mark_missed`` makes the loss +inf when a batch's capacity was too small for a table.
 
 Example:
@@ -73,8 +73,8 @@ def finite(tree: PyTree) -> jax.Array:
 
 
 def reduce_scalars(ctx: StepContext, loss, checked: PyTree, *flags):
-    """The mean loss, whether every worker's ``checked`` tree is finite, and whether any
-    worker raised each of ``flags``: one all-reduce for all of them (inside
+    """The mean loss, whether every worker's ``checked`` tree and loss are finite, and
+    whether any worker raised each of ``flags``: one all-reduce for all of them (inside
     ``shard_map``). With ``nonfinite="off"`` nothing is checked (``ok`` is True).
 
     Returns:
@@ -84,7 +84,7 @@ def reduce_scalars(ctx: StepContext, loss, checked: PyTree, *flags):
     bad = ~finite(update.row_values(checked)) if check else jnp.array(False)
     local = jnp.stack([loss, bad.astype(loss.dtype), *(jnp.asarray(f, loss.dtype) for f in flags)])
     total = jax.lax.psum(local, ctx.axis_name)  # float[2 + flags]
-    ok = total[1] == 0 if check else jnp.array(True)
+    ok = (total[1] == 0) & jnp.isfinite(total[0]) if check else jnp.array(True)
     return (total[0] / ctx.num_workers, ok, *(total[2:] > 0))
 
 
@@ -148,7 +148,9 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     extra = jnp.stack([loss, bad, *flags]).astype(jnp.float32)  # float[2 + tables]
     mean, local_state, every, state_ok = ctx.aggregator.update_carrying(dense, local_state, extra)
     total = every.sum(axis=0)  # float[2 + tables], summed in worker order
-    ok = (total[1] == 0) & state_ok & finite(mean) if check else jnp.array(True)
+    ok = jnp.array(True)
+    if check:
+        ok = (total[1] == 0) & jnp.isfinite(total[0]) & state_ok & finite(mean)
     new_state = jax.tree.map(lambda x: x[None], local_state)
     grads = with_tables(ctx, mean, tables)
     loss = (total[0] / ctx.num_workers).astype(loss.dtype)

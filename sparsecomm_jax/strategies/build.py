@@ -418,8 +418,8 @@ def make_train_step(
         sizes them per batch (a new program when one grows); a fixed value too small
         for a batch raises ``ValueError``.
       density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
-      nonfinite: what a step does when a gradient or residual holds NaN/Inf on any
-        worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
+      nonfinite: what a step does when a gradient, a residual or the loss holds NaN/Inf
+        on any worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
         state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
       table_update: ``"auto"`` (``"rows"`` where the strategy updates rows and that is
