@@ -328,6 +328,18 @@ def test_token_id_out_of_range(strategy):
         ts.place_batch(batch)
 
 
+@pytest.mark.parametrize("id_keys", [None, {"tokens": ("embed", "embedding")}])
+def test_float_ids_are_named(id_keys):
+    """Token ids given as floats: a ValueError naming the key, whether the batch's keys
+    are found by tracing the loss or named by ``id_keys``."""
+    w = get_workload("lstm_lm", vocab=64, dim=16, hidden=8, seq_len=4, batch=8)
+    ts = _make("embrace", w, id_keys=id_keys)
+    batch = w.batch_at(0)
+    batch["tokens"] = batch["tokens"].astype(np.float32)
+    with pytest.raises(ValueError, match=r"\['tokens'\].*integer"):
+        ts.place_batch(batch)
+
+
 def test_capacity_too_small_and_auto_growth():
     w = get_workload("lstm_lm", vocab=512, dim=16, hidden=8, seq_len=8, batch=16)
     with pytest.raises(ValueError, match="capacity=1 is too small"):

@@ -64,9 +64,14 @@ def check_ids(batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str 
     """
     for key, tables in ranges.items():
         ids = np.asarray(batch[key])
-        if not ids.size or not np.issubdtype(ids.dtype, np.integer):
+        if not ids.size:
             continue
         name, vocab = min(tables, key=lambda t: t[1])
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"batch[{key!r}] holds {ids.dtype} values but feeds table {name} as ids; "
+                f"give it an integer array (e.g. .astype(np.int32)){hint}"
+            )
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(
                 f"batch[{key!r}] has ids in [{ids.min()}, {ids.max()}], outside [0, {vocab}) "
@@ -94,7 +99,16 @@ def id_ranges(ctx: StepContext, batch: Batch) -> tuple[dict[str, list[tuple[str,
         return {k: [named[i] for i in tables] for k, tables in keys.items()}, ""
     leaves, treedef = jax.tree.flatten(ctx.params)
     mask = treedef.unflatten([i in named for i in range(len(leaves))])
-    fed = access.key_tables(ctx.loss_fn, ctx.params, batch, mask)
+    try:
+        fed = access.key_tables(ctx.loss_fn, ctx.params, batch, mask)
+    except (TypeError, ValueError) as e:  # e.g. float ids where the model looks rows up
+        floats = [k for k, v in batch.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+        if not floats:
+            raise
+        raise ValueError(
+            f"the loss cannot run on this batch ({e}); if the model looks up rows by "
+            f"{floats}, give them as integers (e.g. .astype(np.int32))"
+        ) from e
     if keys is None:
         return {k: [named[i] for i in fed[k]] for k in fed}, (
             " (name each key's table with id_keys={key: table path} if this key holds "
