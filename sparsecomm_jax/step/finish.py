@@ -1,13 +1,14 @@
 """The two halves of a step and where they meet: ``Gradients``.
 
 A step body (inside ``jax.shard_map``) ends with ``gradients(...)``: the mean loss and
-whether every worker's gradient and loss are finite, folded into one all-reduce (or, with an
-aggregator that carries scalars, into its own last collective: the dense mean's
+whether every worker's gradient and loss are finite, folded into one all-reduce (or,
+with an aggregator that carries scalars, into its own last collective: the dense mean's
 all-gather, or top-k's indices'; ``carried_gradients``), and the mean gradient (the
 dense layers reduced by the aggregator; each table's gradient as its ``TableUpdate``
 wants it). ``apply_gradients`` then runs the optimizer on global arrays
-(``embedding.update``), keeping the previous state when a gradient or the loss was not finite;
-``mark_missed`` makes the loss +inf when a batch's capacity was too small for a table.
+(``embedding.update``), keeping the previous state when a gradient or the loss was not
+finite; ``mark_missed`` makes the loss +inf when a batch's capacity was too small for a
+table.
 
 Example:
     >>> # def step(state, batch):

@@ -90,7 +90,7 @@ def check_step_call(state: TrainState, batch: Any) -> None:
             f"batch must be placed first: ts.step(state, ts.place_batch(host_batch)) "
             f"(a PlacedBatch; got {type(batch).__name__})"
         )
-    if any(getattr(x, "is_deleted", bool)() for x in jax.tree.leaves(state)):
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
         raise ValueError(
             "this state was donated to an earlier step (its buffers became that step's "
             "result): pass the state the last ts.step returned"
@@ -419,8 +419,8 @@ def make_train_step(
         for a batch raises ``ValueError``.
       density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
       nonfinite: what a step does when a gradient, a residual or the loss holds NaN/Inf
-        on any worker: ``"skip"`` and ``"error"`` keep the previous state (parameters, optimizer
-        state, residuals untouched) and report a NaN loss, so the caller counts the
+        on any worker: ``"skip"`` and ``"error"`` keep the previous state (parameters,
+        optimizer state, residuals untouched) and report a NaN loss, so the caller counts the
         step or stops naming it (``experiments.train`` does); ``"off"`` checks nothing.
       table_update: ``"auto"`` (``"rows"`` where the strategy updates rows and that is
         exact for ``optimizer``: a row whose gradient is zero keeps its value and state,
