@@ -200,7 +200,7 @@ class RunConfig:
     )
     nonfinite: str = _field(
         "skip",
-        "NaN/Inf gradient: skip the step (listed in "
+        "NaN/Inf gradient or loss: skip the step (listed in "
         "skipped_steps), error (stop naming it) or off (apply it)",
         choices=NONFINITE,
     )

@@ -72,7 +72,7 @@ class RunLog(NamedTuple):
 
     losses: list  # one float per step run
     times: list  # seconds per step (compilation excluded)
-    skipped: list  # steps whose update was skipped (non-finite gradient)
+    skipped: list  # steps whose update was skipped (non-finite gradient or loss)
     programs: dict  # (state, batch) structure -> compiled program
     runs: dict  # (state, batch) structure -> steps run with it
     compile_s: float
@@ -119,14 +119,15 @@ def skip_streak(skipped: list, step: int) -> int:
 
 def _stop_if_stuck(config: RunConfig, ckpt, step: int, streak: int) -> None:
     """More than ``--max-skipped`` skipped steps in a row: the state they all started
-    from yields non-finite gradients; its checkpoint is removed and the run stops."""
+    from yields non-finite gradients or losses; its checkpoint is removed and the run
+    stops."""
     if streak <= config.max_skipped:
         return
     first = step - streak + 1
     if ckpt and first in checkpoint.saved_steps(ckpt.directory):
         ckpt.delete(first)
     raise FloatingPointError(
-        f"steps {first}-{step} ({streak} in a row) had non-finite gradients, more than "
+        f"steps {first}-{step} ({streak} in a row) had non-finite gradients or losses, more than "
         f"--max-skipped {config.max_skipped}: stopping; no checkpoint of the state they "
         "started from is kept (lower --lr?)"
     )

@@ -340,6 +340,36 @@ def test_float_ids_are_named(id_keys):
         ts.place_batch(batch)
 
 
+def test_ids_bucketized_from_a_float_feature_are_placed():
+    """A float key the ids are computed from (``digitize``) feeds the table but is not
+    itself ids: placed without complaint; named as ids by ``id_keys``, refused."""
+    bins = jnp.linspace(0.0, 1.0, 15)  # 16 buckets: ids in [0, 16)
+
+    def loss(params, batch, ops):
+        rows = ops.lookup(params["t"], jnp.digitize(batch["age"], bins))  # [B/P, 4]
+        return jnp.mean((rows.sum(-1) - batch["y"]) ** 2)
+
+    params = {"t": jnp.ones((16, 4))}
+    rng = np.random.default_rng(5)
+    batch = {"age": rng.random(N).astype(np.float32), "y": rng.random(N).astype(np.float32)}
+    for id_keys, ok in ((None, True), (["age"], False)):
+        ts = sc.make_train_step(
+            loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(N),
+            params,
+            "embrace",
+            embedding_paths=[("t",)],
+            id_keys=id_keys,
+        )
+        if ok:
+            _, value = ts.step(ts.state, ts.place_batch(batch))
+            assert np.isfinite(sc.loss_value(value))
+        else:
+            with pytest.raises(ValueError, match=r"batch\['age'\] holds float32"):
+                ts.place_batch(batch)
+
+
 def test_capacity_too_small_and_auto_growth():
     w = get_workload("lstm_lm", vocab=512, dim=16, hidden=8, seq_len=8, batch=16)
     with pytest.raises(ValueError, match="capacity=1 is too small"):

@@ -92,7 +92,7 @@ class Pending(NamedTuple):
     ids: dict  # int[P, n]: every worker's ids
     order: dict  # int[P, n]: every worker's priority order
     shared: dict  # (rows float[N, D], ids int[N], order int[N]) of the shared positions
-    ok: Any  # bool: no worker had a NaN/Inf gradient
+    ok: Any  # bool: no worker had a NaN/Inf gradient or loss
     other: list  # the optimizer state's leaves of no parameter, before step t
 
 

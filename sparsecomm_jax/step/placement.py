@@ -53,7 +53,9 @@ def check_batch(batch: Batch, num_workers: int, replicated_keys: Sequence[str]) 
             )
 
 
-def check_ids(batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str = "") -> None:
+def check_ids(
+    batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str = "", named: bool = False
+) -> None:
     """``ValueError`` for any id outside its table: never a silent clamp.
 
     Args:
@@ -61,6 +63,9 @@ def check_ids(batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str 
       ranges: batch key -> the ``(table name, V)`` of each table it feeds; its ids
         must lie in [0, V) of the smallest.
       hint: added to the error (how to name the keys).
+      named: the keys were named as ids (``id_keys``), so a key of floats is an error;
+        else a float key is one the ids are computed from (bucketized, or a mask) and
+        is not checked.
     """
     for key, tables in ranges.items():
         ids = np.asarray(batch[key])
@@ -68,6 +73,8 @@ def check_ids(batch: Batch, ranges: dict[str, list[tuple[str, int]]], hint: str 
             continue
         name, vocab = min(tables, key=lambda t: t[1])
         if not np.issubdtype(ids.dtype, np.integer):
+            if not named:  # a float key the ids are computed from (bucketized, a mask)
+                continue
             raise ValueError(
                 f"batch[{key!r}] holds {ids.dtype} values but feeds table {name} as ids; "
                 f"give it an integer array (e.g. .astype(np.int32)){hint}"
@@ -103,7 +110,7 @@ def id_ranges(ctx: StepContext, batch: Batch) -> tuple[dict[str, list[tuple[str,
         fed = access.key_tables(ctx.loss_fn, ctx.params, batch, mask)
     except (TypeError, ValueError) as e:  # e.g. float ids where the model looks rows up
         floats = [k for k, v in batch.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
-        if not floats:
+        if not floats or "integer" not in str(e):
             raise
         raise ValueError(
             f"the loss cannot run on this batch ({e}); if the model looks up rows by "
@@ -121,7 +128,7 @@ def check_host_batch(ctx: StepContext, batch: Batch) -> None:
     """Every check a batch passes before it is placed."""
     check_batch(batch, ctx.num_workers, ctx.replicated_keys)
     if ctx.id_tables:
-        check_ids(batch, *id_ranges(ctx, batch))
+        check_ids(batch, *id_ranges(ctx, batch), named=ctx.id_keys is not None)
 
 
 # ------------------------------------------------------------------- the batch

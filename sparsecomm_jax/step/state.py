@@ -62,11 +62,13 @@ class TrainStep(NamedTuple):
     """A built strategy.
 
     Attributes:
-      step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function or a
-        ``jax.pmap`` one (``step.lower(...)`` gives its program); ``loss`` is the mean
-        loss over the global batch, a scalar (``loss_value`` reads it). It donates
-        ``state``: pass the state it returned to the next call (an old one, or a batch
-        ``place_batch`` did not place, is a ``ValueError``).
+      step: ``step(state, placed_batch) -> (state, loss)``, a ``jax.jit`` function whose
+        calls are checked first (``DonatingStep``) or a ``jax.pmap`` one (``PmapStep``);
+        ``step.lower(...)`` gives its program; ``loss`` is the mean loss over the global
+        batch, a scalar (``loss_value`` reads it). It donates ``state``: pass the state
+        it returned to the next call. A batch ``place_batch`` did not place is a
+        ``ValueError``, and so is an old state whose buffers were given away (the jit
+        step; ``pmap`` on CPU keeps them, and computes from the old state).
       state: the initial ``TrainState``, placed on the devices (a table whose split
         dimension does not divide by P stored padded: read it through ``host_params``).
       place_batch: host batch (global, identical on every process) -> device batch;
