@@ -87,11 +87,12 @@ COLLECTIVES_OVERLAP = {"auto": None, "yes": True, "no": False}  # --collectives-
 
 def _check_tables(config: RunConfig, workload) -> None:
     """A strategy that shards embedding tables on a model without any, told in flags."""
-    if parse_strategy(config.strategy).strategy.needs_tables and not workload.embedding_paths:
+    name = parse_strategy(config.strategy)
+    if name.strategy.needs_tables and not workload.embedding_paths:
         usable = sorted(n for n, s in sc.STRATEGIES.items() if not s.needs_tables)
         raise ValueError(
             f"--model {config.model} has no embedding tables for --strategy "
-            f"{parse_strategy(config.strategy).tables} to shard; use --strategy "
+            f"{name.tables} to shard; use --strategy "
             f"{', '.join(usable)} or a top-k one (e.g. topk_a2a)"
         )
 
