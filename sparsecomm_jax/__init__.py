@@ -49,12 +49,20 @@ _EXPORTS = {
     ),
     **dict.fromkeys(("DENSE", "ROWS", "TableUpdate"), "sparsecomm_jax.embedding.update"),
     **dict.fromkeys(
-        ("CapacityWarning", "first_replica", "loss_value", "overflow_message"),
+        ("CapacityWarning", "first_replica", "loss_value", "loss_values", "overflow_message"),
         "sparsecomm_jax.step.placement",
     ),
     **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
     **dict.fromkeys(
-        ("make_train_step", "place_for_step", "placed_batches"), "sparsecomm_jax.strategies.build"
+        (
+            "call_plan",
+            "make_train_step",
+            "place_for_call",
+            "place_for_step",
+            "placed_batches",
+            "placed_calls",
+        ),
+        "sparsecomm_jax.strategies.build",
     ),
     "make_overlapped": "sparsecomm_jax.strategies.overlapped",
     **dict.fromkeys(

@@ -254,11 +254,17 @@ def _sized(need: int, current: int, fixed: int | None, policy: CapacityPolicy) -
 
 
 def batch_placer(
-    ctx: StepContext, policies: list[tuple[CapacityPolicy, tuple]], lookahead: int = 0
+    ctx: StepContext,
+    policies: list[tuple[CapacityPolicy, tuple]],
+    lookahead: int = 0,
+    capacity: Callable[..., tuple[int, ...]] | None = None,
 ) -> Callable[..., PlacedBatch]:
     """``place(batch[, next_batch, *later]) -> PlacedBatch``: checked, placed, capacity
-    sized by ``policies`` (``later``: up to ``lookahead - 1`` batches after the next)."""
-    capacity = capacity_fn(ctx, policies) if policies else None
+    sized by ``policies`` (``later``: up to ``lookahead - 1`` batches after the next);
+    ``capacity``: a ``capacity_fn`` to share with another placer (``steps_placer``), so
+    both grow the same capacities."""
+    if capacity is None and policies:
+        capacity = capacity_fn(ctx, policies)
 
     def place(batch: Batch, next_batch: Batch | None = None, *later: Batch) -> PlacedBatch:
         data = put_batch(ctx, batch)
@@ -271,6 +277,55 @@ def batch_placer(
         return PlacedBatch(data, need, put_batch(ctx, next_batch), later)
 
     return place
+
+
+def steps_placer(
+    ctx: StepContext, capacity: Callable[..., tuple[int, ...]] | None
+) -> Callable[[Sequence[Batch]], PlacedBatch]:
+    """``place_steps(batches) -> PlacedBatch``: the batches of consecutive steps for one
+    program call (``TrainStep.steps``), each checked and sized as ``batch_placer``
+    would, then stacked along a new leading axis and placed once. Capacities never
+    shrink, so the last batch's capacity holds every batch's ids.
+
+    Args:
+      ctx: the step's context.
+      capacity: the ``capacity_fn`` the step's ``batch_placer`` uses (``None``: the
+        step has no capacities).
+
+    Returns:
+      ``place_steps``; its ``PlacedBatch.data`` holds ``[S, *shape]`` arrays (``S``
+      steps), split along the batch axis like a single step's.
+    """
+
+    def place_steps(batches: Sequence[Batch]) -> PlacedBatch:
+        if not batches:
+            raise ValueError("place_steps needs the batches of one step or more")
+        need = ()
+        for batch in batches:
+            check_host_batch(ctx, batch)
+            need = capacity(batch) if capacity else ()
+        check_alike(batches)
+        specs = batch_specs(batches[0], ctx.axis_name, ctx.replicated_keys)
+        data = {
+            k: runtime.put_global(np.stack([b[k] for b in batches]), ctx.mesh, P(None, *spec))
+            for k, spec in specs.items()
+        }
+        return PlacedBatch(data, need)
+
+    return place_steps
+
+
+def check_alike(batches: Sequence[Batch]) -> None:
+    """``ValueError`` unless every batch has the first one's keys, shapes and dtypes
+    (one program runs them all)."""
+    first = {k: (np.shape(v), np.asarray(v).dtype) for k, v in batches[0].items()}
+    for i, batch in enumerate(batches[1:], 1):
+        this = {k: (np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
+        if this != first:
+            raise ValueError(
+                f"batches of one program call must be alike: batch {i} has {this}, "
+                f"batch 0 {first} (keys -> (shape, dtype))"
+            )
 
 
 class CapacityWarning(RuntimeWarning):
@@ -426,6 +481,12 @@ def first_replica(x) -> np.ndarray:
 def loss_value(loss: jax.Array) -> float:
     """The step's loss as a float (``pmap`` returns one copy per local device)."""
     return float(np.asarray(loss.addressable_data(0)).reshape(-1)[0])
+
+
+def loss_values(losses: jax.Array) -> list[float]:
+    """The losses of a call of ``TrainStep.steps`` (one per step), or of ``step`` (one),
+    as floats."""
+    return [float(x) for x in np.asarray(losses.addressable_data(0)).reshape(-1)]
 
 
 def stack_per_device(tree: PyTree, num_local: int) -> PyTree:

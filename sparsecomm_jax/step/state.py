@@ -90,6 +90,16 @@ class TrainStep(NamedTuple):
         table-wise packs): per group ``(layout name, ((table name, V, D), ...), P)``. A
         checkpoint records it and restores only into a step that stores its tables the
         same way.
+      steps: ``steps(state, placed_steps) -> (state, losses)``: several steps in one
+        program call, a ``lax.scan`` of ``step`` over the batches ``place_steps``
+        stacked (``losses``: one per step, in order); the same arithmetic as calling
+        ``step`` on each batch (to float rounding: XLA compiles a loop body on its
+        own), with one dispatch and one program run instead of one per step.
+        ``None`` where the step cannot be scanned (``jax.pmap``, pipelined strategies,
+        whose steps carry rows and look ahead).
+      place_steps: ``place_steps([batch, ...]) -> PlacedBatch`` of ``steps``: each
+        batch checked and sized as ``place_batch`` would, then placed stacked along a
+        new leading axis with the capacity of the largest; ``None`` with ``steps``.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -103,6 +113,8 @@ class TrainStep(NamedTuple):
     capacity_slots: tuple = ()
     runs_as: str = ""
     stored_together: tuple = ()
+    steps: Callable[[TrainState, Any], tuple[TrainState, jax.Array]] | None = None
+    place_steps: Callable[..., Any] | None = None
 
 
 class StepContext(NamedTuple):

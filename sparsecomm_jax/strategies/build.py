@@ -61,10 +61,14 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         if strategy.capacity is not None
         else placement.layout_policies(ctx)
     )
+    capacity = placement.capacity_fn(ctx, policies) if policies else None
+    scannable = not strategy.lookahead  # a pipelined step carries rows, looks ahead
     return TrainStep(
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
-        place_batch=placement.batch_placer(ctx, policies, strategy.lookahead),
+        place_batch=placement.batch_placer(ctx, policies, strategy.lookahead, capacity),
+        steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0)) if scannable else None,
+        place_steps=placement.steps_placer(ctx, capacity) if scannable else None,
         host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
@@ -72,6 +76,35 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         runs_as=strategy.name,
         stored_together=placement.stored_together(ctx),
     )
+
+
+def scan_steps(step: Callable) -> Callable:
+    """``steps(state, placed) -> (state, losses)``: ``step`` run on each batch of
+    ``placed`` in turn (its data stacked along a leading step axis, one capacity for
+    all), as one ``lax.scan``: one program call for several steps, the same arithmetic
+    (to float rounding: XLA compiles the loop body on its own and may fuse it otherwise).
+
+    Args:
+      step: ``step(state, placed_batch) -> (state, loss)`` (not yet jitted).
+
+    Returns:
+      The scanned step; ``losses`` holds one loss per step.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from sparsecomm_jax.step.placement import PlacedBatch
+        >>> add = lambda state, batch: (state + batch.data["x"].sum(), state)
+        >>> scan_steps(add)(jnp.float32(0), PlacedBatch({"x": jnp.ones((3, 2))}))
+        (Array(6., dtype=float32), Array([0., 2., 4.], dtype=float32))
+    """
+
+    def steps(state: TrainState, placed: PlacedBatch):
+        def one(state, data):  # data: one step's batch, [B, ...] per key
+            return step(state, PlacedBatch(data, placed.capacity))
+
+        return jax.lax.scan(one, state, placed.data)  # placed.data: [S, B, ...] per key
+
+    return steps
 
 
 def _capacity_slots(ctx: StepContext, policies) -> tuple:
@@ -191,13 +224,102 @@ def placed_batches(
         >>> ts.host_params(state)["w"].shape
         (3, 1)
     """
+    place = functools.partial(place_for_step, ts, batch_at, steps=steps)
+    return _placed_ahead(place, range(start, steps))
+
+
+def _placed_ahead(place: Callable[[Any], PlacedBatch], items: Sequence) -> Iterator[PlacedBatch]:
+    """``place(item)`` for each of ``items`` in order on one host thread, the next one
+    placed while the caller uses the one before (double buffering)."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="place-batch") as pool:
-        place = functools.partial(place_for_step, ts, batch_at, steps=steps)
-        pending = pool.submit(place, start) if start < steps else None
-        for step in range(start, steps):
+        pending = pool.submit(place, items[0]) if items else None
+        for i in range(len(items)):
             batch = pending.result()
-            pending = pool.submit(place, step + 1) if step + 1 < steps else None
+            pending = pool.submit(place, items[i + 1]) if i + 1 < len(items) else None
             yield batch
+
+
+def call_plan(
+    start: int, steps: int, size: int, ends: Callable[[int], bool] = lambda step: False
+) -> list[tuple[int, int]]:
+    """The program calls of steps ``start .. steps - 1`` as ``(first step, steps)``:
+    ``size`` steps a call (``TrainStep.steps``) where none of them but the last ends a
+    call (``ends(step)``: the caller must see the state after ``step``, to save or
+    evaluate it), else one step (``TrainStep.step``). So at most two programs run, and
+    every step ``ends`` names is the last of its call.
+
+    Args:
+      start: the first step.
+      steps: the run's number of steps.
+      size: steps a call (1: one call a step).
+      ends: whether the state after a step must be seen before the next step starts.
+
+    Returns:
+      The calls in step order; their steps are ``start .. steps - 1``, each once.
+
+    Example:
+        >>> call_plan(0, 10, 4, ends=lambda step: step == 5)
+        [(0, 4), (4, 1), (5, 1), (6, 4)]
+    """
+    calls, first = [], start
+    while first < steps:
+        fits = first + size <= steps and not any(ends(s) for s in range(first, first + size - 1))
+        calls.append((first, size if fits else 1))
+        first += calls[-1][1]
+    return calls
+
+
+def place_for_call(
+    ts: TrainStep, batch_at: Callable[[int], Batch], call: tuple[int, int], steps: int
+) -> PlacedBatch:
+    """The placed batch of one call of ``call_plan``: ``place_for_step``'s for a call
+    of one step, the call's batches stacked by ``ts.place_steps`` for several."""
+    first, size = call
+    if size == 1:
+        return place_for_step(ts, batch_at, first, steps)
+    if ts.place_steps is None:
+        raise ValueError(
+            f"strategy {ts.strategy!r} cannot run several steps a call (it is pipelined or "
+            "pmapped): use one step a call"
+        )
+    return ts.place_steps([batch_at(s) for s in range(first, first + size)])
+
+
+def placed_calls(
+    ts: TrainStep, batch_at: Callable[[int], Batch], calls: Sequence[tuple[int, int]], steps: int
+) -> Iterator[PlacedBatch]:
+    """The placed batches of ``calls`` (``call_plan``; ``place_for_call``), each made on
+    a host thread while the call before it runs, as ``placed_batches`` does for single
+    steps.
+
+    Args:
+      ts: the train step (its ``place_batch`` and ``place_steps``).
+      batch_at: step -> host batch; called from one thread, in step order.
+      calls: ``(first step, steps)`` of each call.
+      steps: the run's number of steps.
+
+    Returns:
+      An iterator of ``PlacedBatch``, one per call: run a call of one step with
+      ``ts.step``, of several with ``ts.steps``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from sparsecomm_jax import make_train_step, runtime
+        >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+        >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(),
+        ...                      {"w": jnp.zeros((3, 1))})
+        >>> n = len(jax.devices())
+        >>> batch_at = lambda step: {"x": jnp.full((n, 3), step), "y": jnp.ones((n, 1))}
+        >>> calls = call_plan(0, 5, 4)  # [(0, 4), (4, 1)]
+        >>> state, losses = ts.state, []
+        >>> for (first, size), batch in zip(calls, placed_calls(ts, batch_at, calls, 5)):
+        ...     state, loss = (ts.steps if size > 1 else ts.step)(state, batch)
+        ...     losses += [float(x) for x in jnp.ravel(loss)]
+        >>> len(losses)
+        5
+    """
+    place = functools.partial(place_for_call, ts, batch_at, steps=steps)
+    return _placed_ahead(place, list(calls))
 
 
 # ------------------------------------------------------------------ the checks
