@@ -214,6 +214,13 @@ class RunConfig:
         "the devices are CPUs and a host of the job runs more processes than it has cores",
         choices=IN_FLIGHT,
     )
+    steps_per_call: int = _field(
+        1,
+        "steps one program call runs (a scan over their batches): one dispatch, one "
+        "program run and one loss read for them all; checkpoints, evaluations, the "
+        "profiler's window and the last step end a call (steps near them run one a call)",
+        at_least(1),
+    )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')
     checkpoint_every: int = _field(
         0,
@@ -306,6 +313,7 @@ NOT_TRAJECTORY = frozenset(
         "nonfinite",
         "max_skipped",
         "in_flight",
+        "steps_per_call",
         "checkpoint_dir",
         "checkpoint_every",
         "resume",

@@ -1,10 +1,11 @@
 """The step loop of a run and its policy for non-finite steps.
 
-``run_steps`` runs steps ``start .. config.steps - 1``: one compiled program per (state,
-batch) structure, the loss and step time of each step, a skipped step recorded when its
-gradient was not finite (``--nonfinite skip``), the run stopped when the parameters
-diverge, when ``--nonfinite error`` sees one, or when more than ``--max-skipped`` steps
-in a row are skipped; checkpoints saved when due, never of non-finite parameters.
+``run_steps`` runs steps ``start .. config.steps - 1``: one compiled program per call
+size and (state, batch) structure, the loss and step time of each step, a skipped step
+recorded when its gradient was not finite (``--nonfinite skip``), the run stopped when
+the parameters diverge, when ``--nonfinite error`` sees one, or when more than
+``--max-skipped`` steps in a row are skipped; checkpoints saved when due, never of
+non-finite parameters.
 
 One step stays in flight: step ``t + 1`` is handed to the devices before step ``t``'s
 loss is read, so the host's work between steps (reading the loss, the log line, the
@@ -18,6 +19,13 @@ compilation); and at every step with ``--in-flight no`` (``auto``, the default, 
 step in flight a step's time is the time between two loss reads: the program and any
 host work it did not hide.
 
+With ``--steps-per-call S`` one program call runs S steps (``TrainStep.steps``, a scan
+over their stacked batches): one dispatch, one program run and one read of S losses
+instead of S of each; everything above holds per call, each step of a call is given an
+equal share of its time, and a step whose state must be seen (saved, evaluated, at an
+edge of the profiler's window, the last) ends its call (``call_plan``: calls that could
+not end there run one step each).
+
 Example:
     >>> from experiments.loop import skip_streak
     >>> skip_streak([3, 5, 6, 7], step=7)
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -40,10 +49,11 @@ from tqdm import tqdm
 from experiments.config import RunConfig
 from sparsecomm_jax import (
     CapacityWarning,
+    call_plan,
     checkpoint,
-    loss_value,
+    loss_values,
     overflow_message,
-    placed_batches,
+    placed_calls,
     runtime,
 )
 from sparsecomm_jax.step.finish import finite
@@ -60,8 +70,8 @@ def params_finite(ts, state) -> bool:
 
 
 def _runner(ts, compiled):
-    """The compiled program, except for multi-process ``pmap``: its AOT executable wants
-    global arrays where ``pmap`` takes this process's devices' slices."""
+    """The compiled program, except for multi-process ``pmap`` (one step a call): its AOT
+    executable wants global arrays where ``pmap`` takes this process's devices' slices."""
     if ts.per_device_state and jax.process_count() > 1:
         return ts.step
     return compiled
@@ -151,32 +161,43 @@ def _save(config: RunConfig, ckpt, ts, state, step: int, streak: int) -> None:
 
 
 def _compiled(ts, log: RunLog, state, batch, key) -> tuple[Any, RunLog]:
-    """The program of ``key`` (the (state, batch) structure), compiled on first use."""
+    """The program of ``key`` (``program_key``), compiled on first use; its runs count
+    steps."""
+    size = key[0]
     if key not in log.programs:
         t = time.perf_counter()
-        log.programs[key] = ts.step.lower(state, batch).compile()
+        log.programs[key] = (ts.steps if size > 1 else ts.step).lower(state, batch).compile()
         log = log._replace(compile_s=log.compile_s + time.perf_counter() - t)
-    log.runs[key] = log.runs.get(key, 0) + 1
+    log.runs[key] = log.runs.get(key, 0) + size
     return _runner(ts, log.programs[key]), log
 
 
-class Flight(NamedTuple):
-    """A step handed to the devices whose loss has not been read yet."""
+def program_key(state, batch, size: int) -> tuple:
+    """What tells one compiled program from another: the steps a call runs and the
+    (state, batch) structure."""
+    return size, jax.tree.structure((state, batch))
 
-    step: int
-    loss: Any  # the step's loss, a device array
+
+class Flight(NamedTuple):
+    """A program call handed to the devices whose losses have not been read yet."""
+
+    step: int  # its first step
+    loss: Any  # its losses, a device array (one per step)
     batch: Any  # its placed batch (named in a capacity warning)
-    key: Any  # its program's (state, batch) structure
+    key: Any  # its program's ``program_key``
     compiled: bool  # its program was compiled for it (no wall time recorded)
     begin: float  # when it was handed over (time.perf_counter)
+    size: int = 1  # its steps
 
 
 def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool, hooks=None):
-    """Steps ``start .. config.steps - 1``: one compiled program per (state, batch)
-    structure (a new row-wise capacity or the pipelined carry makes a new one), each
-    step's batch placed on a host thread while the step before runs
-    (``placed_batches``), one step in flight while the step before it is read
-    (``land``; a step whose program is compiled first waits for the one before, so no
+    """Steps ``start .. config.steps - 1`` in program calls of ``config.steps_per_call``
+    steps (``call_plan``: one step a call next to a step whose state is saved or
+    evaluated, or where the profiler's window opens or closes): one compiled program per
+    call size and (state, batch) structure (a new row-wise capacity or the pipelined
+    carry makes a new one), each call's batches placed on a host thread while the call
+    before runs (``placed_calls``), one call in flight while the call before it is read
+    (``land``; a call whose program is compiled first waits for the one before, so no
     step's time holds a compilation); ``hooks`` (``experiments.runlog.RunHooks``) log,
     evaluate and trace around steps. ``config.in_flight`` is ``yes`` or ``no``
     (``decide_in_flight`` first)."""
@@ -184,26 +205,52 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
         raise ValueError(f"--in-flight {config.in_flight!r}: decide_in_flight(config) first")
     log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
     log = log._replace(last_end=time.perf_counter())
-    bar = tqdm(range(start, config.steps), desc=config.strategy, disable=not show)
+    ends = functools.partial(planned_end, config, ckpt, hooks, start)
+    calls = call_plan(start, config.steps, config.steps_per_call, ends)
     flying = None
-    with contextlib.closing(placed_batches(ts, workload.batch_at, start, config.steps)) as batches:
-        for step in bar:
+    bar = tqdm(total=config.steps - start, desc=config.strategy, disable=not show)
+    placed = placed_calls(ts, workload.batch_at, calls, config.steps)
+    with bar, contextlib.closing(placed) as batches:
+        for first, size in calls:
             if hooks:
-                hooks.before_step(step)
-            batch, log = _next_batch(batches, log)
-            if flying and jax.tree.structure((state, batch)) not in log.programs:
+                for step in range(first, first + size):
+                    hooks.before_step(step)
+            batch, log = _next_batch(batches, log, size)
+            if flying and program_key(state, batch, size) not in log.programs:
                 state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=0)
-                flying = None  # the step before is read, then the new program compiled
-            state, now, log = _dispatch(ts, state, batch, log, step)
-            if flying:  # the step before, read while this one runs
-                state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=1)
+                flying = None  # the call before is read, then the new program compiled
+            state, now, log = _dispatch(ts, state, batch, log, first, size)
+            if flying:  # the call before, read while this one runs
+                state, log = land(config, ts, state, flying, log, ckpt, hooks, ahead=size)
             flying = now
-            if settles(config, ckpt, hooks, state, step):
+            if settles(config, ckpt, hooks, state, first + size - 1):
                 state, log = land(config, ts, state, now, log, ckpt, hooks, ahead=0)
                 flying = None
+            bar.update(size)
             if log.losses:
                 bar.set_postfix(loss=f"{log.losses[-1]:.4f}", refresh=False)
     return state, log
+
+
+def ends_call(config: RunConfig, ckpt, hooks, step: int) -> bool:
+    """Whether the loop must see the state after ``step`` before the next step starts:
+    the last step, a checkpoint due after it, an evaluation of its state, the profiler's
+    window opening or closing after it."""
+    return (
+        step + 1 == config.steps
+        or _save_due(config, ckpt, step)
+        or bool(hooks and hooks.settles(step))
+    )
+
+
+def planned_end(config: RunConfig, ckpt, hooks, start: int, step: int) -> bool:
+    """``ends_call`` as planned before a run from ``start``: a checkpoint is planned
+    after the run's first step and every ``ckpt.every`` steps. The checkpointer decides
+    each save when it comes (``_save_due``; a save the plan did not foresee, such as the
+    folder's first after a skipped first step, is made at the end of the call that holds
+    it), so a call ends wherever a save may be due."""
+    saves = bool(ckpt) and (step == start or (step + 1) % ckpt.every == 0)
+    return saves or ends_call(config, None, hooks, step)
 
 
 def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> str:
@@ -258,64 +305,65 @@ def decide_in_flight(config: RunConfig) -> RunConfig:
 def settles(config: RunConfig, ckpt, hooks, state, step: int) -> bool:
     """Whether the loop waits for ``step`` to end before starting the next: told so
     (``--in-flight no``; ``auto`` is decided before the loop: ``decide_in_flight``),
-    its state is saved or evaluated, the profiler's window opens or closes after it, it
-    is the last, or the step carries rows to the next (a pipelined step's carry is
-    dropped on the host after a non-finite step)."""
+    the state after it must be seen (``ends_call``), or the step carries rows to the
+    next (a pipelined step's carry is dropped on the host after a non-finite step)."""
     return (
         config.in_flight == "no"
-        or step + 1 == config.steps
-        or _save_due(config, ckpt, step)
-        or bool(hooks and hooks.settles(step))
+        or ends_call(config, ckpt, hooks, step)
         or bool(jax.tree.leaves(state.carry))
     )
 
 
-def _next_batch(batches, log: RunLog) -> tuple[Any, RunLog]:
-    """The next placed batch; the wait for it (the host time on the step path) goes
-    into ``log``."""
+def _next_batch(batches, log: RunLog, size: int) -> tuple[Any, RunLog]:
+    """The next placed batch, of a call of ``size`` steps; the wait for it (the host
+    time on the step path) goes into ``log``, an equal share for each step."""
     begin = time.perf_counter()
     batch = next(batches)
-    log.place_times.append(time.perf_counter() - begin)
+    log.place_times.extend([(time.perf_counter() - begin) / size] * size)
     return batch, log
 
 
-def _dispatch(ts, state, batch, log: RunLog, step: int) -> tuple[Any, Flight, RunLog]:
-    """Hands ``step`` (its placed ``batch``) to the devices, compiling the program of its
-    (state, batch) structure on first use; returns the new state and the ``Flight``,
-    neither waited for."""
-    key = jax.tree.structure((state, batch))
+def _dispatch(ts, state, batch, log: RunLog, first: int, size: int):
+    """Hands the call of steps ``first .. first + size - 1`` (its placed ``batch``) to
+    the devices, compiling its program on first use; returns the new state and the
+    ``Flight``, neither waited for."""
+    key = program_key(state, batch, size)
     compiles = key not in log.programs
     program, log = _compiled(ts, log, state, batch, key)
     t = time.perf_counter()
     state, loss = program(state, batch)
-    return state, Flight(step, loss, batch, key, compiles, t), log
+    return state, Flight(first, loss, batch, key, compiles, t, size), log
 
 
 def land(config: RunConfig, ts, state, flight: Flight, log: RunLog, ckpt, hooks, ahead: int):
-    """Reads ``flight``'s loss and does what follows a step: the overflow warning, its
-    times, the non-finite policy, the hooks, the checkpoint. ``state`` is the newest
-    state, ``ahead`` (0 or 1) steps past ``flight``'s (a step due to be saved or
+    """Reads ``flight``'s losses and does what follows each of its steps: the overflow
+    warning, its times, the non-finite policy, the hooks; then the checkpoint after its
+    last step. ``state`` is the newest state, ``ahead`` steps past ``flight``'s last
+    (the steps of the call in flight; a call whose last step is due to be saved or
     evaluated is landed with nothing after it in flight: ``settles``).
 
-    The step's time is from when the devices could start it (it was handed over, and the
-    step before it was read) to when its loss was read; its wall time from the previous
-    step's loss to its own."""
-    step = flight.step
-    loss = loss_value(flight.loss)
+    The call's time is from when the devices could start it (it was handed over, and
+    the call before it was read) to when its losses were read; its wall time from the
+    previous call's losses to its own; each of its steps is given an equal share."""
+    losses = loss_values(flight.loss)
     end = time.perf_counter()
-    log.losses.append(loss)
-    if loss == math.inf:  # a table's capacity was too small (mark_missed)
-        warnings.warn(overflow_message(ts, flight.batch), CapacityWarning, stacklevel=2)
-    log.times.append(end - max(flight.begin, log.last_end))
-    log.wall_times.append(None if flight.compiled else end - log.last_end)  # no compile time
+    seconds = (end - max(flight.begin, log.last_end)) / flight.size
+    wall = None if flight.compiled else (end - log.last_end) / flight.size  # no compile time
     log = log._replace(last_key=flight.key, last_end=end)
-    if not math.isfinite(loss):
-        _after_nonfinite(config, ts, state, step, log, ahead)
-        state = state._replace(carry=())  # the early-fetched rows may hold NaN
-    if hooks:
-        hooks.after_step(step, state, loss, log.times[-1], log.programs[flight.key])
-    streak = skip_streak(log.skipped, step)
-    _stop_if_stuck(config, ckpt, step, streak)
+    for i, loss in enumerate(losses):
+        step = flight.step + i
+        log.losses.append(loss)
+        if loss == math.inf:  # a table's capacity was too small (mark_missed)
+            warnings.warn(overflow_message(ts, flight.batch), CapacityWarning, stacklevel=2)
+        log.times.append(seconds)
+        log.wall_times.append(wall)
+        if not math.isfinite(loss):
+            _after_nonfinite(config, ts, state, step, log, ahead + flight.size - 1 - i)
+            state = state._replace(carry=())  # the early-fetched rows may hold NaN
+        if hooks:
+            hooks.after_step(step, state, loss, seconds, log.programs[flight.key])
+        streak = skip_streak(log.skipped, step)
+        _stop_if_stuck(config, ckpt, step, streak)
     if ahead:
         assert not _save_due(config, ckpt, step), "a step due to be saved settles"
     else:

@@ -130,6 +130,12 @@ def build(config: RunConfig):
         **common,
         **_aggregator_options(config),
     )
+    if config.steps_per_call > 1 and ts.steps is None:
+        raise ValueError(
+            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
+            f"as {ts.runs_as}, a pipelined step (its steps carry rows and look ahead), one "
+            "step a call"
+        )
     return workload, ts
 
 

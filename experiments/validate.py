@@ -117,6 +117,11 @@ def _check_combinations(config: RunConfig) -> None:
         )
     if config.overlap:
         _check_overlap(config)
+    if config.steps_per_call > 1 and parse_strategy(config.strategy).strategy.engine == "pmap":
+        raise ValueError(
+            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
+            "one step a call (jax.pmap)"
+        )
     if config.plan and not parse_strategy(config.strategy).strategy.any_layout:
         mixed = [n for n, s in STRATEGIES.items() if s.any_layout]
         raise ValueError(
@@ -133,6 +138,8 @@ def _check_overlap(config: RunConfig) -> None:
         if getattr(config, name):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"--overlap keeps no {flag}: run without it, or without --overlap")
+    if config.steps_per_call > 1:
+        raise ValueError("--overlap runs one step a call: leave out --steps-per-call")
 
 
 def _check_model_fields(config: RunConfig) -> None:

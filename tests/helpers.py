@@ -74,14 +74,14 @@ def a2a_sent(x, k, workers):
 
 def record_loop_events(monkeypatch, loop) -> list:
     """A list that ``experiments.loop`` (passed as ``loop``) fills as it runs: ``"run"``
-    when a step is handed to the devices, ``"read"`` when a step's loss is read."""
+    when a program call is handed to the devices, ``"read"`` when its losses are read."""
     events = []
-    real_runner, real_read = loop._runner, loop.loss_value
+    real_runner, real_read = loop._runner, loop.loss_values
 
     def runner(ts, compiled):
         program = real_runner(ts, compiled)
         return lambda state, batch: events.append("run") or program(state, batch)
 
     monkeypatch.setattr(loop, "_runner", runner)
-    monkeypatch.setattr(loop, "loss_value", lambda loss: events.append("read") or real_read(loss))
+    monkeypatch.setattr(loop, "loss_values", lambda loss: events.append("read") or real_read(loss))
     return events

@@ -188,6 +188,15 @@ BAD_INPUT = [
         ["--strategy", "embrace_2d", "--overlap", "--checkpoint-dir", "/tmp/x"],
         "--overlap keeps no --checkpoint-dir",
     ),
+    (["--steps-per-call", "0"], "--steps-per-call must be >= 1, got 0"),
+    (
+        ["--strategy", "dense_pmap", "--steps-per-call", "2"],
+        "--strategy dense_pmap runs one step a call",
+    ),
+    (
+        ["--strategy", "embrace_2d", "--overlap", "--steps-per-call", "2"],
+        "--overlap runs one step a call",
+    ),
 ]
 
 
@@ -207,6 +216,11 @@ BAD_MODEL_INPUT = [
     ),
     (["--model", "dlrm", "--tables", "5,0"], "--tables needs one or more tables, each of >= 2"),
     (["--text-file", "EMPTY", "--seq-len", "16"], "has 0 tokens; an example takes 17"),
+    (
+        ["--strategy", "embrace_2d", "--collectives-overlap", "yes", "--sampled-softmax", "16"]
+        + ["--steps-per-call", "2"],
+        "--strategy embrace_2d runs as embrace_2d, a pipelined step",
+    ),
 ]
 
 

@@ -691,3 +691,44 @@ def _rank_pid(rank: int):
             if state != "Z":
                 return int(pid)
     return None
+
+
+def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
+    """``--steps-per-call 4``: the losses of one step a call (to float rounding); a step whose
+    state is saved ends its call (the first, then every 5th), the steps that cannot make
+    a whole call before it run one a call; one call in flight; a resumed run goes on
+    alike."""
+    events = record_loop_events(monkeypatch, loop)
+    base = dict(strategy="embrace", steps=12, **SMALL)
+    one = train_and_evaluate(RunConfig(**base), progress=False)
+    events.clear()
+    ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=5)
+    calls = train_and_evaluate(RunConfig(steps_per_call=4, **ck, **base), progress=False)
+    np.testing.assert_allclose(calls["losses"], one["losses"], rtol=1e-5)
+    assert len(calls["step_times_s"]) == len(calls["place_times_s"]) == 12
+    assert checkpoint.saved_steps(tmp_path) == [10, 12]  # 1 and 5 kept no longer (keep 2)
+    # calls (0, 1) (1, 4) (5, 1)... : 0 | 1-4 | 5-8 | 9 | 10 | 11, saved after 1, 5, 10, 12
+    assert events.count("run") == events.count("read") == 6
+    resumed = train_and_evaluate(
+        RunConfig(steps_per_call=4, resume=True, **{**ck, **base, "steps": 16}), progress=False
+    )
+    assert resumed["start_step"] == 12
+    full = train_and_evaluate(RunConfig(**{**base, "steps": 16}), progress=False)
+    np.testing.assert_allclose(resumed["losses"], full["losses"][12:], rtol=1e-5)
+
+
+def test_a_nonfinite_step_inside_a_call(monkeypatch):
+    """A NaN gradient at step 2 of a call of steps 0-3 is skipped and named as one step
+    a call names it; applied (``off``), the run stops at the newest state it sees."""
+    _poison_runs(monkeypatch, 2)
+    cfg = dict(strategy="embrace", steps=8, steps_per_call=4, **SMALL)
+    result = train_and_evaluate(RunConfig(**cfg), progress=False)
+    one = train_and_evaluate(RunConfig(**{**cfg, "steps_per_call": 1}), progress=False)
+    assert result["skipped_steps"] == one["skipped_steps"] == [2]
+    np.testing.assert_allclose(result["losses"][3:], one["losses"][3:], rtol=1e-5)
+    assert np.isnan(result["losses"][2])
+    with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step 2"):
+        train_and_evaluate(RunConfig(nonfinite="error", **cfg), progress=False)
+    match = r"non-finite after step 7 \(step 2's loss was not finite; diverged"
+    with pytest.raises(FloatingPointError, match=match):
+        train_and_evaluate(RunConfig(**{**cfg, "nonfinite": "off"}), progress=False)
