@@ -76,17 +76,21 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def run_of(config: RunConfig, strategy: str) -> RunConfig:
     """``config`` for one strategy: its checkpoints and logs in a subfolder of their own
-    (``--checkpoint-dir D`` -> ``D/<strategy>``), so that no run finds another's."""
+    (``--checkpoint-dir D`` -> ``D/<strategy>``), so that no run finds another's;
+    ``--steps-per-call`` for the strategies that can run several steps a call (a
+    ``jax.pmap`` step runs one)."""
 
     def own(folder: str) -> str:
         return str(Path(folder) / strategy) if folder else folder
 
+    pmapped = parse_strategy(strategy).strategy.engine == "pmap"
     return dataclasses.replace(
         config,
         strategy=strategy,
         out="",
         checkpoint_dir=own(config.checkpoint_dir),
         log_dir=own(config.log_dir),
+        steps_per_call=1 if pmapped else config.steps_per_call,
     )
 
 

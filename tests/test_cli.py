@@ -15,6 +15,7 @@ from experiments import train as cli
 from experiments.config import RunConfig
 from experiments.startup import adaptive_link
 from experiments.train import main, train_and_evaluate
+from experiments.validate import validate
 from models import MODELS
 from sparsecomm_jax.strategies.build import NONFINITE
 from sparsecomm_jax.topk.selectors import SELECTORS
@@ -114,6 +115,17 @@ def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main([*flags, "--out", str(tmp_path / "x.json")])
     assert "unrecognized arguments: --out" in capsys.readouterr().err
+
+
+def test_compare_runs_a_pmap_step_one_step_a_call():
+    """--steps-per-call applies to the strategies that can run several steps a call;
+    the pmap baseline runs one (it would refuse the flag on its own)."""
+    from experiments import compare
+
+    config = RunConfig(steps_per_call=4, **SMALL)
+    assert compare.run_of(config, "dense_pmap").steps_per_call == 1
+    assert compare.run_of(config, "embrace").steps_per_call == 4
+    validate(compare.run_of(config, "dense_pmap"))  # what compare runs passes the checks
 
 
 def test_calibrated_link_for_adaptive_and_in_the_result():
