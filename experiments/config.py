@@ -94,7 +94,10 @@ class RunConfig:
     )
     steps: int = _field(20, "training steps (the run's total, resumed or not)", at_least(1))
     warmup: int = _field(
-        2, "first steps left out of the step-time median (compilation)", at_least(0)
+        2,
+        "first program calls left out of the step-time medians (compilation, first runs): "
+        "steps, or calls of --steps-per-call steps",
+        at_least(0),
     )
     seed: int = _field(0, "seed of initialisation and data, in [0, 2**32 - 1]", seed_range)
     optimizer: str = _field(

@@ -91,6 +91,13 @@ class RunLog(NamedTuple):
     wall_times: list | tuple = ()  # seconds since the previous step's loss (None: compiled)
     last_key: Any = None  # the (state, batch) structure of the last step run
     last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
+    call_sizes: list | tuple = ()  # steps of each program call run, in order
+
+
+def warm_steps(log: RunLog, warmup: int) -> int:
+    """The steps of the first ``warmup`` program calls (``--warmup`` counts program
+    runs: the first runs of a program are slow however many steps a call holds)."""
+    return sum(log.call_sizes[:warmup]) if log.call_sizes else warmup
 
 
 def _diverged(step: int, seen_at: int | None = None) -> FloatingPointError:
@@ -203,10 +210,13 @@ def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bo
     (``decide_in_flight`` first)."""
     if config.in_flight not in ("yes", "no"):
         raise ValueError(f"--in-flight {config.in_flight!r}: decide_in_flight(config) first")
-    log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[])
+    log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[], call_sizes=[])
     log = log._replace(last_end=time.perf_counter())
-    ends = functools.partial(planned_end, config, ckpt, hooks, start)
+    fresh = bool(ckpt) and ckpt.latest_step() is None  # its first save after one step
+    ends = functools.partial(planned_end, config, ckpt, hooks, start if fresh else None)
     calls = call_plan(start, config.steps, config.steps_per_call, ends)
+    log.call_sizes.extend(size for _, size in calls)
+    _warn_single_steps(config, calls)
     flying = None
     bar = tqdm(total=config.steps - start, desc=config.strategy, disable=not show)
     placed = placed_calls(ts, workload.batch_at, calls, config.steps)
@@ -243,14 +253,27 @@ def ends_call(config: RunConfig, ckpt, hooks, step: int) -> bool:
     )
 
 
-def planned_end(config: RunConfig, ckpt, hooks, start: int, step: int) -> bool:
-    """``ends_call`` as planned before a run from ``start``: a checkpoint is planned
-    after the run's first step and every ``ckpt.every`` steps. The checkpointer decides
-    each save when it comes (``_save_due``; a save the plan did not foresee, such as the
-    folder's first after a skipped first step, is made at the end of the call that holds
-    it), so a call ends wherever a save may be due."""
-    saves = bool(ckpt) and (step == start or (step + 1) % ckpt.every == 0)
+def planned_end(config: RunConfig, ckpt, hooks, first: int | None, step: int) -> bool:
+    """``ends_call`` as planned before a run: a checkpoint is planned every
+    ``ckpt.every`` steps, and after step ``first`` (the run's first step, into a folder
+    with no checkpoint; ``None``: none). The checkpointer decides each save when it
+    comes (``_save_due``; a save the plan did not foresee, such as the folder's first
+    after a skipped first step, is made at the end of the call that holds it)."""
+    saves = bool(ckpt) and (step == first or (step + 1) % ckpt.every == 0)
     return saves or ends_call(config, None, hooks, step)
+
+
+def _warn_single_steps(config: RunConfig, calls: list) -> None:
+    """A warning when ``--steps-per-call`` asked for several steps a call and no call of
+    that many fits between the steps whose state must be seen."""
+    size = config.steps_per_call
+    if size > 1 and calls and all(n == 1 for _, n in calls):
+        warnings.warn(
+            f"--steps-per-call {size}: no call of {size} steps fits between the steps "
+            "whose state is saved, evaluated or traced, or in --steps; every step runs "
+            "one a call",
+            stacklevel=3,
+        )
 
 
 def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> str:
@@ -343,12 +366,15 @@ def land(config: RunConfig, ts, state, flight: Flight, log: RunLog, ckpt, hooks,
     evaluated is landed with nothing after it in flight: ``settles``).
 
     The call's time is from when the devices could start it (it was handed over, and
-    the call before it was read) to when its losses were read; its wall time from the
-    previous call's losses to its own; each of its steps is given an equal share."""
+    the call before it was read) to when its losses were read, each of its steps given
+    an equal share; a step's wall time is its share, and for a call's first step also
+    the host's time from the previous call's losses to the call's start (one step a
+    call: the time from loss to loss). No wall time for a call compiled first."""
     losses = loss_values(flight.loss)
     end = time.perf_counter()
-    seconds = (end - max(flight.begin, log.last_end)) / flight.size
-    wall = None if flight.compiled else (end - log.last_end) / flight.size  # no compile time
+    started = max(flight.begin, log.last_end)
+    seconds = (end - started) / flight.size
+    gap = started - log.last_end  # host work before the call (a save, an evaluation)
     log = log._replace(last_key=flight.key, last_end=end)
     for i, loss in enumerate(losses):
         step = flight.step + i
@@ -356,7 +382,7 @@ def land(config: RunConfig, ts, state, flight: Flight, log: RunLog, ckpt, hooks,
         if loss == math.inf:  # a table's capacity was too small (mark_missed)
             warnings.warn(overflow_message(ts, flight.batch), CapacityWarning, stacklevel=2)
         log.times.append(seconds)
-        log.wall_times.append(wall)
+        log.wall_times.append(None if flight.compiled else seconds + (gap if i == 0 else 0))
         if not math.isfinite(loss):
             _after_nonfinite(config, ts, state, step, log, ahead + flight.size - 1 - i)
             state = state._replace(carry=())  # the early-fetched rows may hold NaN

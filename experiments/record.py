@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.config import RunConfig
-from experiments.loop import RunLog
+from experiments.loop import RunLog, warm_steps
 from experiments.startup import calibrated_link
 from sparsecomm_jax.comm import hlo
 
@@ -48,8 +48,9 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     keys = log.per_step or [max(log.runs, key=log.runs.get)]  # the program run most
     steady = [log.programs[key] for key in keys]
     colls = [c for p in steady for c in hlo.parse_collectives(p.as_text())]
-    step_time = statistics.median(log.times[config.warmup :] or log.times)
-    wall = _median(log.wall_times, config.warmup)  # throughput: every second of a step
+    warm = warm_steps(log, config.warmup)  # the first --warmup program calls
+    step_time = statistics.median(log.times[warm:] or log.times)
+    wall = _median(log.wall_times, warm)  # throughput: every second of a step
     record = {
         "model": config.model,
         "strategy": config.strategy,
@@ -59,7 +60,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "step_times_s": log.times,
         "step_time_s": step_time,
         "place_times_s": log.place_times,
-        "place_time_s": _median(log.place_times, config.warmup),
+        "place_time_s": _median(log.place_times, warm),
         "wall_time_s": wall,
         f"{workload.items_name}_per_s": workload.items_per_step / (wall or step_time),
         "comm_bytes_per_step": hlo.total_bytes(colls),

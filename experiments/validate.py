@@ -117,16 +117,29 @@ def _check_combinations(config: RunConfig) -> None:
         )
     if config.overlap:
         _check_overlap(config)
-    if config.steps_per_call > 1 and parse_strategy(config.strategy).strategy.engine == "pmap":
-        raise ValueError(
-            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
-            "one step a call (jax.pmap)"
-        )
+    if config.steps_per_call > 1:
+        _check_steps_per_call(config)
     if config.plan and not parse_strategy(config.strategy).strategy.any_layout:
         mixed = [n for n, s in STRATEGIES.items() if s.any_layout]
         raise ValueError(
             f"--plan places each table by its own layout: use a strategy among {mixed}, "
             f"not --strategy {config.strategy}"
+        )
+
+
+def _check_steps_per_call(config: RunConfig) -> None:
+    """Several steps a call need a step ``lax.scan`` can repeat: not ``jax.pmap``'s, not
+    the pipelined ``embrace_2d`` (its steps carry rows and look ahead; where the
+    platform decides, ``experiments.train.build`` refuses it)."""
+    parsed = parse_strategy(config.strategy)
+    why = ""
+    if parsed.strategy.engine == "pmap":
+        why = "runs one step a call (jax.pmap)"
+    elif parsed.tables == "embrace_2d" and config.collectives_overlap == "yes":
+        why = "with --collectives-overlap yes is a pipelined step, one step a call"
+    if why:
+        raise ValueError(
+            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} {why}"
         )
 
 

@@ -707,7 +707,7 @@ def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
     np.testing.assert_allclose(calls["losses"], one["losses"], rtol=1e-5)
     assert len(calls["step_times_s"]) == len(calls["place_times_s"]) == 12
     assert checkpoint.saved_steps(tmp_path) == [10, 12]  # 1 and 5 kept no longer (keep 2)
-    # calls (0, 1) (1, 4) (5, 1)... : 0 | 1-4 | 5-8 | 9 | 10 | 11, saved after 1, 5, 10, 12
+    # calls (0, 1) (1, 4) (5, 4) (9, 1) (10, 1) (11, 1), saved after 1, 5, 10 and 12 steps
     assert events.count("run") == events.count("read") == 6
     resumed = train_and_evaluate(
         RunConfig(steps_per_call=4, resume=True, **{**ck, **base, "steps": 16}), progress=False
@@ -732,3 +732,32 @@ def test_a_nonfinite_step_inside_a_call(monkeypatch):
     match = r"non-finite after step 7 \(step 2's loss was not finite; diverged"
     with pytest.raises(FloatingPointError, match=match):
         train_and_evaluate(RunConfig(**{**cfg, "nonfinite": "off"}), progress=False)
+
+
+def test_calls_after_a_resume_and_host_work_between_calls(monkeypatch, tmp_path):
+    """A resumed run plans no save after its first step (its folder has checkpoints):
+    steps 10-17 run as two calls of 4. The host's work before a call (here a save made
+    to take 0.6 s) goes into the wall time of the call's first step only, so the median
+    wall time stays a step's; ``--warmup`` counts program calls."""
+    base = dict(strategy="embrace", steps_per_call=4, checkpoint_dir=str(tmp_path), **SMALL)
+    train_and_evaluate(RunConfig(steps=10, checkpoint_every=10, **base), progress=False)
+    events = record_loop_events(monkeypatch, loop)
+    resumed = train_and_evaluate(
+        RunConfig(steps=18, checkpoint_every=10, resume=True, **base), progress=False
+    )
+    assert resumed["start_step"] == 10 and events.count("run") == 2
+    real_save = loop._save
+
+    def slow_save(*args):
+        time.sleep(0.6)
+        return real_save(*args)
+
+    monkeypatch.setattr(loop, "_save", slow_save)
+    # calls (0, 1) (1, 1) (2, 1) (3, 1) (4, 4) (8, 4): saves after steps 0, 3, 7, 11
+    slow = dict(base, checkpoint_dir=str(tmp_path / "slow"), warmup=2)
+    result = train_and_evaluate(RunConfig(steps=12, checkpoint_every=4, **slow), progress=False)
+    assert result["wall_time_s"] < 0.1, result["wall_time_s"]  # 0.6 s spread: >= 0.15 a step
+    log = loop.RunLog([], [], [], {}, {}, 0.0, call_sizes=[1, 1, 4, 4])
+    assert loop.warm_steps(log, 3) == 6 and loop.warm_steps(log, 9) == 10
+    with pytest.raises(ValueError, match="one step or more"):
+        sc.call_plan(0, 5, 0)

@@ -245,8 +245,9 @@ def call_plan(
     """The program calls of steps ``start .. steps - 1`` as ``(first step, steps)``:
     ``size`` steps a call (``TrainStep.steps``) where none of them but the last ends a
     call (``ends(step)``: the caller must see the state after ``step``, to save or
-    evaluate it), else one step (``TrainStep.step``). So at most two programs run, and
-    every step ``ends`` names is the last of its call.
+    evaluate it), else one step (``TrainStep.step``). So a run needs two programs (one
+    per call size, for each (state, batch) structure), and every step ``ends`` names is
+    the last of its call.
 
     Args:
       start: the first step.
@@ -261,6 +262,8 @@ def call_plan(
         >>> call_plan(0, 10, 4, ends=lambda step: step == 5)
         [(0, 4), (4, 1), (5, 1), (6, 4)]
     """
+    if size < 1:
+        raise ValueError(f"a call runs one step or more, got size={size}")
     calls, first = [], start
     while first < steps:
         fits = first + size <= steps and not any(ends(s) for s in range(first, first + size - 1))
