@@ -109,6 +109,14 @@ def test_place_steps_checks_and_sizes_every_batch():
         ts.place_steps([batches[0], short])
     with pytest.raises(ValueError, match="one step or more"):
         ts.place_steps([])
+    # a call's batch goes to ts.steps, one step's to ts.step (on one device either
+    # would otherwise run as something else)
+    with pytest.raises(ValueError, match=r"holds 4 step\(s\) \(place_steps\): call ts.steps"):
+        ts.step(ts.state, placed)
+    with pytest.raises(ValueError, match=r"holds 1 step\(s\) \(place_batch\): call ts.step"):
+        ts.steps(ts.state, ts.place_batch(batches[0]))
+    state, losses = ts.steps(ts.state, placed)
+    assert len(sc.loss_values(losses)) == 4
 
 
 def test_call_plan_against_its_rules():

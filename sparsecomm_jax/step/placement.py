@@ -148,12 +148,15 @@ class PlacedBatch:
         the last step).
       later: the batches of steps t+2, t+3, ... a pipelined strategy's lookahead asks
         for (as many as remain), soonest first.
+      steps: 0 for one step's batch (``place_batch``), else the steps whose batches
+        ``place_steps`` stacked along ``data``'s leading axis (for ``TrainStep.steps``).
     """
 
     data: dict = dataclasses.field(metadata=dict(static=False))
     capacity: tuple = dataclasses.field(default=(), metadata=dict(static=True))
     next: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
     later: tuple = dataclasses.field(default=(), metadata=dict(static=False))
+    steps: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def slots(self, tables) -> dict[int, int]:
         """Table leaf index -> its slots (``tables`` in the order of ``capacity``)."""
@@ -310,7 +313,7 @@ def steps_placer(
             k: runtime.put_global(np.stack([b[k] for b in batches]), ctx.mesh, P(None, *spec))
             for k, spec in specs.items()
         }
-        return PlacedBatch(data, need)
+        return PlacedBatch(data, need, steps=len(batches))
 
     return place_steps
 

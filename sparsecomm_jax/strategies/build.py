@@ -67,7 +67,9 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
         place_batch=placement.batch_placer(ctx, policies, strategy.lookahead, capacity),
-        steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0)) if scannable else None,
+        steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0), stacked=True)
+        if scannable
+        else None,
         place_steps=placement.steps_placer(ctx, capacity) if scannable else None,
         host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
         strategy=strategy.name,
@@ -114,14 +116,24 @@ def _capacity_slots(ctx: StepContext, policies) -> tuple:
     return tuple((t.name, what.get(t.index, "none")) for t in ctx.tables)
 
 
-def check_step_call(state: TrainState, batch: Any) -> None:
+def check_step_call(state: TrainState, batch: Any, stacked: bool = False) -> None:
     """``ValueError`` for a step called on a state an earlier call took (the step
-    donates its state's buffers to the new one) or on a batch ``place_batch`` did not
-    place: mistakes the runtime would otherwise meet deep in a call, or crash on."""
+    donates its state's buffers to the new one), on a batch ``place_batch`` did not
+    place, or (``stacked``: ``ts.steps``) on one step's batch, and the reverse:
+    mistakes the runtime would otherwise meet deep in a call, crash on, or run as
+    something else."""
+    one = "ts.step(state, ts.place_batch(host_batch))"
+    several = "ts.steps(state, ts.place_steps(host_batches))"
     if not isinstance(batch, PlacedBatch):
         raise ValueError(
-            f"batch must be placed first: ts.step(state, ts.place_batch(host_batch)) "
-            f"(a PlacedBatch; got {type(batch).__name__})"
+            f"batch must be placed first: {several if stacked else one} (a PlacedBatch; "
+            f"got {type(batch).__name__})"
+        )
+    if bool(batch.steps) != stacked:
+        made_by = "place_steps" if batch.steps else "place_batch"
+        raise ValueError(
+            f"this batch holds {batch.steps or 1} step(s) ({made_by}): call "
+            f"{several if batch.steps else one}"
         )
     if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
         raise ValueError(
@@ -135,9 +147,10 @@ class DonatingStep(NamedTuple):
     (``check_step_call``); ``lower`` is the jit's."""
 
     jitted: Callable
+    stacked: bool = False  # ``TrainStep.steps``: batches of several steps
 
     def __call__(self, state: TrainState, batch: PlacedBatch):
-        check_step_call(state, batch)
+        check_step_call(state, batch, self.stacked)
         return self.jitted(state, batch)
 
     def lower(self, *args, **kwargs):
