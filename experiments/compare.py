@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from experiments.config import RunConfig, add_arguments, from_namespace
 from experiments.train import start_devices, train_and_evaluate, write_json
 from sparsecomm_jax import parse_strategy
@@ -78,19 +80,24 @@ def run_of(config: RunConfig, strategy: str) -> RunConfig:
     """``config`` for one strategy: its checkpoints and logs in a subfolder of their own
     (``--checkpoint-dir D`` -> ``D/<strategy>``), so that no run finds another's;
     ``--steps-per-call`` for the strategies that can run several steps a call (a
-    ``jax.pmap`` step runs one)."""
+    ``jax.pmap`` step runs one, and so does ``embrace_2d`` where it is pipelined:
+    ``--collectives-overlap yes``, or ``auto`` on devices that are not CPUs)."""
 
     def own(folder: str) -> str:
         return str(Path(folder) / strategy) if folder else folder
 
-    pmapped = parse_strategy(strategy).strategy.engine == "pmap"
+    parsed = parse_strategy(strategy)
+    overlap = config.collectives_overlap == "yes" or (
+        config.collectives_overlap == "auto" and jax.devices()[0].platform != "cpu"
+    )
+    one_a_call = parsed.strategy.engine == "pmap" or (parsed.tables == "embrace_2d" and overlap)
     return dataclasses.replace(
         config,
         strategy=strategy,
         out="",
         checkpoint_dir=own(config.checkpoint_dir),
         log_dir=own(config.log_dir),
-        steps_per_call=1 if pmapped else config.steps_per_call,
+        steps_per_call=1 if one_a_call else config.steps_per_call,
     )
 
 

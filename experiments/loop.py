@@ -92,6 +92,7 @@ class RunLog(NamedTuple):
     last_key: Any = None  # the (state, batch) structure of the last step run
     last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
     call_sizes: list | tuple = ()  # steps of each program call run, in order
+    held: float = 0.0  # host seconds since last_end spent saving, evaluating, tracing
 
 
 def warm_steps(log: RunLog, warmup: int) -> int:
@@ -367,34 +368,50 @@ def land(config: RunConfig, ts, state, flight: Flight, log: RunLog, ckpt, hooks,
 
     The call's time is from when the devices could start it (it was handed over, and
     the call before it was read) to when its losses were read, each of its steps given
-    an equal share; a step's wall time is its share, and for a call's first step also
-    the host's time from the previous call's losses to the call's start (one step a
-    call: the time from loss to loss). No wall time for a call compiled first."""
+    an equal share. Its wall time is from the previous call's losses to its own: each
+    step gets an equal share, except that the host's time saving, evaluating or
+    tracing before the call goes to its first step alone (one step a call: the time
+    from loss to loss). No wall time for a call compiled first."""
     losses = loss_values(flight.loss)
+    assert len(losses) == flight.size, f"{len(losses)} losses for {flight.size} steps"
     end = time.perf_counter()
     started = max(flight.begin, log.last_end)
     seconds = (end - started) / flight.size
-    gap = started - log.last_end  # host work before the call (a save, an evaluation)
-    log = log._replace(last_key=flight.key, last_end=end)
+    gap = started - log.last_end  # the host's work before the call
+    held = min(log.held, gap)  # of it, saving, evaluating, tracing: the first step's
+    share = seconds + (gap - held) / flight.size  # the rest (logs, waits): every step's
+    log = log._replace(last_key=flight.key, last_end=end, held=0.0)
     for i, loss in enumerate(losses):
         step = flight.step + i
         log.losses.append(loss)
         if loss == math.inf:  # a table's capacity was too small (mark_missed)
             warnings.warn(overflow_message(ts, flight.batch), CapacityWarning, stacklevel=2)
         log.times.append(seconds)
-        log.wall_times.append(None if flight.compiled else seconds + (gap if i == 0 else 0))
+        log.wall_times.append(None if flight.compiled else share + (held if i == 0 else 0))
         if not math.isfinite(loss):
             _after_nonfinite(config, ts, state, step, log, ahead + flight.size - 1 - i)
             state = state._replace(carry=())  # the early-fetched rows may hold NaN
         if hooks:
-            hooks.after_step(step, state, loss, seconds, log.programs[flight.key])
+            log = _timed_hooks(hooks, log, step, state, loss, seconds, log.programs[flight.key])
         streak = skip_streak(log.skipped, step)
         _stop_if_stuck(config, ckpt, step, streak)
     if ahead:
         assert not _save_due(config, ckpt, step), "a step due to be saved settles"
     else:
+        begin = time.perf_counter()
         _save(config, ckpt, ts, state, step, streak)
+        log = log._replace(held=log.held + time.perf_counter() - begin)
     return state, log
+
+
+def _timed_hooks(hooks, log: RunLog, step: int, *args) -> RunLog:
+    """``hooks.after_step``; its time goes into ``log.held`` where it evaluates or
+    closes a trace (work one step in many does, not the per-step log line)."""
+    begin = time.perf_counter()
+    hooks.after_step(step, *args)
+    if hooks.settles(step):
+        log = log._replace(held=log.held + time.perf_counter() - begin)
+    return log
 
 
 def run_overlapped(config: RunConfig, ov, workload, show: bool) -> tuple[Any, RunLog]:

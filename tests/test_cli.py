@@ -1,5 +1,6 @@
 """experiments.train: the result record, and one-line errors on bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -119,13 +120,18 @@ def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
 
 def test_compare_runs_a_pmap_step_one_step_a_call():
     """--steps-per-call applies to the strategies that can run several steps a call;
-    the pmap baseline runs one (it would refuse the flag on its own)."""
+    the pmap baseline and a pipelined embrace_2d run one (each would refuse the flag on
+    its own)."""
     from experiments import compare
 
     config = RunConfig(steps_per_call=4, **SMALL)
     assert compare.run_of(config, "dense_pmap").steps_per_call == 1
     assert compare.run_of(config, "embrace").steps_per_call == 4
-    validate(compare.run_of(config, "dense_pmap"))  # what compare runs passes the checks
+    assert compare.run_of(config, "embrace_2d").steps_per_call == 4  # runs as embrace here
+    pipelined = dataclasses.replace(config, collectives_overlap="yes")
+    assert compare.run_of(pipelined, "embrace_2d").steps_per_call == 1
+    for strategy in ("dense_pmap", "embrace_2d"):  # what compare runs passes the checks
+        validate(compare.run_of(pipelined, strategy))
 
 
 def test_calibrated_link_for_adaptive_and_in_the_result():

@@ -694,10 +694,10 @@ def _rank_pid(rank: int):
 
 
 def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
-    """``--steps-per-call 4``: the losses of one step a call (to float rounding); a step whose
-    state is saved ends its call (the first, then every 5th), the steps that cannot make
-    a whole call before it run one a call; one call in flight; a resumed run goes on
-    alike."""
+    """``--steps-per-call 4``: the losses and bytes a step of one step a call (losses to
+    float rounding); a step whose state is saved ends its call (the first, then every
+    5th), the steps that cannot make a whole call before it run one a call; a resumed run
+    goes on alike."""
     events = record_loop_events(monkeypatch, loop)
     base = dict(strategy="embrace", steps=12, **SMALL)
     one = train_and_evaluate(RunConfig(**base), progress=False)
@@ -705,6 +705,7 @@ def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=5)
     calls = train_and_evaluate(RunConfig(steps_per_call=4, **ck, **base), progress=False)
     np.testing.assert_allclose(calls["losses"], one["losses"], rtol=1e-5)
+    assert calls["comm_bytes_per_step"] == one["comm_bytes_per_step"] > 0
     assert len(calls["step_times_s"]) == len(calls["place_times_s"]) == 12
     assert checkpoint.saved_steps(tmp_path) == [10, 12]  # 1 and 5 kept no longer (keep 2)
     # calls (0, 1) (1, 4) (5, 4) (9, 1) (10, 1) (11, 1), saved after 1, 5, 10 and 12 steps
@@ -755,9 +756,11 @@ def test_calls_after_a_resume_and_host_work_between_calls(monkeypatch, tmp_path)
         return real_save(*args)
 
     monkeypatch.setattr(loop, "_save", slow_save)
-    # calls (0, 1) (1, 1) (2, 1) (3, 1) (4, 4) (8, 4): saves after steps 0, 3, 7, 11
-    slow = dict(base, checkpoint_dir=str(tmp_path / "slow"), warmup=2)
+    # calls (0, 1) (1, 1) (2, 1) (3, 1) (4, 4) (8, 4): saves after steps 0, 3, 7, 11; a
+    # fixed capacity, so that no call after the first two compiles (no wall time)
+    slow = dict(base, checkpoint_dir=str(tmp_path / "slow"), warmup=2, capacity=256)
     result = train_and_evaluate(RunConfig(steps=12, checkpoint_every=4, **slow), progress=False)
+    assert result["programs"] == 2
     assert result["wall_time_s"] < 0.1, result["wall_time_s"]  # 0.6 s spread: >= 0.15 a step
     log = loop.RunLog([], [], [], {}, {}, 0.0, call_sizes=[1, 1, 4, 4])
     assert loop.warm_steps(log, 3) == 6 and loop.warm_steps(log, 9) == 10

@@ -65,6 +65,7 @@ def test_steps_in_one_call_equal_one_call_a_step(strategy, optimizer, kwargs):
     they were bitwise equal, with this suite's fast-compile flags within rounding; Adam's
     ``eps`` as in ``test_equivalence``, so that rounding is not amplified)."""
     seed = random.randrange(2**16)
+    print(f"seed {seed}")  # shown with a failure
     w = get_workload("lstm_lm", seed=seed, **SMALL)
     params = w.init(jax.random.key(seed))
     one, p_one, _ = strategy_run(w, optimizer, params, 7, strategy, **kwargs)
@@ -91,10 +92,14 @@ def test_place_steps_checks_and_sizes_every_batch():
     capacity of its largest batch; batches unlike the first, or none, are refused."""
     w = get_workload("lstm_lm", **SMALL)
     ts, twin = (build(w, "embrace") for _ in range(2))
-    batches = [w.batch_at(s) for s in range(4)]
+    # the last batch reads one id: a call sized by its last batch alone would be short
+    batches = [w.batch_at(s) for s in range(3)]
+    batches.append({k: np.zeros_like(v) for k, v in w.batch_at(3).items()})
     singles = [twin.place_batch(b).capacity for b in batches]  # grown batch by batch
     placed = ts.place_steps(batches)
     assert placed.capacity == singles[-1] == tuple(np.max(singles, axis=0))
+    alone = build(w, "embrace").place_batch(batches[-1]).capacity
+    assert np.all(np.less(alone, placed.capacity)), (alone, placed.capacity)
     assert {k: v.shape for k, v in placed.data.items()} == {
         k: (4, *np.shape(v)) for k, v in batches[0].items()
     }

@@ -303,11 +303,12 @@ def steps_placer(
     def place_steps(batches: Sequence[Batch]) -> PlacedBatch:
         if not batches:
             raise ValueError("place_steps needs the batches of one step or more")
-        need = ()
         for batch in batches:
             check_host_batch(ctx, batch)
-            need = capacity(batch) if capacity else ()
         check_alike(batches)
+        need = ()  # sized only once every batch passed: a refused call grows nothing
+        for batch in batches:
+            need = capacity(batch) if capacity else ()
         specs = batch_specs(batches[0], ctx.axis_name, ctx.replicated_keys)
         data = {
             k: runtime.put_global(np.stack([b[k] for b in batches]), ctx.mesh, P(None, *spec))

@@ -258,9 +258,9 @@ def call_plan(
     """The program calls of steps ``start .. steps - 1`` as ``(first step, steps)``:
     ``size`` steps a call (``TrainStep.steps``) where none of them but the last ends a
     call (``ends(step)``: the caller must see the state after ``step``, to save or
-    evaluate it), else one step (``TrainStep.step``). So a run needs two programs (one
-    per call size, for each (state, batch) structure), and every step ``ends`` names is
-    the last of its call.
+    evaluate it), else one step (``TrainStep.step``). So a run uses at most two call
+    sizes (a program each, for each (state, batch) structure), and every step ``ends``
+    names is the last of its call.
 
     Args:
       start: the first step.
