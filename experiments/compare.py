@@ -22,6 +22,7 @@ import jax
 
 from experiments.config import RunConfig, add_arguments, from_namespace
 from experiments.train import start_devices, train_and_evaluate, write_json
+from experiments.validate import one_step_a_call
 from sparsecomm_jax import parse_strategy
 
 # Defaults of the headline comparison: a large-vocabulary LM with sampled softmax,
@@ -86,14 +87,10 @@ def run_of(config: RunConfig, strategy: str) -> RunConfig:
     def own(folder: str) -> str:
         return str(Path(folder) / strategy) if folder else folder
 
-    parsed = parse_strategy(strategy)
-    overlap = config.collectives_overlap == "yes" or (
-        config.collectives_overlap == "auto" and jax.devices()[0].platform != "cpu"
-    )
-    one_a_call = parsed.strategy.engine == "pmap" or (parsed.tables == "embrace_2d" and overlap)
+    mine = dataclasses.replace(config, strategy=strategy)
+    one_a_call = one_step_a_call(mine, jax.devices()[0].platform)
     return dataclasses.replace(
-        config,
-        strategy=strategy,
+        mine,
         out="",
         checkpoint_dir=own(config.checkpoint_dir),
         log_dir=own(config.log_dir),

@@ -195,7 +195,7 @@ class Flight(NamedTuple):
     key: Any  # its program's ``program_key``
     compiled: bool  # its program was compiled for it (no wall time recorded)
     begin: float  # when it was handed over (time.perf_counter)
-    size: int = 1  # its steps
+    size: int  # its steps
 
 
 def run_steps(config: RunConfig, ts, workload, state, start: int, ckpt, show: bool, hooks=None):

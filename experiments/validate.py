@@ -127,17 +127,29 @@ def _check_combinations(config: RunConfig) -> None:
         )
 
 
-def _check_steps_per_call(config: RunConfig) -> None:
-    """Several steps a call need a step ``lax.scan`` can repeat: not ``jax.pmap``'s, not
-    the pipelined ``embrace_2d`` (its steps carry rows and look ahead; where the
-    platform decides, ``experiments.train.build`` refuses it)."""
+def one_step_a_call(config: RunConfig, platform: str | None = None) -> str:
+    """Why ``config.strategy`` runs one step a call, or ``""`` when ``lax.scan`` can
+    repeat its step: not ``jax.pmap``'s, not the pipelined ``embrace_2d`` (its steps
+    carry rows and look ahead). ``platform``: the devices' platform, once JAX has
+    started (``--collectives-overlap auto`` pipelines ``embrace_2d`` off CPUs); before,
+    only ``yes`` is known, and ``experiments.train.build`` refuses the rest."""
     parsed = parse_strategy(config.strategy)
-    why = ""
     if parsed.strategy.engine == "pmap":
-        why = "runs one step a call (jax.pmap)"
-    elif parsed.tables == "embrace_2d" and config.collectives_overlap == "yes":
-        why = "with --collectives-overlap yes is a pipelined step, one step a call"
-    if why:
+        return "runs one step a call (jax.pmap)"
+    overlap = config.collectives_overlap == "yes" or (
+        config.collectives_overlap == "auto" and platform not in (None, "cpu")
+    )
+    if parsed.tables == "embrace_2d" and overlap:
+        return (
+            f"with --collectives-overlap {config.collectives_overlap} is a pipelined step, "
+            "one step a call"
+        )
+    return ""
+
+
+def _check_steps_per_call(config: RunConfig) -> None:
+    """Several steps a call need a step ``lax.scan`` can repeat (``one_step_a_call``)."""
+    if why := one_step_a_call(config):
         raise ValueError(
             f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} {why}"
         )
