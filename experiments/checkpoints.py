@@ -190,12 +190,17 @@ def _report_skip(step: int, reason: str) -> None:
         )
 
 
-def start_state(config: RunConfig, ts):
-    """(checkpointer or None, state, first step): fresh, or from a checkpoint."""
+def start_state(config: RunConfig, ts, lock: checkpoint.DirectoryLock | None = None):
+    """(checkpointer or None, state, first step): fresh, or from a checkpoint; ``lock``
+    the folder's lock ``claim_checkpoint_dir`` took (rank 0), which the checkpointer
+    writes under."""
     if not config.checkpoint_dir:
         return None, ts.state, 0
     ckpt = checkpoint.Checkpointer(
-        config.checkpoint_dir, every=config.checkpoint_every or config.steps, run=run_record(config)
+        config.checkpoint_dir,
+        every=config.checkpoint_every or config.steps,
+        run=run_record(config),
+        lock=lock or True,
     )
     if not config.resume:
         return ckpt, ts.state, 0

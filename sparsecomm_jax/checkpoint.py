@@ -21,18 +21,17 @@ FIFO). ``restore`` falls back past damaged checkpoints to the newest that restor
 completely; an error of the file system itself (EIO, a permission) is raised instead,
 the checkpoint kept. Nothing is removed until the resumed run writes its first
 checkpoint: then the newer checkpoints it replaces are deleted and the damaged ones
-renamed aside (``<step>.damaged``), never deleted. ``DirectoryLock`` keeps two
-processes from using one folder.
+renamed aside (``<step>.damaged``), never deleted. One writer per folder: a
+``Checkpointer`` holds the folder's ``DirectoryLock`` while it is open, so a second
+process is refused at once instead of mixing its checkpoints with the first's.
 
 Example:
     >>> import jax.numpy as jnp, tempfile
     >>> from sparsecomm_jax import checkpoint
     >>> folder = tempfile.mkdtemp()
-    >>> with checkpoint.DirectoryLock(folder):
-    ...     ckpt = checkpoint.Checkpointer(folder, run={"lr": 0.1})
+    >>> with checkpoint.Checkpointer(folder, run={"lr": 0.1}) as ckpt:  # holds the lock
     ...     _ = ckpt.save(3, {"w": jnp.ones(2)}, force=True)
     ...     tree, step = ckpt.restore({"w": jnp.zeros(2)})
-    ...     ckpt.close()
     >>> step, tree["w"].tolist()
     (3, [1.0, 1.0])
 """
@@ -48,6 +47,9 @@ import os
 import shutil
 import socket
 import stat
+import sys
+import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable
@@ -55,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -205,13 +208,18 @@ def _aside(folder: Path) -> Path:
     return target
 
 
+def _holder() -> str:
+    """How a lock names the process that holds it."""
+    return f"process {os.getpid()} on {socket.gethostname()}"
+
+
 class DirectoryLock:
     """An exclusive lock on a folder (``flock`` on ``LOCK_FILE``), held until ``release``
     or the end of the process: a killed process never leaves it held. The lock file is
     opened without following links, so a link planted in its place is refused.
 
     Args:
-      directory: an existing folder.
+      directory: the folder (created if missing).
       what: how the folder is named in errors (e.g. a command-line flag).
 
     Raises:
@@ -219,6 +227,7 @@ class DirectoryLock:
     """
 
     def __init__(self, directory: str | Path, what: str | None = None):
+        Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / LOCK_FILE
         what = what or str(directory)
         try:
@@ -236,12 +245,14 @@ class DirectoryLock:
         except BlockingIOError:
             holder = self._file.read().strip() or "another process"
             self._file.close()
+            if holder == _holder():
+                holder += ", this process: close the Checkpointer or lock that holds it first"
             raise ValueError(
                 f"{what} is in use by another run ({holder} holds {self.path}); "
                 "wait for it to end or use another folder"
             ) from None
         self._file.truncate(0)
-        self._file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self._file.write(_holder() + "\n")
         self._file.flush()
 
     def release(self) -> None:
@@ -266,13 +277,39 @@ def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
 
 
 def abstract(tree: PyTree) -> PyTree:
-    """Shapes, dtypes and shardings of ``tree``'s arrays: what to restore into."""
+    """Shapes, dtypes and shardings of ``tree``'s arrays: what to restore into.
+
+    An array JAX placed itself (uncommitted: made by ``jnp`` or ``jax.random`` without a
+    ``device_put``, which a ``jit`` moves wherever its program runs) and a numpy array
+    get no sharding: ``Checkpointer.restore`` gives such a leaf back uncommitted too,
+    usable wherever the saved one was (a ``jit(shard_map)`` step over every device).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import SingleDeviceSharding
+        >>> x = jnp.zeros(3)
+        >>> abstract({"x": x})["x"].sharding is None  # JAX placed it: stays free
+        True
+        >>> put = jax.device_put(x, SingleDeviceSharding(jax.devices()[0]))
+        >>> abstract({"x": put})["x"].sharding == put.sharding
+        True
+    """
 
     def leaf(x):
-        sharding = getattr(x, "sharding", None)
+        sharding = getattr(x, "sharding", None) if getattr(x, "committed", True) else None
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
     return jax.tree.map(leaf, tree)
+
+
+def _placed_like(target: PyTree, tree: PyTree) -> PyTree:
+    """``tree``'s arrays placed as ``target`` says: a leaf with no sharding uncommitted
+    (as JAX places an array it makes), the others as restored."""
+
+    def leaf(want, x):
+        return x if want.sharding is not None else jnp.asarray(np.asarray(x))
+
+    return jax.tree.map(leaf, target, tree)
 
 
 def _name(path) -> str:
@@ -382,6 +419,75 @@ def _errors_raised_not_logged():
         logger.removeFilter(below_error)
 
 
+def _join_writers(timeout: float = 60.0) -> None:
+    """Waits for orbax's writer threads: after a failed save some still write into its
+    unfinished folder (orbax's own ``close`` does not wait for them). Their ``join``
+    raises what failed them: the save has raised it already."""
+    for thread in threading.enumerate():
+        orbax = type(thread).__module__.startswith("orbax.")
+        if orbax and thread is not threading.current_thread():
+            with contextlib.suppress(Exception):
+                thread.join(timeout)
+
+
+def _quiet_failed_writers() -> None:
+    """Drops, from here on, what a failed save's writers print after it has raised.
+
+    After an orbax save fails, its writer threads still in flight fail too and log
+    each failure with its traceback, and tensorstore's writes call back into the event
+    loop the save has closed, which Python prints as ignored exceptions: dozens of
+    lines around the one error the caller gets. Only those two are dropped (the absl
+    records of orbax's failed writer threads, and ``RuntimeError("Event loop is
+    closed")`` in ``sys.unraisablehook``); everything else is printed as before."""
+    _quiet_closed_loops()
+    if not getattr(_quiet_failed_writers, "done", False):
+        logging.getLogger("absl").addFilter(_not_a_failed_writer)
+        _quiet_failed_writers.done = True
+
+
+def _not_a_failed_writer(record: logging.LogRecord) -> bool:
+    return "_SignalingThread.run() raised an exception" not in str(record.msg)
+
+
+def _closed_loop(error: BaseException | None) -> bool:
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def _quiet_closed_loops() -> None:
+    """Drops ``RuntimeError("Event loop is closed")`` from the hooks Python prints
+    uncaught errors of callbacks with (``sys.unraisablehook``, ``sys.excepthook``):
+    tensorstore's writes still in flight when an orbax save fails raise it from their
+    own threads (installed once, at a checkpointer's first save; every other error is
+    printed as before)."""
+    if getattr(sys.unraisablehook, "quiet_closed_loops", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def on_unraisable(info) -> None:
+        if not _closed_loop(info.exc_value):
+            unraisable(info)
+
+    def on_uncaught(kind, value, trace) -> None:
+        if not _closed_loop(value):
+            excepthook(kind, value, trace)
+
+    on_unraisable.quiet_closed_loops = True
+    sys.unraisablehook, sys.excepthook = on_unraisable, on_uncaught
+
+
+def _clean_until_quiet(directory: str, quiet: float = 0.5, limit: float = 10.0) -> None:
+    """``clean_temporary`` until no unfinished folder has come back for ``quiet``
+    seconds (at most ``limit``): tensorstore's writes still in flight after a failed
+    save create their folders anew."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        with contextlib.suppress(OSError):
+            clean_temporary(directory)
+        time.sleep(quiet)
+        if not list(Path(directory).glob(f"*{TMP_MARK}*")):
+            return
+
+
 def _warn(step: int, reason: str) -> None:
     warnings.warn(f"checkpoint step {step} skipped: {reason}", stacklevel=3)
 
@@ -392,12 +498,24 @@ class Checkpointer:
     start and an unwritable folder shows at once); keeps the newest ``keep``; restores
     it exactly, sharded like the arrays it is given.
 
+    One writer per folder: the checkpointer holds the folder's ``DirectoryLock`` from
+    construction to ``close`` (on process 0 of a job; its other processes write their
+    shards under it), so a second process, or a second checkpointer in this one, is
+    refused at once, naming the holder's process id and host. A save that fails (a full
+    disk) leaves no unfinished folder behind.
+
     Args:
       directory: checkpoint folder (created if missing).
       every: save interval in steps (>= 1).
       keep: how many checkpoints to keep.
       run: a JSON-ready description of the run (e.g. its configuration), written with a
         new ``run_id`` into ``RUN_FILE`` at the first save unless the folder has a record.
+      lock: ``True`` takes the folder's lock (released by ``close``); a
+        ``DirectoryLock`` the caller already holds on the folder is used as it is (and
+        released by the caller).
+
+    Raises:
+      ValueError: another process (or checkpointer) holds the folder.
 
     Example (a user's own loop; global arrays keep their shardings at restore):
         >>> import jax.numpy as jnp, tempfile
@@ -418,10 +536,18 @@ class Checkpointer:
         every: int = 1,
         keep: int = 2,
         run: dict[str, Any] | None = None,
+        lock: DirectoryLock | bool = True,
     ):
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1, got {every}")
         self.directory = str(Path(directory).absolute())
+        self._lock, self._own_lock, self._failed_save = None, False, False
+        if isinstance(lock, DirectoryLock):
+            if lock.path.parent.resolve() != Path(self.directory).resolve():
+                raise ValueError(f"lock holds {lock.path.parent}, not {self.directory}")
+            self._lock = lock
+        elif lock and jax.process_index() == 0:
+            self._lock, self._own_lock = DirectoryLock(self.directory), True
         self.every = every
         self._run = run or {}
         self._superseded: list[int] = []  # newer than the restored step: replaced at the first save
@@ -507,8 +633,14 @@ class Checkpointer:
                     IDENTITY_ITEM: ocp.args.JsonSave(identity),
                 }
             )
+            _quiet_closed_loops()
             with _errors_raised_not_logged():
-                return self._manager.save(step, args=args, force=force)
+                try:
+                    return self._manager.save(step, args=args, force=force)
+                except Exception:
+                    self._failed_save = True  # its unfinished folder goes at close
+                    _quiet_failed_writers()
+                    raise
         except Exception as e:  # orbax and tensorstore raise many kinds; keep the cause
             raise OSError(
                 f"cannot write checkpoint step {step} into {self.directory}: "
@@ -649,7 +781,7 @@ class Checkpointer:
                 continue
             self._superseded = [n for n in steps if n > s]
             self._damaged = set(failed)
-            return tree, s
+            return _placed_like(target, tree), s
         raise ValueError(f"no checkpoint in {self.directory} restores (steps {sorted(failed)})")
 
     def restore_state(
@@ -675,4 +807,20 @@ class Checkpointer:
         return state, s
 
     def close(self) -> None:
-        self._manager.close()
+        """Ends the checkpointer: orbax's manager; the unfinished folder of a save that
+        failed (once orbax's writers have stopped; the folder is ours, locked, so no
+        other save is in progress); and the folder's lock if it took it."""
+        try:
+            self._manager.close()  # after a failed save it may raise that failure again
+        finally:
+            if self._failed_save and self._lock is not None:
+                _join_writers()
+                _clean_until_quiet(self.directory)
+            if self._own_lock:
+                self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -218,6 +218,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_stray_file(tmp_path, limit):
     assert proc.returncode == 2 and len(errors) == 1 and not others, proc.stderr[-3000:]
     assert "error: cannot write checkpoint step 1 into" in errors[0]
     assert not list(folder.glob(".checkpoint_run.json.*"))
+    assert not list(folder.glob(f"*{checkpoint.TMP_MARK}*"))  # no half-written save either
 
 
 def _closed_loop_noise(line: str) -> bool:

@@ -70,9 +70,11 @@ def test_final_parameters_equal_after_resume(tmp_path):
     for step in range(4):
         state, _ = ts.step(state, place(ts, w, step, 4))
         if step == 1:
-            checkpoint.Checkpointer(tmp_path).save_state(2, ts, state, force=True)
+            with checkpoint.Checkpointer(tmp_path) as ckpt:
+                ckpt.save_state(2, ts, state, force=True)
     ts2 = build()
-    state2, start = checkpoint.Checkpointer(tmp_path).restore_state(ts2)
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        state2, start = ckpt.restore_state(ts2)
     for step in range(start, 4):
         state2, _ = ts2.step(state2, place(ts2, w, step, 4))
     for a, b in zip(
