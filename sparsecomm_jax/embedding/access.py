@@ -212,13 +212,18 @@ def param_dependent_tables(loss_fn, params, batch, mask) -> frozenset[int]:
         frozenset({0})
     """
     reads, num_params, _ = _read_dependences(*_signature(loss_fn, params, batch, mask))
-    return frozenset(t for t, used in reads if any(used[:num_params]))
+    return frozenset(t for t, used, _ in reads if any(used[:num_params]))
 
 
-def key_tables(loss_fn, params, batch, mask) -> dict[str, frozenset[int]]:
+def key_tables(loss_fn, params, batch, mask, direct: bool = False) -> dict[str, frozenset[int]]:
     """Batch key -> the tables whose read ids it feeds (the ids a key holds may be cut or
     reshaped on the way; keys that feed no table, labels say, are absent). Found once
     per model and shapes from the dependences of the traced reads program.
+
+    With ``direct``, only the tables a key's values reach unchanged (reshaped, cut,
+    joined, cast, broadcast): its values are those tables' ids. A key the model computes
+    ids from (an offset added, a hash taken, a float bucketized) feeds them, but not
+    directly: its own values need not lie in the table.
 
     Example:
         >>> import jax.numpy as jnp
@@ -233,8 +238,8 @@ def key_tables(loss_fn, params, batch, mask) -> dict[str, frozenset[int]]:
     signature = _signature(loss_fn, params, batch, mask)
     reads, num_params, batch_keys = _read_dependences(*signature)
     found: dict[str, set[int]] = {}
-    for table, used in reads:
-        for key, u in zip(batch_keys, used[num_params:], strict=True):
+    for table, used, unchanged in reads:
+        for key, u in zip(batch_keys, (unchanged if direct else used)[num_params:], strict=True):
             if u:
                 found.setdefault(key, set()).add(table)
     return {k: frozenset(v) for k, v in sorted(found.items())}
@@ -253,8 +258,10 @@ def _signature(loss_fn, params, batch, mask) -> tuple:
 @functools.lru_cache(maxsize=16)
 def _read_dependences(loss_fn, treedef, shapes, flags, num_params):
     """``(reads, num_params, batch keys)``: per read of a table by ids (in call order)
-    ``(table, used)``, ``used`` a bool per input leaf (parameters, then the batch's)
-    that its ids depend on; the batch keys of the batch leaves, in order."""
+    ``(table, used, unchanged)``, ``used`` a bool per input leaf (parameters, then the
+    batch's) that its ids depend on, ``unchanged`` the same for the leaves whose values
+    reach the ids unchanged (``_unchanged_sources``); the batch keys of the batch
+    leaves, in order."""
     shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     params_shapes, batch_shapes = treedef.unflatten(shapes)
     mask = jax.tree.structure(params_shapes).unflatten(flags)
@@ -275,13 +282,61 @@ def _read_dependences(loss_fn, treedef, shapes, flags, num_params):
         return [r.ids for r in reads if r.kind != ATTEND]
 
     jaxpr = jax.make_jaxpr(ids_of)(*shapes).jaxpr
+    sources = _unchanged_sources(jaxpr)
     reads = []
     for j, table in enumerate(tables):
         _, used = pe.dce_jaxpr(jaxpr, [k == j for k in range(len(tables))])
-        reads.append((table, tuple(used)))
+        unchanged = sources[j]
+        reads.append((table, tuple(used), tuple(i in unchanged for i in range(len(used)))))
     paths = jax.tree_util.tree_leaves_with_path(batch_shapes)
     keys = tuple(str(getattr(path[0], "key", path[0])) for path, _ in paths)
     return tuple(reads), num_params, keys
+
+
+# Primitives that move values without changing them: what comes out is some of what went
+# in, rearranged (the operands that carry values; the rest are indices or shapes).
+_MOVES = {
+    "reshape": 1,
+    "squeeze": 1,
+    "expand_dims": 1,
+    "broadcast_in_dim": 1,
+    "transpose": 1,
+    "rev": 1,
+    "slice": 1,
+    "dynamic_slice": 1,
+    "convert_element_type": 1,
+    "copy": 1,
+    "copy_p": 1,
+    "concatenate": None,  # every operand
+}
+_CALLS = ("pjit", "closed_call", "core_call")
+
+
+def _unchanged_sources(jaxpr) -> list[frozenset[int]]:
+    """Per output of ``jaxpr``, the inputs whose values reach it unchanged: through
+    ``_MOVES`` alone (and calls of inner jaxprs made of them). An output computed from an
+    input (``x + 1``, ``x % V``) does not count it."""
+    held: dict = {v: frozenset({i}) for i, v in enumerate(jaxpr.invars)}
+
+    def of(v) -> frozenset[int]:
+        return frozenset() if isinstance(v, jax_core.Literal) else held.get(v, frozenset())
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _CALLS and "jaxpr" in eqn.params:
+            inner = eqn.params["jaxpr"]
+            inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's jaxpr
+            outs = [
+                frozenset().union(*(of(eqn.invars[i]) for i in s))
+                for s in _unchanged_sources(inner)
+            ]
+        elif name in _MOVES:
+            count = _MOVES[name] or len(eqn.invars)
+            outs = [frozenset().union(*(of(v) for v in eqn.invars[:count]))] * len(eqn.outvars)
+        else:
+            outs = [frozenset()] * len(eqn.outvars)
+        held.update(zip(eqn.outvars, outs, strict=True))
+    return [of(v) for v in jaxpr.outvars]
 
 
 def answered_loss(loss_fn, mask, attend: Callable | None = None, attend_error: str = ""):

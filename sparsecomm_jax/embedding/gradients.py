@@ -119,6 +119,21 @@ def table_gradients(
     return loss, grads, pairs, missed
 
 
+def _outside(tables, reads) -> dict[int, jax.Array]:
+    """Table index -> bool[]: some id this worker reads of it lies outside [0, V). The
+    host checks a batch's ids before a step; this catches the ids a model computes
+    (an offset added, a hash taken), which it cannot see: the step is marked as one
+    whose rows did not all arrive (``Fetched.missed``), so it is skipped, never
+    answered with a clamped or zero row."""
+    vocabs = {t.index: t.vocab for t in tables}
+    out: dict[int, jax.Array] = {}
+    for read in reads:
+        if read.ids.size:
+            bad = ~jnp.all((read.ids >= 0) & (read.ids < vocabs[read.table]))
+            out[read.table] = out[read.table] | bad if read.table in out else bad
+    return out
+
+
 def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, Any]:
     """Each layout's ``fetch`` on the reads of its tables; the rows back in read order,
     one ``back`` for all of them and every layout's ``missed``. A read of no ids (a bag
@@ -134,13 +149,14 @@ def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, 
             continue
         layout = next(t.layout for t in tables if t.index == reads[k].table)
         groups.setdefault(layout.name, (layout, []))[1].append(k)
-    backs, missed = [], {}
+    backs, missed = [], _outside(tables, [reads[k] for k in order])
     shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
     for layout, ks in groups.values():
         fetched = layout.fetch(shards, [reads[k] for k in ks], capacity, axis, wire)
         rows.update(zip(ks, fetched.rows, strict=True))
         backs.append((ks, fetched.back))
-        missed.update(fetched.missed)
+        for i, flag in fetched.missed.items():
+            missed[i] = missed[i] | flag if i in missed else flag
     stored = {k: rows[k].shape[-1] for k in order}  # a padded table's rows are wider
 
     def back(grads):

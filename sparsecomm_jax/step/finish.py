@@ -102,7 +102,16 @@ def gradients(ctx: StepContext, loss, grads, agg_state, missed: dict | None = No
     collective of its own)."""
     flags = _missed_flags(ctx, missed or {})
     loss, ok, *flags = reduce_scalars(ctx, loss, (grads, agg_state), *flags)
-    return Gradients(loss, ok, grads, agg_state, (), tuple(flags))
+    return Gradients(loss, _and_all_arrived(ctx, ok, flags), grads, agg_state, (), tuple(flags))
+
+
+def _and_all_arrived(ctx: StepContext, ok, missed: list):
+    """``ok``, false where a ``missed`` flag is set: a read whose rows did not all
+    arrive (a capacity too small, an id outside its table) makes the step one that is
+    not applied (unless ``nonfinite="off"``)."""
+    if ctx.nonfinite == "off" or not missed:
+        return ok
+    return ok & ~jnp.any(jnp.stack(missed))
 
 
 def _missed_flags(ctx: StepContext, missed: dict) -> list:
@@ -155,7 +164,8 @@ def carried_gradients(ctx: StepContext, loss, dense, tables: dict, agg_state, mi
     new_state = jax.tree.map(lambda x: x[None], local_state)
     grads = with_tables(ctx, mean, tables)
     loss = (total[0] / ctx.num_workers).astype(loss.dtype)
-    return Gradients(loss, ok, grads, new_state, (), tuple(total[2:] > 0))
+    flags = list(total[2:] > 0)
+    return Gradients(loss, _and_all_arrived(ctx, ok, flags), grads, new_state, (), tuple(flags))
 
 
 def aggregate(ctx: StepContext, grads, agg_state):

@@ -30,6 +30,7 @@ from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec, padded_shape
 from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.embedding.tables import replace_leaves
+from sparsecomm_jax.errors import few
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
@@ -88,40 +89,78 @@ def check_ids(
 
 def id_ranges(ctx: StepContext, batch: Batch) -> tuple[dict[str, list[tuple[str, int]]], str]:
     """Batch key -> the ``(name, V)`` of the tables its ids are checked against, and a
-    hint for the error: the tables ``ctx.id_keys`` maps it to, else those it feeds in
-    the loss (``access.key_tables``; a named key that feeds none: every table).
+    hint for the error.
+
+    ``id_keys=None``: every key that feeds a table in the loss (``access.key_tables``),
+    against the tables it feeds. Named keys: each against the tables ``id_keys`` maps it
+    to, or those it feeds (a named key that feeds none: every table); and an integer key
+    whose values reach a table's lookup unchanged (its values are that table's ids)
+    must be named, whatever ``id_keys`` says. A key the model computes ids from (an
+    offset, a hash) may be left out: the ids it makes are checked where they are read
+    (``embedding.gradients``: the step is skipped, its loss +inf).
 
     Raises:
       ValueError: ``id_keys`` names a key the batch does not have (a misspelt key would
-        turn the check off).
+        turn the check off), or leaves out an integer key whose values are ids.
     """
     named = {t.index: (t.name, t.vocab) for t in ctx.id_tables}
     keys = ctx.id_keys
     if keys is not None and (missing := [k for k in keys if k not in batch]):
         raise ValueError(
-            f"id_keys names {missing}, which the batch does not have (its keys: "
-            f"{sorted(batch)}); name the keys that hold token ids"
+            f"id_keys names {few(missing)}, which the batch does not have (its keys: "
+            f"{few(sorted(batch))}); name the keys that hold token ids"
         )
-    if isinstance(keys, dict):
-        return {k: [named[i] for i in tables] for k, tables in keys.items()}, ""
-    leaves, treedef = jax.tree.flatten(ctx.params)
-    mask = treedef.unflatten([i in named for i in range(len(leaves))])
-    try:
-        fed = access.key_tables(ctx.loss_fn, ctx.params, batch, mask)
-    except (TypeError, ValueError) as e:  # e.g. float ids where the model looks rows up
-        floats = [k for k, v in batch.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
-        if not floats or "integer" not in str(e):
-            raise
-        raise ValueError(
-            f"the loss cannot run on this batch ({e}); if the model looks up rows by "
-            f"{floats}, give them as integers (e.g. .astype(np.int32))"
-        ) from e
+    fed = _fed_tables(ctx, batch, named)
     if keys is None:
         return {k: [named[i] for i in fed[k]] for k in fed}, (
             " (name each key's table with id_keys={key: table path} if this key holds "
             "something else)"
         )
-    return {k: [named[i] for i in fed.get(k, named)] for k in keys}, ""
+    direct = _fed_tables(ctx, batch, named, direct=True)
+    integer = [k for k in direct if np.issubdtype(np.asarray(batch[k]).dtype, np.integer)]
+    if left := [k for k in integer if k not in keys]:
+        tables = sorted({named[i][0] for k in left for i in direct[k]})
+        raise ValueError(
+            f"id_keys leaves out {few(left)}, whose values the loss reads table(s) "
+            f"{few(tables)} by: every key that holds a table's ids is checked against it; "
+            "add them to id_keys"
+        )
+    if isinstance(keys, dict):
+        mapped = {k: {*tables, *direct.get(k, ())} for k, tables in keys.items()}
+    else:
+        mapped = {k: fed.get(k, named) for k in keys}
+    return {k: [named[i] for i in sorted(tables)] for k, tables in mapped.items()}, ""
+
+
+def _fed_tables(
+    ctx: StepContext, batch: Batch, named: dict, direct: bool = False
+) -> dict[str, frozenset[int]]:
+    """``access.key_tables`` of ``ctx``'s loss on ``batch``; a loss that cannot run on
+    the batch because a key the model looks rows up by is not integer is a
+    ``ValueError`` naming that key."""
+    leaves, treedef = jax.tree.flatten(ctx.params)
+    mask = treedef.unflatten([i in named for i in range(len(leaves))])
+    try:
+        return access.key_tables(ctx.loss_fn, ctx.params, batch, mask, direct)
+    except (TypeError, ValueError) as e:  # e.g. float or bool ids where the model looks up
+        odd = [k for k, v in batch.items() if not np.issubdtype(np.asarray(v).dtype, np.integer)]
+        if not odd or "integer" not in str(e):
+            raise
+        culprits = [k for k in odd if _runs_with_integer(ctx.loss_fn, ctx.params, batch, mask, k)]
+        raise ValueError(
+            f"the loss cannot run on this batch ({e}); if the model looks up rows by "
+            f"{few(culprits or odd)}, give them as integers (e.g. .astype(np.int32))"
+        ) from e
+
+
+def _runs_with_integer(loss_fn, params, batch: Batch, mask, key: str) -> bool:
+    """Whether the loss's reads trace once ``batch[key]`` is made integer."""
+    cast = {**batch, key: np.asarray(batch[key]).astype(np.int32)}
+    try:
+        access.key_tables(loss_fn, params, cast, mask)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_host_batch(ctx: StepContext, batch: Batch) -> None:
@@ -303,9 +342,9 @@ def steps_placer(
     def place_steps(batches: Sequence[Batch]) -> PlacedBatch:
         if not batches:
             raise ValueError("place_steps needs the batches of one step or more")
+        check_alike(batches)  # first: the checks below run the loss on each batch
         for batch in batches:
             check_host_batch(ctx, batch)
-        check_alike(batches)
         need = ()  # sized only once every batch passed: a refused call grows nothing
         for batch in batches:
             need = capacity(batch) if capacity else ()
@@ -322,6 +361,9 @@ def steps_placer(
 def check_alike(batches: Sequence[Batch]) -> None:
     """``ValueError`` unless every batch has the first one's keys, shapes and dtypes
     (one program runs them all)."""
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, dict):
+            raise ValueError(f"batch {i} must be a dict of arrays, got {type(batch).__name__}")
     first = {k: (np.shape(v), np.asarray(v).dtype) for k, v in batches[0].items()}
     for i, batch in enumerate(batches[1:], 1):
         this = {k: (np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
@@ -348,11 +390,12 @@ def overflow_message(ts, batch: PlacedBatch) -> str:
         for (name, what), slots in zip(ts.capacity_slots, batch.capacity, strict=False)
     )
     return (
-        "a worker read more ids of a table than the batch's capacity had slots, so the "
-        f"step returned a loss of +inf (capacity per table: {per_table}); the rows that "
-        "did not fit were NaN and the step was skipped (unless nonfinite='off'). Place "
-        "batches with ts.place_batch, which sizes the capacity from each batch, or give "
-        "a larger capacity"
+        "a worker read more ids of a table than the batch's capacity had slots, or an id "
+        "the model computed outside its table, so the step returned a loss of +inf "
+        f"(capacity per table: {per_table}); the rows that did not fit were NaN and the "
+        "step was skipped (unless nonfinite='off'). Place batches with ts.place_batch, "
+        "which sizes the capacity from each batch, or give a larger capacity; keep the "
+        "ids the model computes in [0, V) of their table"
     )
 
 
@@ -424,6 +467,26 @@ def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     return treedef.unflatten(leaves)
 
 
+def host_params_of(ctx: StepContext) -> Callable[[TrainState], PyTree]:
+    """``TrainStep.host_params`` of a step built from ``ctx``."""
+
+    def host_params(state: TrainState) -> PyTree:
+        """The parameters of ``state`` as numpy arrays on this host, shaped as the
+        model made them: each sharded table gathered whole and cut back to V x D (a
+        padded table's padding, a table-wise pack's neighbours left out).
+
+        Args:
+          state: a ``TrainState`` of this step (``ts.state`` or one ``ts.step``
+            returned).
+
+        Returns:
+          The parameter pytree, like the ``params`` given to ``make_train_step``.
+        """
+        return cut_tables(ctx, jax.tree.map(runtime.to_host, state.params))
+
+    return host_params
+
+
 def stored_together(ctx: StepContext) -> tuple:
     """``TrainStep.stored_together``: per layout with a ``storage``, its name, its
     tables as ``(name, V, D)`` and P (what places them: table-wise owners follow the
@@ -491,6 +554,20 @@ def loss_values(losses: jax.Array) -> list[float]:
     """The losses of a call of ``TrainStep.steps`` (one per step), or of ``step`` (one),
     as floats."""
     return [float(x) for x in np.asarray(losses.addressable_data(0)).reshape(-1)]
+
+
+def replica_params(state: TrainState) -> PyTree:
+    """``TrainStep.host_params`` of a ``jax.pmap`` step: the parameters of ``state`` as
+    numpy arrays on this host, from the first device's replica (the replicas are equal
+    after every step's ``pmean``).
+
+    Args:
+      state: a ``TrainState`` of the step, its leaves stacked per local device.
+
+    Returns:
+      The parameter pytree, like the ``params`` given to ``make_train_step``.
+    """
+    return jax.tree.map(first_replica, state.params)
 
 
 def stack_per_device(tree: PyTree, num_local: int) -> PyTree:
