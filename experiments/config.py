@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -23,8 +24,9 @@ from typing import Any
 from models import MODELS, config_fields
 from sparsecomm_jax import parse_strategy, strategy_names
 from sparsecomm_jax.comm.wire import WIRE_DTYPES
+from sparsecomm_jax.errors import few
 from sparsecomm_jax.strategies.build import NONFINITE
-from sparsecomm_jax.topk.selectors import SELECTORS, check_density
+from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
 TABLE_UPDATES = ("auto", "rows", "dense")
@@ -167,7 +169,9 @@ class RunConfig:
         "batch needs more; 0 = sized per batch",
         at_least(0),
     )
-    density: float = _field(0.01, "fraction sent by top-k strategies, in (0, 1]", density_range)
+    density: float = _field(
+        DEFAULT_DENSITY, "fraction sent by top-k strategies, in (0, 1]", density_range
+    )
     selector: str = _field(
         "auto",
         "top-k selection: auto (exact, the fastest for the "
@@ -379,16 +383,18 @@ def check_plan(value: str) -> str | None:
         return None
     try:
         pairs = json.loads(value, object_pairs_hook=_Pairs)  # an object's keys, repeats kept
-    except ValueError:
-        return f"must be auto, model or a JSON object of table path -> layout, got {value!r}"
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python goes
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        return f"must be auto, model or a JSON object of table path -> layout, got {shown!r}"
     if not isinstance(pairs, _Pairs):
-        return f"must be a JSON object of table path -> layout, got {value!r}"
-    keys = [k for k, _ in pairs]
-    if twice := sorted({k for k in keys if keys.count(k) > 1}):
-        return f"names {twice} more than once: give each table one layout"
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        return f"must be a JSON object of table path -> layout, got {shown!r}"
+    keys = collections.Counter(k for k, _ in pairs)
+    if twice := sorted(k for k, n in keys.items() if n > 1):
+        return f"names {few(twice)} more than once: give each table one layout"
     plan = dict(pairs)
     if bad := sorted({str(v) for v in plan.values()} - set(PLAN_LAYOUTS)):
-        return f"has layouts {bad}; choose among {list(PLAN_LAYOUTS)}"
+        return f"has layouts {few(bad)}; choose among {list(PLAN_LAYOUTS)}"
     return None
 
 

@@ -36,9 +36,10 @@ from experiments.config import OneLineErrors, RunConfig, add_arguments, from_nam
 from experiments.loop import decide_in_flight, run_overlapped, run_steps
 from experiments.record import result, write_json
 from experiments.startup import adaptive_link, choose_bucket, choose_plan
-from experiments.validate import as_flags, check_outputs, table_update_of, validate
+from experiments.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
 from sparsecomm_jax import launch, parse_strategy, row_optimizers, runtime
+from sparsecomm_jax.errors import ArgumentError
 
 __all__ = ["build", "main", "start_devices", "train_and_evaluate", "validate", "write_json"]
 
@@ -104,8 +105,8 @@ def build(config: RunConfig):
     _check_tables(config, workload)
     try:
         mesh = runtime.data_mesh(config.devices)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e))) from None
+    except ArgumentError as e:
+        raise in_flags(e) from None
     params = workload.init(jax.random.key(config.seed))
     common = dict(
         replicated_keys=workload.replicated_keys,
@@ -117,7 +118,22 @@ def build(config: RunConfig):
     optimizer = make_optimizer(config.optimizer, config.lr)
     if config.overlap:
         return workload, sc.make_overlapped(workload.loss, optimizer, mesh, params, **common)
-    ts = sc.make_train_step(
+    try:
+        ts = _make_train_step(config, workload, mesh, params, optimizer, common)
+    except ArgumentError as e:
+        raise in_flags(e) from None
+    if config.steps_per_call > 1 and not ts.scannable:
+        raise ValueError(
+            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
+            f"as {ts.runs_as}, a pipelined step (its steps carry rows and look ahead), one "
+            "step a call"
+        )
+    return workload, ts
+
+
+def _make_train_step(config: RunConfig, workload, mesh, params, optimizer, common: dict):
+    """``make_train_step`` of ``config``'s strategy and its options."""
+    return sc.make_train_step(
         workload.loss,
         optimizer,
         mesh,
@@ -130,13 +146,6 @@ def build(config: RunConfig):
         **common,
         **_aggregator_options(config),
     )
-    if config.steps_per_call > 1 and ts.steps is None:
-        raise ValueError(
-            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
-            f"as {ts.runs_as}, a pipelined step (its steps carry rows and look ahead), one "
-            "step a call"
-        )
-    return workload, ts
 
 
 def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, Any]:
@@ -187,7 +196,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             _, log = run_overlapped(config, ts, workload, show)
             return {**result(config, workload, log, 0, rank), "overlap": True}
         config = decide_in_flight(config)  # auto: by the busiest host's processes and cores
-        ckpt, state, start = start_state(config, ts)
+        ckpt, state, start = start_state(config, ts, lock)
         hooks = runlog.RunHooks(config, workload, ts, rank, start)
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
         record = result(config, workload, log, start, rank)

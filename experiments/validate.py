@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from experiments.config import RunConfig, check_fields
 from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, parse_strategy, runtime
 from sparsecomm_jax.embedding import update
+from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
 from sparsecomm_jax.strategies.build import check_table_update
 
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
@@ -48,25 +49,28 @@ def validate(config: RunConfig) -> None:
 # --------------------------------------------------------- the library's rules
 
 
-# Library argument names that a flag of another name sets.
-ARGUMENT_FLAGS = {"num_devices": "devices"}
+# Library arguments that a flag of another name sets (the others: --name-with-dashes).
+ARGUMENT_FLAGS = {"num_devices": "devices", "table_layouts": "plan"}
 
 
-def as_flags(message: str) -> str:
-    """A library message told in flags: ``table_update='rows'`` -> ``--table-update
-    rows``, ``num_devices=4`` -> ``--devices 4``, ``strategy 'embrace'`` ->
-    ``--strategy embrace``; a Python call the command line makes for the user
-    (``runtime.simulate_cpu_devices(8)``) -> the flag that makes it."""
-    names = {f.name for f in dataclasses.fields(RunConfig)}
+def flag_words(argument: str, value: Any) -> str:
+    """A library argument as the command line says it (``errors.ArgumentError.render``):
+    ``table_update='rows'`` -> ``--table-update rows``, ``num_devices=4`` -> ``--devices
+    4``; a call the command line makes for the user (``runtime.simulate_cpu_devices(8)``)
+    -> ``pass --devices 8``; an argument no flag sets, in Python's words."""
+    if isinstance(value, Call):
+        return f"pass {flag_words(value.argument, value.value)}"
+    name = ARGUMENT_FLAGS.get(argument, argument)
+    if name not in {f.name for f in dataclasses.fields(RunConfig)}:
+        return python_words(argument, value)
+    flag = "--" + name.replace("_", "-")
+    return flag if value is NO_VALUE else f"{flag} {value}"
 
-    def flag(m: re.Match) -> str:
-        name = ARGUMENT_FLAGS.get(m.group(1), m.group(1))
-        value = m.group(2) if m.group(2) is not None else m.group(3)
-        return f"--{name.replace('_', '-')} {value}" if name in names else m.group(0)
 
-    message = re.sub(r"call runtime\.simulate_cpu_devices\((\d+)\)", r"pass --devices \1", message)
-    message = re.sub(r"\b([a-z_]+)=(?:'([^']*)'|(\d+|None)\b)", flag, message)
-    return re.sub(r"\bstrategy '([^']*)'", r"--strategy \1", message)
+def in_flags(error: Exception) -> Exception:
+    """A library error as the command line tells it: an ``ArgumentError`` in flags
+    (``flag_words``), any other as it is."""
+    return ValueError(error.render(flag_words)) if isinstance(error, ArgumentError) else error
 
 
 def table_update_of(config: RunConfig) -> str:
@@ -97,8 +101,8 @@ def check_library_rules(config: RunConfig) -> None:
     try:
         name = parse_strategy(config.strategy)
         check_table_update(name, update.get(table_update_of(config)), config.comm_dtype)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e))) from None
+    except ArgumentError as e:
+        raise in_flags(e) from None
 
 
 # ------------------------------------------------------------- the command line
@@ -129,20 +133,22 @@ def _check_combinations(config: RunConfig) -> None:
 
 def one_step_a_call(config: RunConfig, platform: str | None = None) -> str:
     """Why ``config.strategy`` runs one step a call, or ``""`` when ``lax.scan`` can
-    repeat its step: not ``jax.pmap``'s, not the pipelined ``embrace_2d`` (its steps
-    carry rows and look ahead). ``platform``: the devices' platform, once JAX has
-    started (``--collectives-overlap auto`` pipelines ``embrace_2d`` off CPUs); before,
-    only ``yes`` is known, and ``experiments.train.build`` refuses the rest."""
-    parsed = parse_strategy(config.strategy)
-    if parsed.strategy.engine == "pmap":
-        return "runs one step a call (jax.pmap)"
+    repeat its step (``Strategy.scannable``): not ``jax.pmap``'s, not a pipelined one
+    (its steps carry rows and look ahead). ``platform``: the devices' platform, once JAX
+    has started (``--collectives-overlap auto`` pipelines a strategy with a ``serial``
+    form, ``embrace_2d``, off CPUs); before, only ``yes`` is known, and
+    ``experiments.train.build`` refuses the rest."""
+    strategy = parse_strategy(config.strategy).strategy
     overlap = config.collectives_overlap == "yes" or (
         config.collectives_overlap == "auto" and platform not in (None, "cpu")
     )
-    if parsed.tables == "embrace_2d" and overlap:
+    runs = strategy.serial if strategy.serial is not None and not overlap else strategy
+    if runs.engine == "pmap":
+        return "runs one step a call (jax.pmap)"
+    if why := runs.why_one_step_a_call():
         return (
             f"with --collectives-overlap {config.collectives_overlap} is a pipelined step, "
-            "one step a call"
+            f"one step a call ({why})"
         )
     return ""
 
@@ -190,7 +196,12 @@ def _check_text_file(config: RunConfig) -> None:
         )
     path = Path(config.text_file)
     if not path.is_file():
-        problem = "is a directory" if path.is_dir() else "does not exist"
+        if path.is_dir():
+            problem = "is a directory"
+        elif path.exists():  # a device (/dev/null, /dev/zero), a FIFO, a socket
+            problem = "is not a regular file (a device, FIFO or socket)"
+        else:
+            problem = "does not exist"
         raise ValueError(f"--text-file {config.text_file} {problem}; give a text file")
     try:
         path.open("rb").close()

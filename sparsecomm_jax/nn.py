@@ -239,6 +239,14 @@ class EmbedBag(Embed):
         (``lengths``: ids per bag, ``[*inputs.shape[:-1]]``)."""
         if self.mode not in POOLINGS:
             raise ValueError(f"EmbedBag mode must be one of {POOLINGS}, got {self.mode!r}")
+        if jnp.ndim(inputs) < 1:
+            raise ValueError("EmbedBag inputs must be bags [..., L] of ids, got a scalar")
+        if lengths is not None and jnp.shape(lengths) != jnp.shape(inputs)[:-1]:
+            raise ValueError(
+                f"EmbedBag lengths must have the shape of the bags, inputs.shape[:-1] = "
+                f"{tuple(jnp.shape(inputs)[:-1])}: one length per bag; got "
+                f"{tuple(jnp.shape(lengths))}"
+            )
         rows = _lookup(self, self.embedding, inputs)  # [..., L, D]
         counted = jnp.ones(inputs.shape, bool)
         if self.padding_id is not None:

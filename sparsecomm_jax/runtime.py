@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import launch
 from sparsecomm_jax.cores import capped_cores, cpu_quota, usable_cores
+from sparsecomm_jax.errors import ArgumentError, Call
 from sparsecomm_jax.launch import (
     ENV_COORDINATOR,
     ENV_INIT_TIMEOUT,
@@ -72,8 +73,12 @@ _RANK_VARS = {
     "slurm": ("SLURM_PROCID", "SLURM_NTASKS"),
     "k8s": ("JOB_COMPLETION_INDEX", "the Job's completions"),
 }
-# SLURM_STEP_ID of the steps srun does not start (the batch script, extern, interactive).
-_NOT_SRUN_STEPS = {"4294967293", "4294967294", "4294967295"}
+# SLURM_STEP_ID of the steps srun does not start.
+_NOT_SRUN_STEPS = {
+    "4294967293": "the interactive step",
+    "4294967294": "the batch script's step",
+    "4294967295": "the extern step",
+}
 
 
 # XLA flags that let collectives run asynchronously and overlap computation on GPU
@@ -136,15 +141,17 @@ def data_mesh(num_devices: int | None = None, axis_name: str = "data") -> Mesh:
     devices = jax.devices()
     n = len(devices) if num_devices is None else num_devices
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
+        raise ArgumentError("num_devices", num_devices, "must be an integer >= 1")
     if n > len(devices):
-        raise ValueError(
-            f"num_devices={n} but only {len(devices)} {jax.default_backend()} devices exist "
-            f"(on CPU, call runtime.simulate_cpu_devices({n}) before the first JAX "
-            "computation to simulate more)"
+        raise ArgumentError(
+            "num_devices",
+            n,
+            f"but only {len(devices)} {jax.default_backend()} devices exist (on CPU, "
+            "$simulate before the first JAX computation to simulate more)",
+            simulate=Call("runtime.simulate_cpu_devices", "num_devices", n),
         )
     if not axis_name or not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a non-empty string, got {axis_name!r}")
+        raise ArgumentError("axis_name", axis_name, "must be a non-empty string")
     _check_spans_job(n)
     return Mesh(np.asarray(devices[:n]), (axis_name,))
 
@@ -154,9 +161,12 @@ def _check_spans_job(n: int) -> None:
     some processes without a device. Every process decides from the same global facts."""
     total, procs = jax.device_count(), jax.process_count()
     if procs > 1 and n != total:
-        raise ValueError(
-            f"num_devices={n} but this job of {procs} processes has {total} devices: a "
-            f"multi-process mesh uses every one; pass num_devices={total}"
+        raise ArgumentError(
+            "num_devices",
+            n,
+            f"but this job of {procs} processes has {total} devices: a multi-process mesh "
+            "uses every one; pass $num_devices",
+            num_devices=total,
         )
 
 
@@ -333,9 +343,11 @@ def slurm_without_srun() -> str | None:
     tasks = os.environ.get("SLURM_NTASKS", "1")
     if tasks == "1":
         return None
+    step = os.environ.get("SLURM_STEP_ID", os.environ.get("SLURM_STEPID"))
+    seen = "no SLURM_STEP_ID" if step is None else f"SLURM_STEP_ID {step}, {_NOT_SRUN_STEPS[step]}"
     return (
-        f"SLURM job of {tasks} tasks, but this process was not started by srun (no "
-        "SLURM_STEP_ID): it runs alone; start it with srun to run one process per task"
+        f"SLURM job of {tasks} tasks, but this process was not started by srun ({seen}): "
+        "it runs alone; start it with srun to run one process per task"
     )
 
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
-from experiments.validate import as_flags
+from experiments.validate import flag_words
 from sparsecomm_jax import cores, launch, runtime
 
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)
@@ -524,7 +524,7 @@ def test_errors_speak_to_the_caller():
     """A Python caller is told the Python call, a command-line user the flag."""
     with pytest.raises(ValueError, match=r"call runtime.simulate_cpu_devices\(16\)") as err:
         runtime.data_mesh(16)
-    told = as_flags(str(err.value))
+    told = err.value.render(flag_words)
     assert told.startswith("--devices 16 but only 8") and "pass --devices 16 before" in told
 
 

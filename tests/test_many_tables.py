@@ -150,7 +150,7 @@ def test_named_id_keys_map_features_to_tables():
 def test_table_layouts_are_checked():
     with pytest.raises(ValueError, match=r"table_layouts names \['users'\], which are not"):
         make("embrace", table_layouts={"users": "row"})
-    with pytest.raises(ValueError, match=r"unknown table layout 'diagonal'"):
+    with pytest.raises(ValueError, match=r"table_layouts names unknown layouts \['diagonal'\]"):
         make("embrace", table_layouts={"user": "diagonal"})
     with pytest.raises(ValueError, match=r"table_layouts needs a strategy among"):
         make("embrace_2d", table_layouts={"user": "row"})

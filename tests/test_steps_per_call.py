@@ -70,21 +70,24 @@ def test_steps_in_one_call_equal_one_call_a_step(strategy, optimizer, kwargs):
     params = w.init(jax.random.key(seed))
     one, p_one, _ = strategy_run(w, optimizer, params, 7, strategy, **kwargs)
     many, p_many, ts = scanned_run(w, optimizer, params, [3, 1, 3], strategy, **kwargs)
-    assert ts.steps is not None and np.all(np.isfinite(one)) and len(many) == 7
+    assert ts.scannable and np.all(np.isfinite(one)) and len(many) == 7
     np.testing.assert_allclose(many, one, rtol=1e-5, err_msg=f"seed {seed}")
     assert_trees_close(p_many, p_one, rtol=1e-4, atol=1e-5)
 
 
 def test_pipelined_and_pmapped_steps_run_one_step_a_call(pipelined_2d):
     """A step that carries rows to the next and looks ahead (pipelined ``embrace_2d``),
-    or a ``jax.pmap`` one, has no ``steps``; asking for a call of several is an error
-    naming the strategy."""
+    or a ``jax.pmap`` one, cannot scan its steps; asking for a call of several, or
+    calling ``ts.steps`` itself, is an error naming the strategy."""
     w = get_workload("lstm_lm", **SMALL)
     for strategy in ("embrace_2d", "dense_pmap"):
         ts = build(w, strategy)
-        assert ts.steps is None and ts.place_steps is None
-        with pytest.raises(ValueError, match=f"strategy '{strategy}' cannot run several"):
+        assert not ts.scannable
+        refused = f"strategy '{strategy}' runs one step a program call"
+        with pytest.raises(ValueError, match=f"ts.place_steps: {refused}"):
             sc.place_for_call(ts, w.batch_at, (0, 2), 4)
+        with pytest.raises(ValueError, match=f"ts.steps: {refused}"):
+            ts.steps(ts.state, ts.place_batch(w.batch_at(0)))
 
 
 def test_place_steps_checks_and_sizes_every_batch():

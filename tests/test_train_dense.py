@@ -160,5 +160,5 @@ def test_arguments_of_the_wrong_kind(lm):
     for args, message in cases:
         with pytest.raises(ValueError, match=message):
             sc.make_train_step(*args)
-    with pytest.raises(ValueError, match="nonfinite must be one of"):
+    with pytest.raises(ValueError, match="nonfinite='ignore' must be one of"):
         sc.make_train_step(workload.loss, sgd, mesh, params, nonfinite="ignore")

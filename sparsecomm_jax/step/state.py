@@ -95,11 +95,12 @@ class TrainStep(NamedTuple):
         stacked (``losses``: one per step, in order); the same arithmetic as calling
         ``step`` on each batch (to float rounding: XLA compiles a loop body on its
         own), with one dispatch and one program run instead of one per step.
-        ``None`` where the step cannot be scanned (``jax.pmap``, pipelined strategies,
-        whose steps carry rows and look ahead).
+        Where the step cannot be scanned (``jax.pmap``, pipelined strategies, whose
+        steps carry rows and look ahead) calling it is a ``ValueError`` that says so.
       place_steps: ``place_steps([batch, ...]) -> PlacedBatch`` of ``steps``: each
         batch checked and sized as ``place_batch`` would, then placed stacked along a
-        new leading axis with the capacity of the largest; ``None`` with ``steps``.
+        new leading axis with the capacity of the largest (refusing as ``steps`` does).
+      scannable: whether ``steps`` and ``place_steps`` run (several steps a call).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -115,6 +116,7 @@ class TrainStep(NamedTuple):
     stored_together: tuple = ()
     steps: Callable[[TrainState, Any], tuple[TrainState, jax.Array]] | None = None
     place_steps: Callable[..., Any] | None = None
+    scannable: bool = False
 
 
 class StepContext(NamedTuple):

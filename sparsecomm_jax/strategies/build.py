@@ -38,11 +38,13 @@ from sparsecomm_jax.embedding.tables import (
     table_name,
 )
 from sparsecomm_jax.embedding.update import TableUpdate
+from sparsecomm_jax.errors import NO_VALUE, ArgumentError, few
 from sparsecomm_jax.schedule import priority
 from sparsecomm_jax.step import placement
-from sparsecomm_jax.step.placement import PlacedBatch, first_replica
+from sparsecomm_jax.step.placement import PlacedBatch
 from sparsecomm_jax.step.state import Batch, LossFn, PyTree, StepContext, TrainState, TrainStep
 from sparsecomm_jax.strategies.registry import STRATEGIES, Strategy, StrategyName, parse_strategy
+from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY
 
 NONFINITE = ("skip", "error", "off")
 
@@ -62,16 +64,19 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         else placement.layout_policies(ctx)
     )
     capacity = placement.capacity_fn(ctx, policies) if policies else None
-    scannable = not strategy.lookahead  # a pipelined step carries rows, looks ahead
+    scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
     return TrainStep(
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
         place_batch=placement.batch_placer(ctx, policies, strategy.lookahead, capacity),
         steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0), stacked=True)
         if scannable
-        else None,
-        place_steps=placement.steps_placer(ctx, capacity) if scannable else None,
-        host_params=lambda s: placement.cut_tables(ctx, jax.tree.map(runtime.to_host, s.params)),
+        else one_step_a_call(strategy, "steps"),
+        place_steps=placement.steps_placer(ctx, capacity)
+        if scannable
+        else one_step_a_call(strategy, "place_steps"),
+        scannable=scannable,
+        host_params=placement.host_params_of(ctx),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
         capacity_slots=_capacity_slots(ctx, policies),
@@ -107,6 +112,20 @@ def scan_steps(step: Callable) -> Callable:
         return jax.lax.scan(one, state, placed.data)  # placed.data: [S, B, ...] per key
 
     return steps
+
+
+def one_step_a_call(strategy: Strategy, what: str) -> Callable:
+    """``ts.steps`` or ``ts.place_steps`` of a strategy that runs one step a call: a
+    function that says so (``ValueError``) when called."""
+
+    def refuse(*args, **kwargs):
+        raise ValueError(
+            f"ts.{what}: strategy {strategy.name!r} runs one step a program call "
+            f"({strategy.why_one_step_a_call()}); call ts.step(state, "
+            "ts.place_batch(batch)) once a step (ts.scannable is False)"
+        )
+
+    return refuse
 
 
 def _capacity_slots(ctx: StepContext, policies) -> tuple:
@@ -182,7 +201,9 @@ def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         step=PmapStep(jax.pmap(body, ctx.axis_name, devices=devices, donate_argnums=0)),
         state=placement.stack_per_device(state, num_local),
         place_batch=placement.pmap_placer(ctx),
-        host_params=lambda s: jax.tree.map(first_replica, s.params),
+        steps=one_step_a_call(strategy, "steps"),
+        place_steps=one_step_a_call(strategy, "place_steps"),
+        host_params=placement.replica_params,
         strategy=strategy.name,
         per_device_state=True,
         runs_as=strategy.name,
@@ -293,11 +314,6 @@ def place_for_call(
     first, size = call
     if size == 1:
         return place_for_step(ts, batch_at, first, steps)
-    if ts.place_steps is None:
-        raise ValueError(
-            f"strategy {ts.strategy!r} cannot run several steps a call (it is pipelined or "
-            "pmapped): use one step a call"
-        )
     return ts.place_steps([batch_at(s) for s in range(first, first + size)])
 
 
@@ -342,33 +358,46 @@ def placed_calls(
 
 
 def check_arguments(loss_fn, optimizer, mesh, params) -> None:
-    """``ValueError`` for arguments of the wrong kind, before anything is traced."""
+    """``ArgumentError`` for arguments of the wrong kind, before anything is traced."""
     if not callable(loss_fn):
-        raise ValueError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        raise ArgumentError("loss_fn", NO_VALUE, f"must be callable, got {type(loss_fn).__name__}")
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise ValueError("optimizer must be an optax GradientTransformation (init, update)")
+        raise ArgumentError(
+            "optimizer",
+            NO_VALUE,
+            "must be an optax GradientTransformation (init, update), got "
+            f"{type(optimizer).__name__}",
+        )
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ArgumentError(
+            "mesh", NO_VALUE, f"must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+        )
     leaves = jax.tree_util.tree_leaves_with_path(params)
     if not leaves:
-        raise ValueError("params has no arrays")
+        raise ArgumentError("params", NO_VALUE, "has no arrays")
     for path, x in leaves:
         dtype = getattr(x, "dtype", None)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(
-                f"parameter {jax.tree_util.keystr(path)} must be a floating-point array, "
-                f"got {type(x).__name__} of dtype {dtype}"
+            raise ArgumentError(
+                "params",
+                NO_VALUE,
+                f"{jax.tree_util.keystr(path)} must be a floating-point array, got "
+                f"{type(x).__name__} of dtype {dtype}",
             )
 
 
 def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
     """The options every strategy takes."""
-    if capacity is not None and capacity < 1:
-        raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+    if capacity is not None and not (isinstance(capacity, int) and capacity >= 1):
+        raise ArgumentError(
+            "capacity", capacity, "must be an integer >= 1, or None (sized per batch)"
+        )
     if name.aggregator == "gtopk" and num & (num - 1):
-        raise ValueError(f"gtopk needs a power-of-two number of devices, got {num}")
+        raise ArgumentError(
+            "strategy", str(name), f"needs a power-of-two number of devices, got {num}"
+        )
     if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        raise ArgumentError("nonfinite", nonfinite, f"must be one of {list(NONFINITE)}")
 
 
 def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype: str) -> None:
@@ -377,21 +406,27 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
     strategy = name.strategy
     if table_update is update.ROWS and not strategy.row_updates:
         rows = [s.name for s in STRATEGIES.values() if s.row_updates]
-        raise ValueError(
-            f"table_update='rows' needs a strategy among {rows}; strategy "
-            f"'{strategy.name}' updates no table row-sparsely"
+        raise ArgumentError(
+            "table_update",
+            "rows",
+            f"needs a strategy among {rows}; $strategy updates no table row-sparsely",
+            strategy=str(name),
         )
     if comm_dtype == "float32":
         return
     if table_update is not update.ROWS or name.aggregator != "dense":
-        raise ValueError(
-            f"comm_dtype={comm_dtype!r} needs the row-sparse table update "
-            "(table_update='rows') and the dense all-reduce (no top-k)"
+        raise ArgumentError(
+            "comm_dtype",
+            comm_dtype,
+            "needs the row-sparse table update ($table_update) and the dense all-reduce (no top-k)",
+            table_update="rows",
         )
-    if strategy.name == "embrace_2d":
-        raise ValueError(
-            f"comm_dtype={comm_dtype!r} is not available for embrace_2d; "
-            "use comm_dtype='float32' or strategy 'embrace'"
+    if not strategy.narrow_wire:
+        raise ArgumentError(
+            "comm_dtype",
+            comm_dtype,
+            f"is not available for {strategy.name}; use $comm_dtype",
+            comm_dtype="float32",
         )
 
 
@@ -399,40 +434,67 @@ DENSE_TABLE = "dense"  # in table_layouts: the table is data parallel, an ordina
 
 
 def place_tables(
-    tables: tuple[Table, ...], table_layouts: Mapping[Any, str | Layout] | None, strategy: Strategy
+    tables: tuple[Table, ...],
+    table_layouts: Mapping[Any, str | Layout] | None,
+    name: StrategyName,
 ) -> tuple[Table, ...]:
     """``tables`` with the layouts ``table_layouts`` gives them (by path or name);
     ``"dense"`` makes a table's layout ``None``: an ordinary parameter of the step, its
     gradient dense and in the dense layers' all-reduce.
 
     Raises:
-      ValueError: a path that names no table, a table named twice, an unknown layout,
-        or a strategy whose step reads every table through one layout.
+      ArgumentError: not a mapping, a path that names no table, a table named twice, an
+        unknown layout, or a strategy whose step reads every table through one layout.
     """
-    if not table_layouts:
+    if table_layouts is None or (isinstance(table_layouts, Mapping) and not table_layouts):
         return tables
+    if not isinstance(table_layouts, Mapping):
+        raise ArgumentError(
+            "table_layouts",
+            NO_VALUE,
+            "must be a mapping {table path: layout}, e.g. "
+            '{"params/user/embedding": "row"} (a planner Plan\'s .layouts()), got '
+            f"{type(table_layouts).__name__}",
+        )
+    strategy = name.strategy
     if not strategy.any_layout:
         mixed = [s.name for s in STRATEGIES.values() if s.any_layout]
-        raise ValueError(
-            f"table_layouts needs a strategy among {mixed}; strategy '{strategy.name}' "
-            "reads every table through one layout"
+        raise ArgumentError(
+            "table_layouts",
+            NO_VALUE,
+            f"needs a strategy among {mixed}; $strategy reads every table through one layout",
+            strategy=str(name),
         )
     names = [table_name(p) for p in table_layouts]
     if twice := sorted({n for n in names if names.count(n) > 1}):
-        raise ValueError(
-            f"table_layouts names {twice} more than once (a path as keys and as "
-            "'a/b/c' names one table): give each table one layout"
+        raise ArgumentError(
+            "table_layouts",
+            NO_VALUE,
+            f"names {few(twice)} more than once (a path as keys and as 'a/b/c' names one "
+            "table): give each table one layout",
+        )
+    known = [*layouts.LAYOUTS, DENSE_TABLE]
+    if bad := sorted({str(x) for x in table_layouts.values() if not _known_layout(x)}):
+        raise ArgumentError(
+            "table_layouts", NO_VALUE, f"names unknown layouts {few(bad)}; choose among {known}"
         )
     chosen = {
         name: None if x == DENSE_TABLE else layouts.get(x)
         for name, x in zip(names, table_layouts.values(), strict=True)
     }
     if unknown := sorted(set(chosen) - {t.name for t in tables}):
-        raise ValueError(
-            f"table_layouts names {unknown}, which are not embedding tables; the tables: "
-            f"{[t.name for t in tables]}"
+        raise ArgumentError(
+            "table_layouts",
+            NO_VALUE,
+            f"names {few(unknown)}, which are not embedding tables; the tables: "
+            f"{few([t.name for t in tables])}",
         )
     return tuple(t._replace(layout=chosen.get(t.name, t.layout)) for t in tables)
+
+
+def _known_layout(layout: Any) -> bool:
+    named = isinstance(layout, str) and (layout in layouts.LAYOUTS or layout == DENSE_TABLE)
+    return named or isinstance(layout, Layout)
 
 
 def resolve_id_keys(
@@ -443,20 +505,31 @@ def resolve_id_keys(
     several of them).
 
     Raises:
-      ValueError: a table path that names no embedding table (the message lists them).
+      ArgumentError: not keys, or a table path that names no embedding table (the
+        message lists them).
     """
     if id_keys is None or isinstance(id_keys, str):
         return None if id_keys is None else (id_keys,)
     if not isinstance(id_keys, Mapping):
+        if not isinstance(id_keys, Sequence | set | frozenset) or not all(
+            isinstance(k, str) for k in id_keys
+        ):
+            raise ArgumentError(
+                "id_keys",
+                id_keys,
+                "must be batch keys (a tuple of strings) or {key: table path}, or None",
+            )
         return tuple(id_keys)
     index = {t.name: t.index for t in tables}
 
     def table(path) -> int:
         name = table_name(path)
         if name not in index:
-            raise ValueError(
-                f"id_keys maps a key to {name!r}, which is not an embedding table; the "
-                f"tables: {sorted(index)}"
+            raise ArgumentError(
+                "id_keys",
+                NO_VALUE,
+                f"maps a key to {name!r}, which is not an embedding table; the tables: "
+                f"{few(sorted(index))}",
             )
         return index[name]
 
@@ -515,7 +588,7 @@ def make_train_step(
     embedding_paths: TablePaths = (),
     id_keys: Sequence[str] | Mapping[str, Any] | None = None,
     capacity: int | None = None,
-    density: float = 1.0,
+    density: float = DEFAULT_DENSITY,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
@@ -555,7 +628,8 @@ def make_train_step(
         first-chunk positions, or as ``embrace`` where it runs as ``embrace``); ``None``
         sizes them per batch (a new program when one grows); a fixed value too small
         for a batch raises ``ValueError``.
-      density: fraction of each fused bucket that top-k aggregators send, in (0, 1].
+      density: fraction of each fused bucket that top-k aggregators send, in (0, 1]
+        (default ``topk.selectors.DEFAULT_DENSITY``, 0.01, as ``--density``).
       nonfinite: what a step does when a gradient, a residual or the loss holds NaN/Inf
         on any worker: ``"skip"`` and ``"error"`` keep the previous state (parameters,
         optimizer state, residuals untouched) and report a NaN loss, so the caller counts the
@@ -634,7 +708,7 @@ def make_context(
     embedding_paths: TablePaths = (),
     id_keys: Sequence[str] | Mapping[str, Any] | None = None,
     capacity: int | None = None,
-    density: float = 1.0,
+    density: float = DEFAULT_DENSITY,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
     comm_dtype: str = "float32",
@@ -654,7 +728,7 @@ def make_context(
     id_tables = find_tables(params, named, None)
     layout = name.strategy.layout
     mask = named if layout else jax.tree.map(lambda _: False, named)
-    tables = place_tables(find_tables(params, mask, layout), table_layouts, name.strategy)
+    tables = place_tables(find_tables(params, mask, layout), table_layouts, name)
     if dense := {t.index for t in tables if t.layout is None}:  # data parallel, as parameters
         tables = tuple(t for t in tables if t.layout is not None)
         leaves, treedef = jax.tree.flatten(mask)

@@ -50,6 +50,8 @@ class Strategy(NamedTuple):
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
       any_layout: each table may have a layout of its own (``table_layouts``): its
         step reads every table through the table's layout.
+      narrow_wire: its exchanges can travel in a narrower dtype than float32
+        (``comm_dtype``); the pipelined ``embrace_2d``'s chunks cannot.
       serial: the strategy whose step it runs where a program's collectives cannot
         overlap its compute (``StepContext.overlap`` false, as on XLA:CPU), or ``None``.
         ``embrace_2d``'s early chunk, early update and second fetch only pay by hiding
@@ -68,7 +70,22 @@ class Strategy(NamedTuple):
     engine: str = "shard_map"
     row_updates: bool = False
     any_layout: bool = False
+    narrow_wire: bool = True
     serial: Strategy | None = None
+
+    @property
+    def scannable(self) -> bool:
+        """Whether ``lax.scan`` can repeat its step (``TrainStep.steps``): not a
+        ``jax.pmap`` step, not a pipelined one (its steps carry rows and look ahead)."""
+        return self.engine != "pmap" and not self.lookahead
+
+    def why_one_step_a_call(self) -> str:
+        """Why the step runs one step a program call (``""`` when it can scan)."""
+        if self.engine == "pmap":
+            return "jax.pmap"
+        if self.lookahead:
+            return "a pipelined step: its steps carry rows and look ahead"
+        return ""
 
 
 # embrace_2d where nothing can overlap: embrace's step, refusing what the pipeline refuses
@@ -118,6 +135,7 @@ STRATEGIES: dict[str, Strategy] = {
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
+            narrow_wire=False,
             serial=SERIAL_2D,
         ),
     )

@@ -72,6 +72,11 @@ class Selector(NamedTuple):
 # ------------------------------------------------------------------ the basics
 
 
+# The fraction of each bucket top-k strategies send unless told: the same from Python
+# (``make_train_step``) and from the command line (``--density``).
+DEFAULT_DENSITY = 0.01
+
+
 def check_density(density: float) -> None:
     """``ValueError`` unless density is a number in (0, 1]."""
     if not isinstance(density, int | float) or not 0.0 < density <= 1.0:
