@@ -189,13 +189,15 @@ def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
 
 
 def read_criteo(path: str | Path, sizes: list[int], max_rows: int = 0) -> dict[str, np.ndarray]:
-    """A Criteo TSV file as arrays: ``label`` float[N], ``dense`` float[N, 13]
-    (``log(1 + max(x, 0))``, empty fields 0), ``sparse_f`` int[N, 1] (the hexadecimal
-    value of categorical column ``f`` hashed into ``sizes[f]`` rows, empty fields 0).
+    """A Criteo TSV file as arrays: ``label`` float[N] (each line's label 0 or 1),
+    ``dense`` float[N, 13] (``log(1 + max(x, 0))``, empty fields 0), ``sparse_f``
+    int[N, 1] (the hexadecimal value of categorical column ``f``, below 2**64, hashed
+    into ``sizes[f]`` rows, empty fields 0).
 
     Raises:
-      ValueError: the file is missing, has a line of another shape or a field that is
-        not a number, naming the file and line.
+      ValueError: the file is missing, has a line of another shape, a label other than
+        0 or 1, or a field that is not a number in range (a count beyond 64 bits, a
+        category of 2**64 or more), naming the file and line.
     """
     if len(sizes) > CATEGORICAL:
         raise ValueError(
@@ -215,19 +217,50 @@ def read_criteo(path: str | Path, sizes: list[int], max_rows: int = 0) -> dict[s
                     f"{1 + DENSE_FEATURES + CATEGORICAL} (tab-separated)"
                 )
             try:
-                labels.append(int(fields[0]))
-                dense.append([int(x) if x else 0 for x in fields[1 : 1 + DENSE_FEATURES]])
-                cats.append([int(x, 16) if x else 0 for x in fields[1 + DENSE_FEATURES :]])
+                labels.append(_label(fields[0]))
+                dense.append([_count(x) for x in fields[1 : 1 + DENSE_FEATURES]])
+                cats.append([_category(x) for x in fields[1 + DENSE_FEATURES :]])
             except ValueError as e:
                 raise ValueError(f"{path}, line {n}: {e}") from None
             if max_rows and n >= max_rows:
                 break
     if not labels:
         raise ValueError(f"{path} holds no lines")
-    cats = np.asarray(cats, np.int64)
-    sparse = [(cats[:, f] % v)[:, None] for f, v in enumerate(sizes)]
+    cats = np.asarray(cats, np.uint64)
+    sparse = [(cats[:, f] % np.uint64(v)).astype(np.int64)[:, None] for f, v in enumerate(sizes)]
     dense = np.log1p(np.maximum(np.asarray(dense, np.float64), 0))
     return _batch(dense, sparse, np.asarray(labels) > 0)
+
+
+def _label(text: str) -> int:
+    """A Criteo label: ``0`` or ``1`` (a click or not), nothing else."""
+    if text not in ("0", "1"):
+        raise ValueError(f"the label is {text[:20]!r}; a Criteo label is 0 or 1")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    """An integer column of Criteo (empty: 0), within 64 bits."""
+    if not text:
+        return 0
+    if len(text.lstrip("+-")) > 19:  # int() of a huge string is slow and overflows numpy
+        raise ValueError(f"integer field {text[:20]}... has {len(text)} digits, beyond 64 bits")
+    value = int(text)
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"integer field {text} is beyond 64 bits")
+    return value
+
+
+def _category(text: str) -> int:
+    """A categorical column of Criteo: a hexadecimal hash below 2**64 (empty: 0)."""
+    if not text:
+        return 0
+    if len(text) > 16:
+        raise ValueError(f"category {text[:20]}... has {len(text)} hex digits, beyond 64 bits")
+    value = int(text, 16)
+    if value < 0:
+        raise ValueError(f"category {text} is negative; Criteo's are hexadecimal hashes")
+    return value
 
 
 def criteo_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
@@ -244,8 +277,14 @@ def criteo_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
         return {k: v[idx] for k, v in rows.items()}
 
     def heldout(split: str, max_batches: int = 0) -> list[dict[str, np.ndarray]]:
-        if split != "valid" or n - cut < cfg.batch:
+        if split != "valid":
             return []
+        if n - cut < cfg.batch:
+            raise ValueError(
+                f"{cfg.data_dir}/train.txt has {n} lines: its last tenth, held out, has "
+                f"{n - cut}, fewer than one --batch of {cfg.batch}; give a file of at "
+                f"least {10 * cfg.batch} lines or a smaller --batch"
+            )
         starts = range(cut, n - cfg.batch + 1, cfg.batch)
         batches = [{k: v[s : s + cfg.batch] for k, v in rows.items()} for s in starts]
         return batches[:max_batches] if max_batches else batches
@@ -271,8 +310,8 @@ def workload(cfg: DLRMConfig) -> Workload:
         )
     batch_at, heldout = (criteo_data if cfg.data_dir else synthetic_data)(cfg)
 
-    def init(key):
-        return model.init(key, batch_at(0))
+    def init(key):  # parameters only: the forward pass on the batch is not computed
+        return model.lazy_init(key, batch_at(0))
 
     def loss(params, batch, emb=None):
         with nn.use_ops(emb):
@@ -289,7 +328,7 @@ def workload(cfg: DLRMConfig) -> Workload:
 
     return Workload(
         name="dlrm",
-        init=jax.jit(init),
+        init=init,  # op by op: a jitted init of many tables compiles for minutes
         loss=loss,
         batch_at=batch_at,
         replicated_keys=(),
