@@ -1,0 +1,389 @@
+"""Hostile input, kept: each case a user met, through the interface where they met it
+(the training command line, the Python API in a user's own script), refused with an
+error that names the argument, the file and line, or the key; never a traceback, a
+silent wrong result or a half-written folder.
+
+Each ``main(argv)`` here is the command line's own entry point in this process (the
+same checks and messages as ``python -m experiments.train``; an exception it does not
+turn into its one-line error fails the test); ``test_the_command_line_process_*`` runs
+the real process for the exit code and the absence of any traceback.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import REPO
+from jax.sharding import PartitionSpec as P
+from test_dlrm import write_criteo
+
+import sparsecomm_jax as sc
+from experiments.train import main
+from models import dlrm
+from sparsecomm_jax import checkpoint, nn, runtime
+from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.errors import ArgumentError
+
+N = 8
+TINY = ["--vocab", "50", "--dim", "8", "--hidden", "8", "--seq-len", "4", "--batch", "8"]
+TINY += ["--devices", "2", "--steps", "2"]
+
+
+def one_line(capsys) -> str:
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip() and "it/s" not in x]
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ------------------------------------------------------------------ checkpoints
+
+HOLD = """
+import sys, time
+from sparsecomm_jax import checkpoint
+ckpt = checkpoint.Checkpointer(sys.argv[1])
+print("holding", flush=True)
+sys.stdin.readline()
+ckpt.close()
+"""
+
+
+def test_a_second_writer_of_a_checkpoint_folder_is_refused_at_once(tmp_path):
+    """Two processes, one folder: the second ``Checkpointer`` is refused when it is
+    made, naming the holder's process id and host; nothing of it reaches the folder.
+    The folder need not exist yet (the checkpointer makes it)."""
+    folder = tmp_path / "new" / "ck"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        who = f"process {holder.pid} on {socket.gethostname()}"
+        with pytest.raises(ValueError, match=f"is in use by another run \\({who} holds"):
+            checkpoint.Checkpointer(folder)
+        assert not checkpoint.saved_steps(folder)
+    finally:
+        holder.communicate("\n", timeout=60)
+    with checkpoint.Checkpointer(folder) as ckpt:  # released at the holder's close
+        assert ckpt.save(1, {"w": jnp.ones(2)}, force=True)
+
+
+def test_a_second_checkpointer_in_one_process_and_a_lock_on_a_new_folder(tmp_path):
+    with checkpoint.Checkpointer(tmp_path / "a") as ckpt:
+        with pytest.raises(ValueError, match="this process: close the Checkpointer"):
+            checkpoint.Checkpointer(tmp_path / "a")
+        ckpt.save(1, {"w": jnp.ones(2)}, force=True)
+    lock = checkpoint.DirectoryLock(tmp_path / "b" / "c")  # made, not FileNotFoundError
+    with checkpoint.Checkpointer(tmp_path / "b" / "c", lock=lock) as ckpt:  # writes under it
+        assert ckpt.save(1, {"w": jnp.ones(2)}, force=True)
+    lock.release()
+
+
+def test_a_restored_fresh_state_runs_in_the_users_own_step(tmp_path):
+    """A state JAX placed itself (``model.init``, ``optax.init``) restored through
+    ``abstract`` of itself runs in the user's ``jit(shard_map)`` step as the saved one
+    did, to the same loss (it was pinned to device 0: "incompatible devices")."""
+    params = {"w": jax.random.normal(jax.random.key(1), (4, 1))}
+    opt = optax.sgd(0.1)
+
+    def body(p, o, batch):
+        loss = lambda p: jnp.mean((batch["x"] @ p["w"] - batch["y"]) ** 2)  # noqa: E731
+        value, grads = jax.value_and_grad(loss)(sc.vary(p))
+        updates, o = opt.update(jax.lax.pmean(grads, "data"), o, p)
+        return optax.apply_updates(p, updates), o, jax.lax.pmean(value, "data")
+
+    specs = (P(), P(), P("data"))
+    step = jax.jit(
+        jax.shard_map(body, mesh=runtime.data_mesh(N), in_specs=specs, out_specs=(P(),) * 3)
+    )
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(N, 4)).astype(np.float32), "y": np.ones((N, 1), np.float32)}
+    state = (params, opt.init(params))
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(0, state, force=True)
+        restored, _ = ckpt.restore(checkpoint.abstract(state))
+    want = step(*state, batch)[2]
+    assert float(step(*restored, batch)[2]) == float(want)
+
+
+# ------------------------------------------------------------------ table ids
+
+USER, ITEM = 10, 20
+
+
+def two_tables(params, batch, ops):
+    user = ops.lookup(params["user"], batch["user"])
+    item = ops.lookup(params["item"], batch["item"])
+    return jnp.mean(((user * item).sum(-1) - batch["label"]) ** 2)
+
+
+def two_table_step(strategy, loss=two_tables, **kwargs):
+    rng = np.random.default_rng(0)
+    params = {
+        "user": rng.normal(size=(USER, 4)).astype(np.float32),
+        "item": rng.normal(size=(ITEM, 4)).astype(np.float32),
+    }
+    return sc.make_train_step(
+        loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(N),
+        params,
+        strategy,
+        embedding_paths=[("user",), ("item",)],
+        **kwargs,
+    )
+
+
+def two_table_batch(item_id: int | None = None) -> dict:
+    rng = np.random.default_rng(3)
+    batch = {
+        "user": rng.integers(0, USER, N).astype(np.int32),
+        "item": rng.integers(0, ITEM, N).astype(np.int32),
+        "label": rng.random(N).astype(np.float32),
+    }
+    if item_id is not None:
+        batch["item"][3] = item_id
+    return batch
+
+
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "sparse_allgather"])
+def test_every_integer_key_that_feeds_a_table_is_checked(strategy):
+    """``id_keys=("user",)`` leaves out ``item``, which feeds the item table: refused,
+    naming it (an item id of V + 3 was read as zeros, inf or NaN). Named, an id out of
+    the item table's range is refused; so it is under a ``{key: table}`` mapping."""
+    with pytest.raises(ValueError, match=r"id_keys leaves out \['item'\], whose values the loss"):
+        two_table_step(strategy, id_keys=("user",)).place_batch(two_table_batch(ITEM + 3))
+    for keys in (("user", "item"), {"user": "user", "item": "item"}, None):
+        ts = two_table_step(strategy, id_keys=keys)
+        for bad in (ITEM + 3, 10**6):
+            with pytest.raises(ValueError, match=rf"batch\['item'\].*outside \[0, {ITEM}\)"):
+                ts.place_batch(two_table_batch(bad))
+    state, loss = ts.step(ts.state, ts.place_batch(two_table_batch()))
+    assert np.isfinite(sc.loss_value(loss))
+
+
+def shifted(params, batch, ops):
+    """The item ids computed by the model: ``item + shift``."""
+    user = ops.lookup(params["user"], batch["user"])
+    item = ops.lookup(params["item"], batch["item"] + batch["shift"])
+    return jnp.mean(((user * item).sum(-1) - batch["label"]) ** 2)
+
+
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "sparse_allgather"])
+def test_an_id_the_model_computes_outside_its_table_skips_the_step(strategy):
+    """``shift`` is no id (the model adds it to one): it may be left out of ``id_keys``.
+    An item id the model computes past the table is caught where it is read, on every
+    layout: the step is skipped (loss +inf, parameters unchanged), never answered with a
+    zero or clamped row."""
+    ts = two_table_step(strategy, id_keys=("user", "item"), loss=shifted)
+    batch = {**two_table_batch(), "shift": np.zeros(N, np.int32)}
+    state, loss = ts.step(ts.state, ts.place_batch(batch))
+    assert np.isfinite(sc.loss_value(loss))
+    before = ts.host_params(state)
+    batch["shift"][2] = ITEM
+    state, loss = ts.step(state, ts.place_batch(batch))
+    assert sc.loss_value(loss) == np.inf
+    for name, value in ts.host_params(state).items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_bool_ids_are_named_not_the_float_label():
+    """A flax model given bool token ids: the error names the id key (it named the
+    float label, the only float key, before)."""
+
+    class Model(linen.Module):
+        @linen.compact
+        def __call__(self, tokens):
+            return nn.Embed(10, 4, name="embed")(tokens).sum(-1)
+
+    model = Model()
+    params = model.init(jax.random.key(0), jnp.zeros((1,), jnp.int32))
+
+    def loss(p, batch):
+        return jnp.mean((model.apply(p, batch["tokens"]) - batch["label"]) ** 2)
+
+    ts = sc.make_train_step(
+        nn.loss_with_embeddings(loss),
+        optax.sgd(0.1),
+        runtime.data_mesh(N),
+        params,
+        "embrace",
+        embedding_paths=nn.embedding_paths(params),
+    )
+    batch = {"tokens": np.arange(N) % 2 == 0, "label": np.ones(N, np.float32)}
+    with pytest.raises(ValueError, match=r"looks up rows by \['tokens'\], give them as integers"):
+        ts.place_batch(batch)
+
+
+# ------------------------------------------------------------------ the Python API
+
+
+def test_arguments_of_the_wrong_kind_name_themselves():
+    with pytest.raises(ArgumentError, match="table_layouts must be a mapping .* got list") as e:
+        two_table_step("embrace", table_layouts=[("user", "row")])
+    assert e.value.argument == "table_layouts"
+    with pytest.raises(ArgumentError, match="id_keys=5 must be batch keys") as e:
+        two_table_step("embrace", id_keys=5)
+    assert e.value.argument == "id_keys"
+    with pytest.raises(ArgumentError, match=r"choose among \['column', .*'dense'\]"):
+        two_table_step("embrace", table_layouts={"user": "colum"})
+    with pytest.raises(ArgumentError, match="; strategy='topk_a2a' reads every table") as e:
+        two_table_step("topk_a2a", table_layouts={"user": "row"})
+    assert e.value.mentions == {"strategy": "topk_a2a"}
+
+
+def test_a_plan_of_thousands_of_unknown_tables_is_one_short_line():
+    plan = {f"params/t{i}/embedding": "row" for i in range(2000)}
+    with pytest.raises(ArgumentError) as e:
+        two_table_step("embrace", table_layouts=plan)
+    assert "and 1,992 more" in str(e.value) and len(str(e.value)) < 600
+
+
+def test_top_k_from_python_sends_the_command_lines_density():
+    """``make_train_step(..., "topk_a2a")`` sends what ``--density``'s default sends
+    (0.01), not everything: the same compiled bytes as ``density=0.01``."""
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4000,)).astype(np.float32)}
+
+    def loss(p, batch, emb):
+        return jnp.mean((batch["x"] * p["w"]).sum(-1) ** 2)
+
+    def sent(**kw):
+        ts = sc.make_train_step(
+            loss, optax.sgd(0.1), runtime.data_mesh(N), params, "topk_a2a", **kw
+        )
+        batch = ts.place_batch({"x": rng.normal(size=(N, 4000)).astype(np.float32)})
+        return hlo.total_bytes(hlo.collectives(ts.step, ts.state, batch))
+
+    default = sent()
+    assert default == sent(density=0.01) < 0.75 * sent(density=1.0)
+
+
+def test_one_step_a_call_strategies_say_so_when_asked_for_several():
+    ts = two_table_step("dense_pmap")
+    batch = two_table_batch()
+    assert not ts.scannable
+    with pytest.raises(ValueError, match="ts.place_steps: strategy 'dense_pmap' runs one step"):
+        ts.place_steps([batch, batch])
+    with pytest.raises(ValueError, match=r"ts.steps: .*\(jax.pmap\)"):
+        ts.steps(ts.state, ts.place_batch(batch))
+
+
+def test_batches_of_one_call_with_other_keys_are_refused_before_the_loss_runs():
+    ts = two_table_step("embrace")
+    other = {k: v for k, v in two_table_batch().items() if k != "item"}
+    with pytest.raises(ValueError, match="batches of one program call must be alike: batch 1"):
+        ts.place_steps([two_table_batch(), other])
+
+
+def test_embed_bag_lengths_of_the_wrong_shape():
+    bag = nn.EmbedBag(10, 2)
+    ids = jnp.array([[3, 5, 0], [7, 0, 0]])
+    params = bag.init(jax.random.key(0), ids)
+    with pytest.raises(ValueError, match=r"lengths must have the shape of the bags.*\(2,\)"):
+        bag.apply(params, ids, jnp.array([2, 1, 1]))
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+
+
+CRITEO = ["--model", "dlrm", "--tables", "64,48", "--dim", "4", "--devices", "2", "--steps", "2"]
+
+
+def criteo_line(label="0", count="3", category="a0"):
+    return "\t".join([label, count, *["1"] * 12, category, *["b1"] * 25])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (criteo_line(label="5"), "the label is '5'; a Criteo label is 0 or 1"),
+        (criteo_line(label="-1"), "the label is '-1'"),
+        (criteo_line(count="9" * 400), "integer field 99999999999999999999... has 400 digits"),
+        (criteo_line(category="f" * 17), "category fffffffffffffffff... has 17 hex digits"),
+        (criteo_line(category="-5"), "category -5 is negative"),
+    ],
+)
+def test_a_criteo_value_out_of_range_names_file_and_line(tmp_path, capsys, line, message):
+    write_criteo(tmp_path / "train.txt", 2)
+    with open(tmp_path / "train.txt", "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(ValueError, match=f"train.txt, line 3: {message}"):
+        dlrm.read_criteo(tmp_path / "train.txt", [64, 48])
+    assert main([*CRITEO, "--batch", "4", "--data-dir", str(tmp_path)]) == 2
+    assert f"train.txt, line 3: {message}" in one_line(capsys)
+
+
+def test_a_criteo_file_too_small_to_hold_out_a_batch(tmp_path, capsys):
+    """The held-out tenth of 40 lines is 4, fewer than a batch of 8: refused (it exited
+    0 with no evaluation), as the text models refuse a split shorter than an example."""
+    write_criteo(tmp_path / "train.txt", 40)
+    args = [*CRITEO, "--batch", "8", "--data-dir", str(tmp_path), "--eval-every", "1"]
+    assert main(args) == 2
+    assert "held out, has 4, fewer than one --batch of 8" in one_line(capsys)
+
+
+def test_a_deeply_nested_plan_is_one_line(capsys):
+    plan = "[" * 100_000 + "]" * 100_000
+    assert main([*TINY, "--strategy", "embrace", "--plan", plan]) == 2
+    assert "--plan must be auto, model or a JSON object" in one_line(capsys)
+
+
+@pytest.mark.parametrize("kind", ["null", "fifo"])
+def test_a_text_file_that_is_no_regular_file(tmp_path, capsys, kind):
+    if kind == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = "/dev/null"
+    assert main([*TINY, "--text-file", str(path)]) == 2
+    assert "is not a regular file (a device, FIFO or socket)" in one_line(capsys)
+
+
+def test_the_slurm_batch_step_note_names_the_step(monkeypatch):
+    """A batch script of a 4-task job runs python without srun: the note says which step
+    it is in (it said "no SLURM_STEP_ID" with the batch step's id set)."""
+    for name in runtime.SCHEDULER_VARS["slurm"]:
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_STEP_ID", "4294967294")
+    note = runtime.slurm_without_srun()
+    assert "SLURM_STEP_ID 4294967294, the batch script's step" in note
+    monkeypatch.delenv("SLURM_STEP_ID")
+    assert "(no SLURM_STEP_ID)" in runtime.slurm_without_srun()
+
+
+def test_the_command_line_process_exits_2_with_one_line_and_no_traceback(tmp_path):
+    """The real process on two of the cases above: exit status 2, one line on stderr."""
+    write_criteo(tmp_path / "train.txt", 2)
+    with open(tmp_path / "train.txt", "a") as f:
+        f.write(criteo_line(category="f" * 40) + "\n")
+    cases = [
+        [*CRITEO, "--batch", "4", "--data-dir", str(tmp_path)],
+        [*TINY, "--strategy", "embrace", "--plan", "[" * 50_000],
+    ]
+    for args in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "experiments.train", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = [x for x in done.stderr.splitlines() if x.strip() and "it/s" not in x]
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert lines[0].startswith("error: ") and "Traceback" not in done.stderr
