@@ -33,6 +33,7 @@ import jax
 from experiments.config import RunConfig
 from experiments.validate import is_primary, table_update_of
 from sparsecomm_jax import checkpoint
+from sparsecomm_jax.embedding.layouts import TablePlan
 
 
 def resolved_trajectory(config: RunConfig) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def resolved_trajectory(config: RunConfig) -> dict[str, Any]:
 def run_record(config: RunConfig) -> dict[str, Any]:
     """What a checkpoint folder records about its run (beside the run id)."""
     return {
-        "config": dataclasses.asdict(config),
+        "config": config.to_json(),
         "trajectory": resolved_trajectory(config),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -87,10 +88,24 @@ def resumed_config(config: RunConfig) -> RunConfig:
         if isinstance(bucket, str) and bucket != "auto":
             chosen["bucket_mb"] = bucket
     if config.plan in ("auto", "model") and isinstance(first, dict):
-        plan = first.get("plan")  # the plan chosen, a JSON one given, or "" (the strategy's)
-        if isinstance(plan, str) and plan not in ("auto", "model"):
+        plan = recorded_plan(first.get("plan"))  # the plan chosen, one given, the strategy's
+        if plan is not None:
             chosen["plan"] = plan
     return dataclasses.replace(config, **chosen) if chosen else config
+
+
+def recorded_plan(value: Any) -> str | TablePlan | None:
+    """The plan a checkpoint folder recorded for its run: a ``TablePlan`` (a JSON object
+    of table -> layout, or the JSON text of one that versions before 0.3 wrote), ``""``
+    (the strategy's layouts), or ``None`` when it recorded none it can say (a search
+    that was never resolved, a layout no one registered here)."""
+    if value == "":
+        return ""
+    try:
+        plan = json.loads(value) if isinstance(value, str) else value
+        return TablePlan.from_json(plan) if isinstance(plan, dict) else None
+    except ValueError:  # not JSON (auto, model), or a layout unknown here
+        return None
 
 
 def _check_owner(config: RunConfig) -> None:
@@ -128,35 +143,31 @@ def _check_owner(config: RunConfig) -> None:
     _check_table_wise(config, record)
 
 
-def _table_wise(plan: Any) -> set[str] | None:
-    """The tables a ``--plan`` value lays out table-wise (``None``: not a JSON plan that
-    says, e.g. ``auto`` with no plan recorded)."""
+def _packed(plan: str | TablePlan | None) -> set[str] | None:
+    """The tables a plan lays out by a layout that packs tables together (``Layout.packs``,
+    table-wise); ``None``: a plan that does not say (``auto`` with none recorded)."""
     if plan == "":
         return set()  # the strategy's layout for every table
-    try:
-        layouts = json.loads(plan) if isinstance(plan, str) else None
-    except json.JSONDecodeError:
+    if not isinstance(plan, TablePlan):
         return None
-    if not isinstance(layouts, dict):
-        return None
-    return {table for table, layout in layouts.items() if layout == "table"}
+    return {table for table, layout in plan.items() if layout.packs}
 
 
 def _check_table_wise(config: RunConfig, record: dict[str, Any]) -> None:
     """A resume may change ``--plan`` (the layouts give the same trajectory) but not
-    which tables are table-wise: those are stored packed together, and the checkpoint
-    holds them as its own plan packed them (restoring them under another plan could
-    read one table's rows as another's, silently where the shapes agree)."""
-    recorded = (record.get("config") or {}).get("plan")
-    theirs, ours = _table_wise(recorded), _table_wise(config.plan)
+    which tables are packed together (table-wise): the checkpoint holds them as its own
+    plan packed them (restoring them under another plan could read one table's rows as
+    another's, silently where the shapes agree)."""
+    recorded = recorded_plan((record.get("config") or {}).get("plan"))
+    theirs, ours = _packed(recorded), _packed(config.plan)
     if theirs is None or ours is None or theirs == ours:
         return
 
-    def said(plan: str, tables: set[str]) -> str:
-        how = f"--plan '{plan}'" if plan else "no --plan (the strategy's layouts)"
+    def said(plan: str | TablePlan, tables: set[str]) -> str:
+        how = f"--plan '{_json(plan)}'" if plan else "no --plan (the strategy's layouts)"
         return f"{how}, {sorted(tables) if tables else 'no table'} table-wise"
 
-    fix = f"pass --plan '{recorded}'" if recorded else "leave --plan out"
+    fix = f"pass --plan '{_json(recorded)}'" if recorded else "leave --plan out"
     raise ValueError(
         f"--resume: the checkpoints in {config.checkpoint_dir} were saved under "
         f"{said(recorded, theirs)}; this run has {said(config.plan, ours)}. Table-wise "
@@ -164,6 +175,11 @@ def _check_table_wise(config: RunConfig, record: dict[str, Any]) -> None:
         f"were saved: {fix} (the other tables' layouts may change where their stored "
         "shapes agree: sizes that divide by the device count)"
     )
+
+
+def _json(plan: str | TablePlan) -> str:
+    """A plan as ``--plan`` takes it."""
+    return json.dumps(plan.to_json()) if isinstance(plan, TablePlan) else plan
 
 
 def claim_checkpoint_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:

@@ -36,7 +36,7 @@ def default_strategies() -> list[str]:
     from sparsecomm_jax import STRATEGIES
     from sparsecomm_jax.aggregators import AGGREGATORS
 
-    sparse = [a for a in AGGREGATORS if a != "dense"]
+    sparse = [name for name, kind in AGGREGATORS.items() if kind.sparse]
     return [BASELINE, *(s for s in STRATEGIES if s != BASELINE), *sparse]
 
 

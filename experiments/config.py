@@ -18,17 +18,18 @@ import collections
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from models import MODELS, config_fields
-from sparsecomm_jax import parse_strategy, strategy_names
+from sparsecomm_jax import optimizers, parse_strategy, strategy_names
+from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.comm.wire import WIRE_DTYPES
+from sparsecomm_jax.embedding.layouts import TablePlan
 from sparsecomm_jax.errors import few
 from sparsecomm_jax.strategies.build import NONFINITE
 from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density
 
-OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "lazy_adam")
 TABLE_UPDATES = ("auto", "rows", "dense")
 IN_FLIGHT = ("auto", "yes", "no")
 MAX_SEED = 2**32 - 1
@@ -76,10 +77,11 @@ def density_range(v: float) -> str | None:
     return None
 
 
-def _field(default: Any, help: str, check: Check | None = None, choices=None) -> Any:
-    """A ``RunConfig`` field: its ``--help`` text, value check and fixed choices
-    (a sequence, or a function giving one, evaluated when the parser is built)."""
-    meta = {"help": help, "check": check, "choices": choices}
+def _field(default: Any, help: str, check: Check | None = None, choices=None, parse=None) -> Any:
+    """A ``RunConfig`` field: its ``--help`` text, value check, fixed choices (a
+    sequence, or a function giving one, evaluated when the parser is built) and, for a
+    value that is more than its text, ``parse(text) -> value``."""
+    meta = {"help": help, "check": check, "choices": choices, "parse": parse}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -105,7 +107,7 @@ class RunConfig:
     optimizer: str = _field(
         "adam",
         "optax optimizer (lazy_adam: Adam whose table rows change only on steps that read them)",
-        choices=OPTIMIZERS,
+        choices=lambda: list(optimizers.OPTIMIZERS),
     )
     table_update: str = _field(
         "auto",
@@ -193,14 +195,14 @@ class RunConfig:
     link_alpha_us: float = _field(
         50.0, "adaptive: latency per message of the cost model (microseconds)", finite_at_least(0)
     )
-    plan: str = _field(
+    plan: str | TablePlan = _field(
         "",
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
         "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
         "each timed a few steps here, the fastest kept), model (its modelled best) or a JSON "
-        'object {"table path": "column|row|table|replicated|dense"}; "" = the strategy\'s '
-        "layout",
-        lambda v: check_plan(v),
+        'object {"table path": "layout"} of the registered layouts (column, row, table, '
+        'replicated, dense, ...); "" = the strategy\'s layout',
+        parse=lambda v: parse_plan(v),
     )
     plan_memory_mb: float = _field(
         0.0, "tables' memory per worker the planner may use (0 = no limit)", finite_at_least(0)
@@ -289,6 +291,22 @@ class RunConfig:
         "ui.perfetto.dev)",
     )
 
+    def __post_init__(self) -> None:
+        if isinstance(self.plan, str) and self.plan not in PLAN_MODES:
+            try:
+                self.plan = parse_plan(self.plan)  # a JSON plan: a value from here on
+            except ValueError as e:
+                raise ValueError(f"--plan {e}") from None
+        elif isinstance(self.plan, Mapping) and not isinstance(self.plan, TablePlan):
+            self.plan = TablePlan.from_json(self.plan)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON-ready values (a ``TablePlan`` as its JSON object)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if isinstance(self.plan, TablePlan):
+            values["plan"] = self.plan.to_json()
+        return values
+
     def model_overrides(self) -> dict[str, Any]:
         """The fields some model's config takes (each model ignores the ones it lacks)."""
         known = set().union(*(config_fields(m) for m in MODELS))
@@ -343,11 +361,11 @@ AGGREGATOR_FIELDS = ("density", "selector", "bucket_mb", "link_gbit", "link_alph
 
 def aggregator_fields(strategy: str) -> tuple[str, ...]:
     """The ``AGGREGATOR_FIELDS`` that ``strategy``'s gradient aggregator reads."""
-    agg = parse_strategy(strategy)[1]
-    if agg == "dense":
+    kind = AGGREGATORS[parse_strategy(strategy).aggregator]
+    if not kind.sparse:
         return ()
     fields = ("density", "bucket_mb", "selector")
-    return fields + (("link_gbit", "link_alpha_us") if agg == "adaptive" else ())
+    return fields + (("link_gbit", "link_alpha_us") if kind.link else ())
 
 
 def _choices(f: dataclasses.Field) -> Any:
@@ -367,7 +385,7 @@ def check_fields(config: RunConfig) -> None:
             raise ValueError(f"{flag} {problem}")
 
 
-PLAN_LAYOUTS = ("column", "row", "table", "replicated", "dense")
+PLAN_MODES = ("", "auto", "model")  # --plan values that are no plan: the strategy's, searched
 
 
 class _Pairs(list):
@@ -377,25 +395,35 @@ class _Pairs(list):
         return repr(dict(self))
 
 
-def check_plan(value: str) -> str | None:
-    """The problem with a ``--plan`` value, or ``None``."""
-    if value in ("", "auto", "model"):
-        return None
+def parse_plan(value: str) -> str | TablePlan:
+    """``--plan`` as the config holds it: a mode of ``PLAN_MODES`` as it is, a JSON
+    object as a ``TablePlan`` (by the registered layouts' names).
+
+    Raises:
+      ValueError: anything else, one line saying why (after the flag's name).
+
+    Example:
+        >>> parse_plan('{"params/a": "row"}')
+        TablePlan({'params/a': 'row'})
+    """
+    if value in PLAN_MODES:
+        return value
+    shown = value if len(value) <= 80 else value[:77] + "..."
     try:
         pairs = json.loads(value, object_pairs_hook=_Pairs)  # an object's keys, repeats kept
     except (ValueError, RecursionError):  # RecursionError: nested deeper than Python goes
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        return f"must be auto, model or a JSON object of table path -> layout, got {shown!r}"
+        raise ValueError(
+            f"must be auto, model or a JSON object of table path -> layout, got {shown!r}"
+        ) from None
     if not isinstance(pairs, _Pairs):
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        return f"must be a JSON object of table path -> layout, got {shown!r}"
+        raise ValueError(f"must be a JSON object of table path -> layout, got {shown!r}")
     keys = collections.Counter(k for k, _ in pairs)
     if twice := sorted(k for k, n in keys.items() if n > 1):
-        return f"names {few(twice)} more than once: give each table one layout"
-    plan = dict(pairs)
-    if bad := sorted({str(v) for v in plan.values()} - set(PLAN_LAYOUTS)):
-        return f"has layouts {few(bad)}; choose among {list(PLAN_LAYOUTS)}"
-    return None
+        raise ValueError(f"names {few(twice)} more than once: give each table one layout")
+    try:
+        return TablePlan.from_json(dict(pairs))
+    except ValueError as e:
+        raise ValueError(str(e).removeprefix("the plan ")) from None
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -416,12 +444,25 @@ def add_arguments(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
             continue
-        kind = {"int": int, "float": float, "str": str}[str(f.type)]
+        kind = f.metadata.get("parse") and _argument_type(f.metadata["parse"])
+        kind = kind or {"int": int, "float": float, "str": str}[str(f.type)]
         choices = _choices(f)
         metavar = "NAME" if choices is not None and len(choices) > 8 else None
         parser.add_argument(
             flag, type=kind, default=f.default, choices=choices, metavar=metavar, help=help_text
         )
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ``ValueError`` is the one-line error."""
+
+    def kind(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return kind
 
 
 def from_namespace(ns: argparse.Namespace) -> RunConfig:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from experiments import sweep
 from sparsecomm_jax.comm import costmodel
+from sparsecomm_jax.topk import exchanges
 
 # name: (vocab V, width D, dense parameters outside the tables, tables, tokens/GPU/step,
 #        lookups per table per step); published sizes, tokens as in the papers' batches.
@@ -42,8 +43,8 @@ def embrace_times(model, workers: int, link: costmodel.Link) -> dict[str, float]
     all-to-all: 2 (P-1)/P * tokens * D * 4 per lookup, plus the ids, plus the dense part)."""
     vocab, dim, dense_params, tables, tokens, lookups = model
     total = dense_params + tables * vocab * dim
-    dense = costmodel.strategy_time("dense", total, 1.0, workers, link)
-    rest = costmodel.strategy_time("dense", dense_params, 1.0, workers, link)
+    dense = exchanges.exchange_time("dense", total, 1.0, workers, link)
+    rest = exchanges.exchange_time("dense", dense_params, 1.0, workers, link)
     per_lookup = 2 * (workers - 1) / workers * tokens * dim * 4 + (workers - 1) * tokens * 4
     a2a = tables * lookups * (per_lookup * link.beta + 3 * (workers - 1) * link.alpha)
     return {"dense": dense, "embrace": rest + a2a}
@@ -51,7 +52,7 @@ def embrace_times(model, workers: int, link: costmodel.Link) -> dict[str, float]
 
 def topk_times(size: int, density: float, workers: int, link: costmodel.Link):
     return {
-        s: costmodel.strategy_time(s, size, density, workers, link)
+        s: exchanges.exchange_time(s, size, density, workers, link)
         for s in ("dense", "topk_allgather", "topk_a2a", "gtopk")
     }
 

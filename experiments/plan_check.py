@@ -33,6 +33,7 @@ from experiments import sweep
 from experiments.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import planner
+from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 # table rows, D, ids per feature, global batch; SGD on every table (a row-sparse update)
@@ -52,18 +53,19 @@ def table_names(mix: dict[str, Any]) -> list[tuple[str, int]]:
     """``(name, rows)`` of each table of a mix, as plans name them."""
     workload = get_workload("dlrm", **RunConfig(model="dlrm", **mix).model_overrides())
     params = workload.init(jax.random.key(0))
-    found = find_tables(params, table_mask(params, workload.embedding_paths), None)
+    found = find_tables(params, table_mask(params, workload.embedding_paths), DENSE)
     return [(t.name, t.vocab) for t in found]
 
 
 def hand_plans(tables: list[tuple[str, int]]) -> dict[str, dict[str, str]]:
     """The hand-picked plans: one layout everywhere, and the larger half sharded with the
     smaller half kept whole (replicated, or an ordinary data-parallel parameter)."""
-    plans = {name: {t: name for t, _ in tables} for name in planner.LAYOUT_NAMES}
+    every = [x.name for x in planner.priced()]
+    plans = {name: {t: name for t, _ in tables} for name in every}
     by_size = sorted(tables, key=lambda t: -t[1])
     large = {t for t, _ in by_size[: (len(tables) + 1) // 2]}
-    for big in planner.SHARDED:
-        for small in ("replicated", "dense"):
+    for big in (x.name for x in planner.priced() if x.sharded):
+        for small in (x.name for x in planner.priced() if not x.sharded):
             plans[f"{big}+{small}"] = {t: big if t in large else small for t, _ in tables}
     return plans
 

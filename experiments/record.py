@@ -11,7 +11,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -71,7 +70,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "start_step": start,
         "skipped_steps": log.skipped,
         "rank": rank,
-        "config": {**dataclasses.asdict(config), "model_config": workload.config},
+        "config": {**config.to_json(), "model_config": workload.config},
     }
     if config.calibrate:
         record["link"] = calibrated_link(config.devices)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import numpy as np
 
 from experiments.config import RunConfig
 from models import get_workload
-from sparsecomm_jax import place_for_step, planner, runtime
+from sparsecomm_jax import optimizers, place_for_step, planner, runtime
 from sparsecomm_jax.comm import costmodel, fusion
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.topk import local_cost
@@ -129,10 +128,6 @@ def calibrated_link(devices: int) -> dict[str, Any]:
     return {"alpha": link.alpha, "beta": link.beta, "points": points}
 
 
-# Optimizer state per parameter entry, for the planner's memory.
-OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "lazy_adam": 2}
-
-
 def plan_link(config: RunConfig) -> Link:
     """The link the planner prices layouts on: ``--link-gbit`` and ``--link-alpha-us``,
     or with ``--link-gbit 0`` the one calibrated on this cluster."""
@@ -223,9 +218,8 @@ def choose_plan(
         workload.replicated_keys,
     )
     memory = config.plan_memory_mb * 2**20 or None
-    candidates = planner.candidate_plans(
-        stats, config.devices, plan_link(config), memory, OPTIMIZER_SLOTS[config.optimizer]
-    )
+    slots = optimizers.get(config.optimizer).slots
+    candidates = planner.candidate_plans(stats, config.devices, plan_link(config), memory, slots)
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:
@@ -234,10 +228,7 @@ def choose_plan(
         bucket = config.bucket_mb if config.bucket_mb != "auto" else DEFAULT_BUCKET_MB
 
         def time_plans(plans: list[planner.Plan]) -> list[float]:
-            timed = [
-                dataclasses.replace(config, plan=json.dumps(p.layouts()), bucket_mb=bucket)
-                for p in plans
-            ]
+            timed = [dataclasses.replace(config, plan=p.layouts(), bucket_mb=bucket) for p in plans]
             names = [planner.describe(p.layouts()) for p in plans]
             return interleaved_step_seconds(timed, build, names)
 
@@ -245,14 +236,14 @@ def choose_plan(
     record = plan.to_json()
     if measured:
         record["candidates"] = [
-            {"layouts": c.layouts(), "modelled_s": c.seconds, "measured_s": s}
+            {"layouts": c.layouts().to_json(), "modelled_s": c.seconds, "measured_s": s}
             for c, s in zip(candidates, measured, strict=True)
         ]
     if jax.process_index() == 0:
         print(plan.table(), file=sys.stderr)
         for c in record.get("candidates", []):
             print(_candidate_line(c), file=sys.stderr)
-    return dataclasses.replace(config, plan=json.dumps(plan.layouts())), record
+    return dataclasses.replace(config, plan=plan.layouts()), record
 
 
 def _candidate_line(candidate: dict[str, Any]) -> str:

@@ -37,9 +37,9 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
     def body(g, r):
         mean, st = agg.update(
             {"g": g[0]},
-            agg.init({"g": g[0]})
-            if kind == "dense"
-            else aggregators.ErrorFeedbackState({"g": r[0]}),
+            aggregators.ErrorFeedbackState({"g": r[0]})
+            if aggregators.AGGREGATORS[kind].sparse
+            else agg.init({"g": g[0]}),
         )
         return mean["g"][None]
 
@@ -55,11 +55,11 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
 
 
 def formula_bytes(kind: str, density: float, size: int, workers: int) -> float:
-    """Bytes per worker by the cost formulas (``costmodel.messages_and_bytes``, written
+    """Bytes per worker by the cost formulas (``exchanges.messages_and_bytes``, written
     out in docs/design.md)."""
-    from sparsecomm_jax.comm import costmodel
+    from sparsecomm_jax.topk import exchanges
 
-    return costmodel.messages_and_bytes(kind, size, density, workers)[1]
+    return exchanges.messages_and_bytes(kind, size, density, workers)[1]
 
 
 def crossover(size: int, workers: int, lo: float = 1e-4, hi: float = 0.5) -> float:

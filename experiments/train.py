@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import traceback
@@ -38,7 +37,8 @@ from experiments.record import result, write_json
 from experiments.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
-from sparsecomm_jax import launch, parse_strategy, row_optimizers, runtime
+from sparsecomm_jax import launch, optimizers, parse_strategy, runtime
+from sparsecomm_jax.embedding.layouts import TablePlan
 from sparsecomm_jax.errors import ArgumentError
 
 __all__ = ["build", "main", "start_devices", "train_and_evaluate", "validate", "write_json"]
@@ -57,28 +57,20 @@ def start_devices(devices: int) -> int:
 
 
 def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
-    """The optax optimizer of ``--optimizer`` (``lazy_adam``: Adam whose table rows
-    change only on steps that read them, with the row-sparse table update)."""
-    if name == "momentum":
-        return optax.sgd(lr, momentum=0.9)
-    return {
-        "sgd": optax.sgd,
-        "adam": optax.adam,
-        "adagrad": optax.adagrad,
-        "lazy_adam": row_optimizers.lazy_adam,
-    }[name](lr)
+    """The optax optimizer of ``--optimizer`` at ``--lr`` (``optimizers.OPTIMIZERS``)."""
+    return optimizers.get(name).make(lr)
 
 
 def _aggregator_options(config: RunConfig) -> dict[str, Any]:
-    agg = parse_strategy(config.strategy).aggregator
-    if agg == "dense":
+    kind = sc.AGGREGATORS[parse_strategy(config.strategy).aggregator]
+    if not kind.sparse:
         return {}
     options = {
         "density": config.density,
         "bucket_bytes": int(float(config.bucket_mb) * 2**20),
         "selector": config.selector,
     }
-    if agg == "adaptive":
+    if kind.link:
         options["link"] = adaptive_link(config)
     return options
 
@@ -141,7 +133,7 @@ def _make_train_step(config: RunConfig, workload, mesh, params, optimizer, commo
         config.strategy,
         capacity=config.capacity or None,
         comm_dtype=config.comm_dtype,
-        table_layouts=json.loads(config.plan) if config.plan else None,
+        table_layouts=config.plan if isinstance(config.plan, TablePlan) else None,
         collectives_overlap=COLLECTIVES_OVERLAP[config.collectives_overlap],
         **common,
         **_aggregator_options(config),
@@ -228,7 +220,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = from_namespace(make_parser().parse_args(argv))
+    """The command line: trains, writes ``--out`` and prints one line; returns the exit
+    status (2 for a bad flag, said in one line on stderr, as for any error a user can
+    act on)."""
+    try:
+        config = from_namespace(make_parser().parse_args(argv))
+    except SystemExit as e:  # --help (0), or a flag argparse refused (2, said already)
+        return e.code if isinstance(e.code, int) else 2
     try:
         record = train_and_evaluate(config)
         if record["rank"] == 0:

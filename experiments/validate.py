@@ -22,7 +22,7 @@ from typing import Any
 
 from experiments.config import RunConfig, check_fields
 from models import MODELS, config_fields
-from sparsecomm_jax import STRATEGIES, parse_strategy, runtime
+from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
 from sparsecomm_jax.embedding import update
 from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
 from sparsecomm_jax.strategies.build import check_table_update
@@ -30,10 +30,6 @@ from sparsecomm_jax.strategies.build import check_table_update
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
 # participating device: more simulated devices in one process deadlock, then abort.
 MAX_PROCESS_DEVICES = 256
-
-# --optimizer values the row-sparse table update takes: exact (sgd, adagrad) or lazy by
-# name (lazy_adam); the others move rows no step read, so the tables stay dense.
-ROW_OPTIMIZERS = ("sgd", "adagrad", "lazy_adam")
 
 
 def validate(config: RunConfig) -> None:
@@ -75,21 +71,24 @@ def in_flags(error: Exception) -> Exception:
 
 def table_update_of(config: RunConfig) -> str:
     """The table update of ``--table-update``: ``auto`` is ``rows`` when the strategy
-    and ``--optimizer`` allow it; ``ValueError`` for what the command line does not offer."""
+    and ``--optimizer`` allow it (``Optimizer.rows``: an optimizer the row-sparse
+    update is exact for, or one defined on rows); ``ValueError`` for what the command
+    line does not offer."""
     strategy = parse_strategy(config.strategy).strategy
-    has_form = config.optimizer in ROW_OPTIMIZERS
+    optimizer = optimizers.get(config.optimizer)
     rows = config.table_update == "rows" or (
-        config.table_update == "auto" and strategy.row_updates and has_form
+        config.table_update == "auto" and strategy.row_updates and optimizer.rows is not None
     )
-    if rows and not has_form:
+    if rows and optimizer.rows is None:
+        exact = [o.name for o in optimizers.OPTIMIZERS.values() if o.rows]
         raise ValueError(
             f"--optimizer {config.optimizer} has no row-sparse table update here; use "
-            f"--table-update dense or one of {list(ROW_OPTIMIZERS)}"
+            f"--table-update dense or one of {exact}"
         )
-    if config.optimizer == "lazy_adam" and not rows:
+    if optimizer.rows == "lazy" and not rows:
         rows_strategies = [n for n, s in STRATEGIES.items() if s.row_updates]
         raise ValueError(
-            "--optimizer lazy_adam is a row-sparse table update: use it with "
+            f"--optimizer {config.optimizer} is a row-sparse table update: use it with "
             f"--table-update auto or rows and a strategy among {rows_strategies}"
         )
     return "rows" if rows else "dense"
@@ -163,8 +162,9 @@ def _check_steps_per_call(config: RunConfig) -> None:
 
 def _check_overlap(config: RunConfig) -> None:
     """``--overlap`` runs its own loop: ``embrace_2d`` alone, nothing it does not record."""
-    if parse_strategy(config.strategy).tables != "embrace_2d":
-        raise ValueError("--overlap runs embrace_2d across steps: give --strategy embrace_2d")
+    if not parse_strategy(config.strategy).strategy.across_steps:
+        across = " or ".join(n for n, s in STRATEGIES.items() if s.across_steps)
+        raise ValueError(f"--overlap runs {across} across steps: give --strategy {across}")
     for name in ("checkpoint_dir", "log_dir", "profile_steps", "eval_every", "capacity"):
         if getattr(config, name):
             flag = "--" + name.replace("_", "-")

@@ -40,12 +40,13 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import costmodel, fusion, wire
 from sparsecomm_jax.comm.vma import check_per_worker, vary
-from sparsecomm_jax.topk import collectives, selectors, shards
+from sparsecomm_jax.topk import exchanges, selectors
 from sparsecomm_jax.topk.selectors import Selector
 
 __all__ = [
     "AGGREGATORS",
     "Aggregator",
+    "AggregatorKind",
     "EmptyState",
     "ErrorFeedbackState",
     "adaptive",
@@ -272,67 +273,6 @@ def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, carries: b
     return Aggregator(init, update, update_carrying if carries else None)
 
 
-def _on_flat(exchange: Callable) -> Callable:
-    """An exchange of parts from ``exchange(flat)`` on their concatenation."""
-
-    def on_parts(parts):
-        total, kept = exchange(jnp.concatenate(parts))
-        return total, fusion.split(kept, [p.shape[0] for p in parts])
-
-    return on_parts
-
-
-def allgather_exchange(
-    density: float, axis_name: str, selector: Selector = selectors.AUTO
-) -> Callable:
-    """``parts -> (total, kept)`` of TopK-AllGather (see ``_error_feedback``)."""
-
-    def exchange(parts, extra=None):
-        d = sum(p.shape[0] for p in parts)
-        k = selectors.num_selected(density, d)
-        values, indices, kept = selectors.select_parts(selector, parts, k)
-        if extra is None:
-            return collectives.topk_allgather(values, indices, d, axis_name), kept
-        total, every = collectives.topk_allgather_carrying(values, indices, d, axis_name, extra)
-        return total, kept, every
-
-    return exchange
-
-
-def a2a_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO) -> Callable:
-    """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
-    the P shards by their real entries (``topk.shards.shard_slots``)."""
-
-    def exchange(parts):
-        num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
-        k = selectors.num_selected(density, d)
-        values, local, kept = shards.shard_select_parts(selector, parts, k, num)
-        size = num * -(-d // num)  # the shards of ceil(d/P), padding included
-        total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
-        return shards.from_shards(total.reshape(num, -1), d), kept
-
-    return exchange
-
-
-def gtopk_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO) -> Callable:
-    """``parts -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
-    worker's first k, the merges re-select exactly."""
-
-    def exchange(parts):
-        d = sum(p.shape[0] for p in parts)
-        k = selectors.num_selected(density, d)  # collectives.gtopk_lists checks P
-        values, indices, kept = selectors.select_parts(selector, parts, k)
-        values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
-        return selectors.densify(values, indices, d), selectors.add_to_parts(kept, left_v, left_i)
-
-    return exchange
-
-
-def dense_exchange(axis_name: str) -> Callable:
-    """``parts -> (total, kept)`` sending everything: ``psum``, nothing kept."""
-    return _on_flat(lambda flat: (jax.lax.psum(flat, axis_name), jnp.zeros_like(flat)))
-
-
 def topk_allgather(
     density: float,
     axis_name: str = "data",
@@ -353,7 +293,7 @@ def topk_allgather(
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
     selector = _checked(density, selector)
-    exchange = allgather_exchange(density, axis_name, selector)
+    exchange = exchanges.ALLGATHER.make(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes, carries=True)
 
 
@@ -373,7 +313,7 @@ def topk_a2a(
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
     selector = _checked(density, selector)
-    exchange = a2a_exchange(density, axis_name, selector)
+    exchange = exchanges.A2A.make(density, axis_name, selector)
     # No update_carrying: its dense result is one tiled all-gather; scalars appended to
     # each share would make it strided, a copy of the whole gradient per step (measured
     # 1.2-1.3x the step on one process) to save one small all-reduce.
@@ -399,7 +339,7 @@ def gtopk(
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
     selector = _checked(density, selector)
-    exchange = gtopk_exchange(density, axis_name, selector)
+    exchange = exchanges.GTOPK.make(density, axis_name, selector)
     return _error_feedback(exchange, axis_name, bucket_bytes)
 
 
@@ -410,11 +350,11 @@ def adaptive(
     selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
-    """Per fused bucket, the cheapest of dense / topk_allgather / topk_a2a under the
-    alpha-beta model of ``link`` (chosen when the step is traced: bucket size, density
-    and P are static). Beyond both papers: small or dense-ish buckets go dense,
-    large sparse ones by all-gather or all-to-all, whichever the model favours; a bucket
-    too small to keep one entry at ``density`` goes dense.
+    """Per fused bucket, the cheapest exchange of ``topk.exchanges.MENU`` (dense,
+    topk_allgather, topk_a2a, ...) under the alpha-beta model of ``link`` (chosen when
+    the step is traced: bucket size, density and P are static). Beyond both papers:
+    small or dense-ish buckets go dense, large sparse ones by whichever sparse exchange
+    the model favours; a bucket too small to keep one entry at ``density`` goes dense.
 
     Args:
       density: fraction of each bucket the sparse choices send, in (0, 1].
@@ -428,17 +368,13 @@ def adaptive(
     """
     selector = _checked(density, selector)
     link = link or costmodel.Link.from_bandwidth(10.0)
-    builders = {
-        "dense": lambda: dense_exchange(axis_name),
-        "topk_allgather": lambda: allgather_exchange(density, axis_name, selector),
-        "topk_a2a": lambda: a2a_exchange(density, axis_name, selector),
-    }
 
     def exchange(parts):
         num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
         # a sparse exchange carries k = round(density d) >= 1 entries: smaller buckets go dense
-        choices = costmodel.CHOICES if round(density * d) >= 1 else ("dense",)
-        return builders[costmodel.choose(d, density, num, link, choices)]()(parts)
+        choices = exchanges.MENU if round(density * d) >= 1 else (exchanges.DENSE.name,)
+        chosen = exchanges.get(exchanges.choose(d, density, num, link, choices))
+        return chosen.make(density, axis_name, selector)(parts)
 
     return _error_feedback(exchange, axis_name, bucket_bytes)
 
@@ -447,11 +383,37 @@ def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:
     return dense_allreduce(axis_name)
 
 
-# name -> constructor(density, axis_name, **options)
-AGGREGATORS: dict[str, Callable[..., Aggregator]] = {
-    "dense": _dense,
-    "topk_allgather": topk_allgather,
-    "topk_a2a": topk_a2a,
-    "gtopk": gtopk,
-    "adaptive": adaptive,
+def _power_of_two(workers: int) -> str | None:
+    return None if workers & (workers - 1) == 0 else "needs a power-of-two number of devices"
+
+
+class AggregatorKind(NamedTuple):
+    """An entry of ``AGGREGATORS``: how to build an aggregator by name, and its facts.
+    Called like its constructor: ``AGGREGATORS["topk_a2a"](0.01, "data")``.
+
+    Attributes:
+      build: ``build(density, axis_name, **options) -> Aggregator``.
+      sparse: it sends a top-k selection with error feedback: it reads ``density``,
+        ``selector`` and ``bucket_bytes`` (the dense mean reads none of them).
+      link: it prices its choices on a cost-model ``link`` (``adaptive``).
+      workers: ``workers(P) -> problem or None``: what it needs of the device count
+        (gTop-k's pairwise rounds: a power of two).
+    """
+
+    build: Callable[..., Aggregator]
+    sparse: bool = True
+    link: bool = False
+    workers: Callable[[int], str | None] = lambda workers: None
+
+    def __call__(self, density: float, axis_name: str = "data", **options: Any) -> Aggregator:
+        return self.build(density, axis_name, **options)
+
+
+# name -> how to build it: the second half of a strategy name (``embrace+topk_a2a``)
+AGGREGATORS: dict[str, AggregatorKind] = {
+    "dense": AggregatorKind(_dense, sparse=False),
+    "topk_allgather": AggregatorKind(topk_allgather),
+    "topk_a2a": AggregatorKind(topk_a2a),
+    "gtopk": AggregatorKind(gtopk, workers=_power_of_two),
+    "adaptive": AggregatorKind(adaptive, link=True),
 }

@@ -3,20 +3,23 @@
 Planning is apart from the collectives: ``table_stats`` measures what the tables see
 (V, D, and from sample batches, the ids each worker reads per step), ``plan_tables``
 picks each table's layout to minimise the modelled step time within the memory of a
-worker, and the plan's ``layouts()`` go to ``make_train_step(table_layouts=...)``.
+worker, and the plan's ``layouts()`` (a ``layouts.TablePlan``) go to
+``make_train_step(table_layouts=...)``.
 
 The model proposes, a measurement decides: ``candidate_plans`` gives the best modelled
 plan of each set of sharded exchanges and each layout for every table, and
 ``choose_measured`` keeps the one whose step is fastest when timed (``--plan auto``
 times real steps on the cluster that will train; ``--plan model`` trusts the model
 alone). The model prices bytes and messages; the layouts also differ in local work
-(finding distinct ids, bucketing, scattering rows), which it does not see: on many
-small tables and on a few large ones its own choice ran at 0.77x and 0.67x of the best
-hand-picked plan.
+(finding distinct ids, bucketing, scattering rows), which it does not see, so its own
+choice can rank plans that a step orders otherwise.
 
-The layouts and what a step costs one worker under each (b = 4 bytes a float, P
-workers, n ids read per worker, C the slots the layout's exchange is padded to,
-``s`` optimizer slots per parameter):
+The planner names no layout: it asks each registered layout (``layouts.LAYOUTS``) what
+a table costs under it (``Layout.pricing``: each layout's file holds its formula, its
+messages and which tables it serves), so a layout registered from a user's own file is
+priced like the library's. The library's layouts cost one worker per step (b = 4 bytes
+a float, P workers, n ids read per worker, C the slots the layout's exchange is padded
+to, ``s`` optimizer slots per parameter):
 
 =========== ================================ ================= ===================
 layout      bytes per step                   messages          memory
@@ -36,10 +39,9 @@ The tables of one layout share its exchange (``embedding.column.fetch``,
 are paid once per step whatever number of tables it holds; the search therefore tries
 every set of sharded layouts and gives each table its cheapest layout within the set. A
 table whose D (column) or V (row) does not divide by P is priced at its padded size.
-Table-wise tables are priced together, as ``embedding.tablewise`` places them: per pack
-(the tables of one D), C is the most distinct ids one worker asks of the busiest owner
-and R the most rows an owner holds; while the search compares one table's layouts it
-takes the table's share of an even split (C = distinct / P).
+Layouts whose tables are placed together (table-wise packs) are priced together
+(``Pricing.together``); while the search compares one table's layouts it takes the
+table's share of an even split (C = distinct / P).
 
 Example:
     >>> from sparsecomm_jax import planner
@@ -47,7 +49,7 @@ Example:
     >>> stats = [planner.TableStats("big", 100_000, 64, 512, 400, 60),
     ...          planner.TableStats("tiny", 16, 64, 512, 16, 4)]
     >>> plan = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0))
-    >>> plan.layouts()  # the tiny table joins the big one's exchange
+    >>> plan.layouts().names()  # the tiny table joins the big one's exchange
     {'big': 'row', 'tiny': 'row'}
     >>> slow = Link.from_bandwidth(1.0)
     >>> planner.plan_tables(stats, 4, slow, memory_bytes=1e6)  # doctest: +ELLIPSIS
@@ -64,47 +66,35 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.embedding import access, row, tablewise
-from sparsecomm_jax.embedding.layout import distinct_per_worker
-from sparsecomm_jax.embedding.tables import Table, find_tables, table_mask
+from sparsecomm_jax.embedding import access, row
+from sparsecomm_jax.embedding import layouts as registry
+from sparsecomm_jax.embedding.dense import DENSE
+from sparsecomm_jax.embedding.layout import Layout, Price, TableStats, distinct_per_worker
+from sparsecomm_jax.embedding.layouts import TablePlan
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
-FLOAT = 4  # bytes
-# Seconds per table entry of a dense table's update on the host (gradient, optimizer,
-# apply: about 4 passes of 0.2 ns; one jitted pass over 8M float32 takes 1.2-2 ms).
-DENSE_UPDATE_S = 0.8e-9
-LAYOUT_NAMES = ("dense", "replicated", "column", "row", "table")
-SHARDED = ("column", "row", "table")
-
-
-class TableStats(NamedTuple):
-    """What a table sees per step, per worker.
-
-    Attributes:
-      name: the table's path joined by ``/``.
-      vocab: V. dim: D.
-      reads: ids read per worker per step (every read, duplicates included).
-      distinct: the most distinct ids one worker reads in a step (column's slots).
-      bucket: the most distinct ids one worker asks of one owner (row's slots).
-      lookups: how many reads of the table the loss makes (replicated pays per read).
-      attended: the loss reads the whole table by a full softmax (``emb.attend``),
-        which the table-wise layout does not serve.
-    """
-
-    name: str
-    vocab: int
-    dim: int
-    reads: int
-    distinct: int
-    bucket: int
-    lookups: int = 1
-    attended: bool = False
+__all__ = [
+    "Choice",
+    "Plan",
+    "TableStats",
+    "candidate_plans",
+    "choose_measured",
+    "describe",
+    "group_seconds",
+    "layout_cost",
+    "plan_tables",
+    "priced",
+    "save",
+    "serves",
+    "table_stats",
+]
 
 
 class Choice(NamedTuple):
@@ -125,9 +115,9 @@ class Plan(NamedTuple):
     memory: float
     workers: int
 
-    def layouts(self) -> dict[str, str]:
-        """``{table name: layout}``, for ``make_train_step(table_layouts=...)``."""
-        return {c.table: c.layout for c in self.choices}
+    def layouts(self) -> TablePlan:
+        """The plan's layouts, for ``make_train_step(table_layouts=...)``."""
+        return TablePlan({c.table: c.layout for c in self.choices})
 
     def table(self) -> str:
         """The plan as a text table (one line per table, then the total)."""
@@ -171,7 +161,7 @@ def table_stats(
       replicated_keys: batch keys every worker sees whole.
     """
     mask = table_mask(params, embedding_paths)
-    tables = find_tables(params, mask, None)
+    tables = find_tables(params, mask, DENSE)
     reads_of = access.host_reads(loss_fn, params, mask, replicated_keys, workers)
     samples = [reads_of(b) for b in batches]
     lookups, attended = _reads_per_table(loss_fn, params, batches[0], mask)
@@ -204,74 +194,40 @@ def _reads_per_table(loss_fn, params, batch, mask) -> tuple[dict[int, int], set[
     return counts, {r.table for r in reads if r.kind == access.ATTEND}
 
 
+def priced() -> list[Layout]:
+    """The registered layouts the planner can price (those with ``pricing``)."""
+    return [x for x in registry.LAYOUTS.values() if x.pricing is not None]
+
+
+def _choice(stats: TableStats, layout: Layout, price: Price) -> Choice:
+    return Choice(stats.name, layout.name, price.bytes, price.seconds, price.memory)
+
+
 def layout_cost(
-    stats: TableStats, layout: str, workers: int, link: Link, optimizer_slots: int = 1
+    stats: TableStats, layout: str | Layout, workers: int, link: Link, optimizer_slots: int = 1
 ) -> Choice:
-    """What ``layout`` costs one worker per step for this table (a sharded layout at
-    the table's padded size, ``layout.padded_shape``: its split dimension rounded up to
-    a multiple of P)."""
-    p, v, d = workers, stats.vocab, stats.dim
-    v_padded, d_padded = -(-v // p) * p, -(-d // p) * p
-    whole = v * d * FLOAT * (1 + optimizer_slots)
-    if layout == "dense":
-        nbytes = 2 * (p - 1) / p * v * d * FLOAT
-        seconds = nbytes * link.beta + v * d * DENSE_UPDATE_S
-        return Choice(stats.name, layout, nbytes, seconds, whole)
-    if layout == "replicated":  # its messages: group_seconds, once for every table
-        nbytes = (p - 1) * stats.reads * (d * FLOAT + 4)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole)
-    if layout == "column":
-        nbytes = (p - 1) * stats.distinct * (4 + 2 * d_padded * FLOAT / p)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / d * d_padded / p)
-    if layout == "row":
-        nbytes = (p - 1) * stats.bucket * (4 + 2 * d * FLOAT)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / v * v_padded / p)
-    if layout == "table":  # its share of an even split; table_wise_choices prices the packs
-        nbytes = (p - 1) * stats.distinct / p * (4 + 2 * d * FLOAT)
-        return Choice(stats.name, layout, nbytes, nbytes * link.beta, whole / p)
-    raise ValueError(f"unknown layout {layout!r}; choose among {LAYOUT_NAMES}")
+    """What ``layout`` costs one worker per step for this table alone
+    (``Layout.pricing.table``; a sharded layout at the table's padded size).
 
-
-def table_wise_choices(
-    stats: Sequence[TableStats], workers: int, link: Link, optimizer_slots: int = 1
-) -> list[Choice]:
-    """The table-wise tables priced as they are placed (``tablewise.assign``): per pack,
-    the bytes of an exchange whose buckets hold C = the most distinct ids one worker asks
-    of one owner (the owner's tables' ``distinct`` summed), and R rows per worker; each
-    table gets its share (by distinct ids, by rows).
-
-    Example:
-        >>> link = Link.from_bandwidth(1.0)
-        >>> two = [TableStats("a", 1000, 8, 64, 60, 20), TableStats("b", 900, 8, 64, 50, 20)]
-        >>> found = table_wise_choices(two, 2, link)  # an owner each, buckets of 60 ids
-        >>> round(sum(c.bytes for c in found)) == (2 - 1) * 60 * (4 + 2 * 8 * 4)
-        True
+    Raises:
+      ValueError: an unknown layout, or one the planner cannot price.
     """
-    records = [Table(i, s.name, s.vocab, s.dim, None) for i, s in enumerate(stats)]
-    packing = tablewise.assign(records, workers)
-    choices = [None] * len(stats)
-    for pack, rows in packing.rows.items():
-        members = packing.members(pack)
-        per_owner = [0] * workers
-        for i in members:
-            per_owner[packing.slots[i].owner] += stats[i].distinct
-        dim = packing.dims[pack]
-        nbytes = (workers - 1) * max(per_owner) * (4 + 2 * dim * FLOAT)
-        memory = rows * dim * FLOAT * (1 + optimizer_slots)
-        distinct = sum(stats[i].distinct for i in members) or 1
-        vocab = sum(stats[i].vocab for i in members)
-        for i in members:
-            share = nbytes * stats[i].distinct / distinct
-            held = memory * stats[i].vocab / vocab
-            choices[i] = Choice(stats[i].name, "table", share, share * link.beta, held)
-    return choices
+    layout = registry.get(layout)
+    if layout.pricing is None:
+        raise ValueError(f"layout {layout.name!r} has no pricing: the planner cannot price it")
+    return _choice(stats, layout, layout.pricing.table(stats, workers, link, optimizer_slots))
 
 
-def group_seconds(layouts: set[str], workers: int, link: Link) -> float:
-    """The messages of the layouts' shared exchanges: 3(P-1) per step for each sharded
-    layout, 2(P-1) for the replicated tables' two all-gathers."""
-    sharded = sum(3 * (workers - 1) * link.alpha for name in layouts if name in SHARDED)
-    return sharded + (2 * (workers - 1) * link.alpha if "replicated" in layouts else 0.0)
+def group_seconds(used: Iterable[str | Layout], workers: int, link: Link) -> float:
+    """The messages of the layouts' shared exchanges, once each per step
+    (``Pricing.messages``: 3(P-1) for a sharded layout's, 2(P-1) for the replicated
+    tables' two all-gathers)."""
+    return sum(registry.get(x).pricing.messages(workers) * link.alpha for x in set(used))
+
+
+def serves(stats: TableStats, layout: str | Layout) -> bool:
+    """Whether ``layout`` can serve the table's reads (table-wise: no full softmax)."""
+    return registry.get(layout).pricing.serves(stats)
 
 
 def plan_tables(
@@ -280,7 +236,7 @@ def plan_tables(
     link: Link,
     memory_bytes: float | None = None,
     optimizer_slots: int = 1,
-    layouts: Sequence[str] = LAYOUT_NAMES,
+    layouts: Sequence[str | Layout] | None = None,
 ) -> Plan:
     """Each table's layout, minimising the modelled step time within ``memory_bytes``
     of tables (and their optimizer state) per worker.
@@ -291,7 +247,8 @@ def plan_tables(
       link: the alpha-beta model (``costmodel.calibrate`` or ``Link.from_bandwidth``).
       memory_bytes: the tables' memory per worker (``None``: no limit).
       optimizer_slots: optimizer state per parameter entry (SGD 0, Adagrad 1, Adam 2).
-      layouts: the layouts to choose from.
+      layouts: the layouts to choose from (``None``: every one the planner can price,
+        ``priced()``).
 
     Returns:
       The ``Plan`` of least modelled time (the first of ``candidate_plans``).
@@ -308,14 +265,13 @@ def candidate_plans(
     link: Link,
     memory_bytes: float | None = None,
     optimizer_slots: int = 1,
-    layouts: Sequence[str] = LAYOUT_NAMES,
+    layouts: Sequence[str | Layout] | None = None,
     within: float = 10.0,
 ) -> list[Plan]:
     """The plans worth timing (``choose_measured``), least modelled time first: the best
     modelled plan of each set of sharded exchanges (none, column, row, table-wise and
-    their combinations) and each
-    layout for every table, within ``memory_bytes``; distinct plans only, none modelled
-    slower than ``within`` times the best.
+    their combinations) and each layout for every table, within ``memory_bytes``;
+    distinct plans only, none modelled slower than ``within`` times the best.
 
     Within one set of exchanges the model ranks tables by bytes, where it is reliable;
     between layouts it misses the local work that differs by layout (the column-wise
@@ -337,14 +293,15 @@ def candidate_plans(
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
         >>> stats = [TableStats("big", 100_000, 64, 512, 400, 60)]
-        >>> [p.layouts()["big"] for p in candidate_plans(stats, 4, Link.from_bandwidth(1.0))]
+        >>> [p.layouts()["big"].name for p in candidate_plans(stats, 4, Link.from_bandwidth(1.0))]
         ['row', 'column', 'replicated', 'table']
     """
-    local = [name for name in layouts if name not in SHARDED]
-    sharded = [name for name in layouts if name in SHARDED]
+    chosen = priced() if layouts is None else [_layouts_get(x) for x in layouts]
+    local = [x for x in chosen if not x.sharded]
+    sharded = [x for x in chosen if x.sharded]
     groups = [g for k in range(len(sharded) + 1) for g in itertools.combinations(sharded, k)]
     allowed = [([*local, *g], g) for g in groups]
-    allowed += [([x], (x,) if x in SHARDED else ()) for x in layouts]  # one layout alone
+    allowed += [([x], (x,) if x.sharded else ()) for x in chosen]  # one layout alone
     found: dict[str, Plan] = {}
     for names, group in allowed:
         plan = _plan_within(stats, workers, link, optimizer_slots, names)
@@ -352,7 +309,7 @@ def candidate_plans(
             plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
         if plan is None:
             continue
-        key = json.dumps(plan.layouts(), sort_keys=True)
+        key = json.dumps(plan.layouts().names(), sort_keys=True)
         if key not in found or plan.seconds < found[key].seconds:
             found[key] = plan
     if not found:
@@ -362,6 +319,13 @@ def candidate_plans(
         )
     ranked = sorted(found.values(), key=lambda p: p.seconds)
     return [p for p in ranked if p.seconds <= within * ranked[0].seconds]
+
+
+def _layouts_get(layout: str | Layout) -> Layout:
+    found = registry.get(layout)
+    if found.pricing is None:
+        raise ValueError(f"layout {found.name!r} has no pricing: the planner cannot price it")
+    return found
 
 
 def choose_measured(
@@ -393,31 +357,34 @@ def choose_measured(
     return candidates[best], seconds
 
 
-def _plan_within(stats, workers, link, slots, allowed) -> Plan | None:
+def _plan_within(stats, workers, link, slots, allowed: list[Layout]) -> Plan | None:
     if not allowed:
         return None
     choices = []
     for s in stats:
-        options = [layout_cost(s, x, workers, link, slots) for x in allowed if serves(s, x)]
+        options = [
+            _choice(s, x, x.pricing.table(s, workers, link, slots))
+            for x in allowed
+            if x.pricing.serves(s)
+        ]
         if not options:  # a softmax table, table-wise only
             return None
         choices.append(min(options, key=lambda c: c.seconds))
     return _total(choices, stats, workers, link, slots)
 
 
-def serves(stats: TableStats, layout: str) -> bool:
-    """Whether ``layout`` can serve the table's reads (table-wise: no full softmax)."""
-    return not (layout == "table" and stats.attended)
-
-
 def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -> Plan:
-    """The plan of ``choices``, its table-wise tables priced by their packs."""
-    mine = [k for k, c in enumerate(choices) if c.layout == "table"]
-    if mine:
-        packed = table_wise_choices([stats[k] for k in mine], workers, link, slots)
-        choices = list(choices)
-        for k, c in zip(mine, packed, strict=True):
-            choices[k] = c
+    """The plan of ``choices``, the tables of layouts priced together (table-wise
+    packs) priced by ``Pricing.together``."""
+    choices = list(choices)
+    for name in {c.layout for c in choices}:
+        layout = registry.get(name)
+        if layout.pricing.together is None:
+            continue
+        mine = [k for k, c in enumerate(choices) if c.layout == layout.name]
+        prices = layout.pricing.together([stats[k] for k in mine], workers, link, slots)
+        for k, price in zip(mine, prices, strict=True):
+            choices[k] = _choice(stats[k], layout, price)
     used = {c.layout for c in choices}
     seconds = sum(c.seconds for c in choices) + group_seconds(used, workers, link)
     return Plan(tuple(choices), seconds, sum(c.memory for c in choices), workers)
@@ -432,10 +399,10 @@ def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan 
     while _total(choices, stats, workers, link, slots).memory > memory_bytes:
         moves = []
         for i, (c, s) in enumerate(zip(choices, stats, strict=True)):
-            if c.layout in SHARDED:
+            if registry.get(c.layout).sharded:
                 continue
-            for x in (x for x in group if serves(s, x)):
-                new = layout_cost(s, x, workers, link, slots)
+            for x in (x for x in group if x.pricing.serves(s)):
+                new = _choice(s, x, x.pricing.table(s, workers, link, slots))
                 saved = c.memory - new.memory
                 moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))
         if not moves:
@@ -445,17 +412,19 @@ def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan 
     return _total(choices, stats, workers, link, slots)
 
 
-def describe(layouts: dict[str, str]) -> str:
-    """A plan's layouts counted, e.g. ``"3 row, 2 dense"`` (for a line of output).
+def describe(plan: Mapping[str, Any]) -> str:
+    """A plan's layouts counted, e.g. ``"3 row, 2 dense"`` (for a line of output);
+    ``plan`` a ``TablePlan`` or ``{table: layout name}``.
 
     Example:
         >>> describe({"a": "row", "b": "dense", "c": "row"})
         '1 dense, 2 row'
     """
     counts: dict[str, int] = {}
-    for layout in layouts.values():
-        counts[layout] = counts.get(layout, 0) + 1
-    return ", ".join(f"{n} {layout}" for layout, n in sorted(counts.items()))
+    for layout in plan.values():
+        name = layout.name if isinstance(layout, Layout) else str(layout)
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
 
 
 def save(plan: Plan, path: str) -> None:

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import costmodel, hlo
-from sparsecomm_jax.topk import local_cost
+from sparsecomm_jax.topk import exchanges, local_cost
 
 N = 8
 
@@ -39,7 +39,7 @@ def _compiled(name, density, size, workers=N):
 def test_formulas_match_compiled_bytes_and_messages(name, density):
     size = 64_000
     colls = _compiled(name, density, size)
-    messages, nbytes = costmodel.messages_and_bytes(name, size, density, N)
+    messages, nbytes = exchanges.messages_and_bytes(name, size, density, N)
     assert hlo.total_bytes(colls) == pytest.approx(nbytes, rel=1e-6)
     link = costmodel.Link(alpha=1e-5, beta=1e-9)
     # the program's modelled time equals the formula's (per-collective message counts:
@@ -55,16 +55,16 @@ def test_choose_at_the_crossover(workers):
     link = costmodel.Link(alpha=0.0, beta=1e-9)  # bytes only: the crossover is exact
     cross = costmodel.crossover_density(workers)
     pair = ("topk_allgather", "topk_a2a")
-    assert costmodel.choose(size, cross * 0.9, workers, link, pair) == "topk_allgather"
-    assert costmodel.choose(size, cross * 1.1, workers, link, pair) == "topk_a2a"
-    assert costmodel.choose(size, 0.6, workers, link) == "dense"  # a2a loses above ~0.5
-    assert costmodel.choose(size, 0.001, workers, link) == "topk_allgather"
+    assert exchanges.choose(size, cross * 0.9, workers, link, pair) == "topk_allgather"
+    assert exchanges.choose(size, cross * 1.1, workers, link, pair) == "topk_a2a"
+    assert exchanges.choose(size, 0.6, workers, link) == "dense"  # a2a loses above ~0.5
+    assert exchanges.choose(size, 0.001, workers, link) == "topk_allgather"
 
 
 def test_latency_bound_buckets_go_dense():
     link = costmodel.Link(alpha=1e-3, beta=1e-12)  # messages dominate
-    assert costmodel.choose(1000, 0.01, 8, link) in ("dense", "topk_allgather")
-    assert costmodel.choose(1000, 0.01, 8, link) != "topk_a2a"  # 3(P-1) messages
+    assert exchanges.choose(1000, 0.01, 8, link) in ("dense", "topk_allgather")
+    assert exchanges.choose(1000, 0.01, 8, link) != "topk_a2a"  # 3(P-1) messages
 
 
 def test_fit_recovers_alpha_and_beta():
@@ -136,10 +136,10 @@ def test_local_work_turns_the_choice_to_the_shorter_step():
     assert local.seconds("topk_a2a", size) == pytest.approx(0.05)
     assert local.seconds("dense", size) == 0.0
     link = costmodel.Link(alpha=50e-6, beta=8 / 1e9)  # 1 Gbit/s
-    assert costmodel.choose(size, density, workers, link) == "topk_a2a"  # fewer bytes
+    assert exchanges.choose(size, density, workers, link) == "topk_a2a"  # fewer bytes
     with_local = costmodel.Link(link.alpha, link.beta, local)
-    assert costmodel.choose(size, density, workers, with_local) == "topk_allgather"
-    ag, a2a = (costmodel.strategy_time(s, size, density, workers, with_local) for s in stand_in)
+    assert exchanges.choose(size, density, workers, with_local) == "topk_allgather"
+    ag, a2a = (exchanges.exchange_time(s, size, density, workers, with_local) for s in stand_in)
     assert ag < a2a
 
 
@@ -185,7 +185,7 @@ def test_adaptive_prices_local_work():
 @pytest.mark.parametrize("size", [13, 1001, 4099])
 @pytest.mark.parametrize("name", ["dense", "topk_allgather"])
 def test_formulas_match_compiled_bytes_for_any_size(name, size):
-    nbytes = costmodel.messages_and_bytes(name, size, 0.1, N)[1]
+    nbytes = exchanges.messages_and_bytes(name, size, 0.1, N)[1]
     assert hlo.total_bytes(_compiled(name, 0.1, size)) == pytest.approx(nbytes, rel=1e-6)
 
 
@@ -204,7 +204,7 @@ def test_formulas_match_compiled_bytes_for_any_size(name, size):
 def test_topk_a2a_formula_matches_compiled_bytes_for_any_size(size, workers, density):
     # k < P, k not a multiple of P, d not a multiple of P: ceil(k/P) slots per shard
     colls = _compiled("topk_a2a", density, size, workers)
-    nbytes = costmodel.messages_and_bytes("topk_a2a", size, density, workers)[1]
+    nbytes = exchanges.messages_and_bytes("topk_a2a", size, density, workers)[1]
     assert hlo.total_bytes(colls) == pytest.approx(nbytes, rel=1e-6)
     slots = -(-round(density * size) // workers)
     a2a_shapes = {shape for c in colls if c.kind == "all-to-all" for _, shape in c.shapes}

@@ -340,7 +340,7 @@ def test_a_criteo_file_too_small_to_hold_out_a_batch(tmp_path, capsys):
 def test_a_deeply_nested_plan_is_one_line(capsys):
     plan = "[" * 100_000 + "]" * 100_000
     assert main([*TINY, "--strategy", "embrace", "--plan", plan]) == 2
-    assert "--plan must be auto, model or a JSON object" in one_line(capsys)
+    assert "argument --plan: must be auto, model or a JSON object" in one_line(capsys)
 
 
 @pytest.mark.parametrize("kind", ["null", "fifo"])

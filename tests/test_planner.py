@@ -19,10 +19,17 @@ from experiments.train import build, main
 from models import get_workload
 from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.embedding import access, tablewise
+from sparsecomm_jax.embedding import access, layouts, tablewise
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 SLOW = Link.from_bandwidth(1.0)
+SHARDED = {x.name for x in layouts.LAYOUTS.values() if x.sharded}  # column, row, table
+PRICED = [x.name for x in planner.priced()]  # every layout the planner prices
+
+
+def names(plan) -> dict[str, str]:
+    """A planner ``Plan``'s layouts by name."""
+    return plan.layouts().names()
 
 
 def stats(name, vocab, dim=16, reads=256, distinct=None, bucket=None):
@@ -33,21 +40,18 @@ def stats(name, vocab, dim=16, reads=256, distinct=None, bucket=None):
 
 def test_tiny_tables_stay_data_parallel_and_big_ones_are_sharded():
     plan = planner.plan_tables([stats("big", 1_000_000), stats("tiny", 8)], 4, SLOW)
-    assert plan.layouts()["big"] in planner.SHARDED and plan.layouts()["tiny"] == "dense"
-    costs = {
-        x: planner.layout_cost(stats("big", 1_000_000), x, 4, SLOW).seconds
-        for x in planner.LAYOUT_NAMES
-    }
-    assert costs["dense"] > 100 * costs[plan.layouts()["big"]]  # a dense 1M-row table
+    assert names(plan)["big"] in SHARDED and names(plan)["tiny"] == "dense"
+    costs = {x: planner.layout_cost(stats("big", 1_000_000), x, 4, SLOW).seconds for x in PRICED}
+    assert costs["dense"] > 100 * costs[names(plan)["big"]]  # a dense 1M-row table
 
 
 def test_memory_moves_tables_to_a_sharded_layout():
     mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
     free = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0))
-    assert set(free.layouts().values()) <= {"dense", "replicated"}  # fast: whole tables
+    assert set(names(free).values()) <= {"dense", "replicated"}  # fast: whole tables
     tight = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0), memory_bytes=free.memory / 2)
     assert tight.memory <= free.memory / 2 and tight.seconds >= free.seconds
-    assert any(x in planner.SHARDED for x in tight.layouts().values())
+    assert any(x in SHARDED for x in names(tight).values())
     with pytest.raises(ValueError, match="no layout of the tables fits"):
         planner.plan_tables(mid, 4, SLOW, memory_bytes=1000)
 
@@ -62,7 +66,7 @@ def test_a_split_dimension_not_divisible_is_priced_padded():
     assert column.memory == 1_000_002 * 8 * 4 * (1 + slots) / 4  # D padded to 8
     assert column.bytes == planner.layout_cost(even, "column", 4, SLOW, slots).bytes
     tight = planner.plan_tables([odd], 4, SLOW, memory_bytes=20e6)  # the whole needs 48 MB
-    assert tight.layouts()["odd"] in planner.SHARDED
+    assert names(tight)["odd"] in SHARDED
 
 
 def test_statistics_from_sample_batches():
@@ -82,19 +86,19 @@ def test_candidates_are_the_best_plan_of_each_set_of_exchanges():
     found = planner.candidate_plans(mix, 4, SLOW)
     assert found[0] == planner.plan_tables(mix, 4, SLOW)
     assert [p.seconds for p in found] == sorted(p.seconds for p in found)
-    layouts = [json.dumps(p.layouts(), sort_keys=True) for p in found]
-    assert len(set(layouts)) == len(layouts) >= 3  # none, column, row at least
-    exchanges = [set(p.layouts().values()) & set(planner.SHARDED) for p in found]
+    plans = [json.dumps(names(p), sort_keys=True) for p in found]
+    assert len(set(plans)) == len(plans) >= 3  # none, column, row at least
+    exchanges = [set(names(p).values()) & SHARDED for p in found]
     for allowed in (set(), {"column"}, {"row"}):  # each set's best is among them
-        alone = [x for x in planner.LAYOUT_NAMES if x not in planner.SHARDED or x in allowed]
+        alone = [x for x in PRICED if x not in SHARDED or x in allowed]
         best = planner.plan_tables(mix, 4, SLOW, layouts=alone)
-        assert best.layouts() in [p.layouts() for p in found]
+        assert names(best) in [names(p) for p in found]
     assert set() in exchanges and {"column"} in exchanges and {"row"} in exchanges
-    for x in planner.LAYOUT_NAMES:  # one layout everywhere, unless modelled far slower
+    for x in PRICED:  # one layout everywhere, unless modelled far slower
         alone = planner.plan_tables(mix, 4, SLOW, layouts=[x])
-        kept = alone.layouts() in [p.layouts() for p in found]
+        kept = names(alone) in [names(p) for p in found]
         assert kept == (alone.seconds <= 10 * found[0].seconds), x
-    assert "dense" not in [p.layouts()["big"] for p in found]  # a 1M-row table: pruned
+    assert "dense" not in [names(p)["big"] for p in found]  # a 1M-row table: pruned
 
 
 def test_the_measured_step_decides_among_the_candidates():
@@ -140,12 +144,13 @@ def test_candidates_are_timed_in_turns():
         calls.append(("build", config.plan))
         return SimpleNamespace(batch_at=lambda s: s), Fake(config.plan)
 
-    configs = [RunConfig(steps=5, plan=n) for n in ("a", "b")]
+    configs = [RunConfig(steps=5, plan=n) for n in ("", "auto")]  # stand-ins
     times = startup.interleaved_step_seconds(configs, fake_build, ["a", "b"], rounds=2, steps=3)
     assert len(times) == 2 and all(0 <= t < 0.1 for t in times)  # no 0.3 s first step
-    assert calls[:2] == [("build", "a"), ("build", "b")]
-    turns = [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("b", 2)]
-    assert calls[2:] == turns + [("a", 3), ("a", 4), ("a", 0), ("b", 3), ("b", 4), ("b", 0)]
+    a, b = "", "auto"
+    assert calls[:2] == [("build", a), ("build", b)]
+    turns = [(a, 0), (a, 1), (a, 2), (b, 0), (b, 1), (b, 2)]
+    assert calls[2:] == turns + [(a, 3), (a, 4), (a, 0), (b, 3), (b, 4), (b, 0)]
     calls.clear()  # one turn of two steps: a median of one step, or of two with the first
     once = startup.interleaved_step_seconds(configs[:1], fake_build, ["a"], rounds=1, steps=2)
     assert once[0] < 0.1
@@ -162,13 +167,13 @@ def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
     assert "params/sparse_0/embedding" in err and "candidate (" in err  # printed
     assert "timing: building 1/" in err  # progress while it times
     result = json.loads(out.read_text())
-    layouts = json.loads(result["config"]["plan"])
-    assert layouts == {t["table"]: t["layout"] for t in result["plan"]["tables"]}
+    chosen = result["config"]["plan"]  # a JSON object, not a string of one
+    assert chosen == {t["table"]: t["layout"] for t in result["plan"]["tables"]}
     candidates = result["plan"]["candidates"]
     assert len(candidates) >= 2 and all(c["measured_s"] > 0 for c in candidates)
     fastest = min(candidates, key=lambda c: c["measured_s"])
-    assert fastest["layouts"] == layouts
-    assert main([*DLRM_FLAGS, "--plan", json.dumps(layouts), "--out", str(out)]) == 0  # replayed
+    assert fastest["layouts"] == chosen
+    assert main([*DLRM_FLAGS, "--plan", json.dumps(chosen), "--out", str(out)]) == 0  # replayed
     assert json.loads(out.read_text())["losses"] == result["losses"]
 
 
@@ -184,8 +189,8 @@ def test_plan_model_takes_the_modelled_best_without_timing(monkeypatch):
     sample = [w.batch_at(s) for s in range(4)]
     found = planner.table_stats(w.loss, w.init(jax.random.key(0)), w.embedding_paths, sample, 4)
     expected = planner.plan_tables(found, 4, SLOW, optimizer_slots=1)  # adagrad: one slot
-    assert json.loads(chosen.plan) == expected.layouts()
-    assert expected.layouts()["params/sparse_1/embedding"] == "dense"  # 16 rows: whole
+    assert chosen.plan == expected.layouts()
+    assert names(expected)["params/sparse_1/embedding"] == "dense"  # 16 rows: whole
 
 
 def test_candidates_are_timed_at_a_concrete_fusion_threshold(monkeypatch):
@@ -211,24 +216,24 @@ def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp
     out = tmp_path / "r.json"
 
     def stand_in(configs, build_fn, names):  # a plan with a row-wise table is fastest
-        return [2.0 - ("row" in json.loads(c.plan).values()) for c in configs]
+        return [2.0 - ("row" in c.plan.names().values()) for c in configs]
 
     monkeypatch.setattr(startup, "interleaved_step_seconds", stand_in)
     assert main([*flags, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
-    layouts = json.loads(json.loads(out.read_text())["config"]["plan"])
-    assert "row" in layouts.values()
+    chosen = json.loads(out.read_text())["config"]["plan"]
+    assert "row" in chosen.values()
     monkeypatch.setattr(startup, "interleaved_step_seconds", lambda *a: pytest.fail("timed"))
     more = [*flags[: flags.index("--steps") + 1], "3", *flags[flags.index("--steps") + 2 :]]
     assert main([*more, "--plan", "auto", "--resume", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["start_step"] == 2 and json.loads(result["config"]["plan"]) == layouts
+    assert result["start_step"] == 2 and result["config"]["plan"] == chosen
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--plan", "auto", "--strategy", "dense"], "--plan places each table by its own"),
-        (["--plan", "{nope"], "--plan must be auto, model or a JSON object"),
+        (["--plan", "{nope"], "argument --plan: must be auto, model or a JSON object"),
         (["--plan", '{"x": "diagonal"}'], "has layouts ['diagonal']"),
         (["--plan", '{"x": "row", "x": "table"}'], "names ['x'] more than once"),
     ],
@@ -247,7 +252,7 @@ def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     plans = plan_check.hand_plans(tables)
     sharded = ("column", "row", "table")
     mixed = {f"{big}+{small}" for big in sharded for small in ("replicated", "dense")}
-    assert set(plans) == {*planner.LAYOUT_NAMES, *mixed}
+    assert set(plans) == {*PRICED, *mixed}
     assert plans["row+dense"] == {"a": "row", "c": "row", "b": "dense"}  # the larger half
     assert all(set(p) == {"a", "b", "c"} for p in plans.values())
     rows = [{"plan": "x", "throughput": t} for t in (3.0, 1.0, 2.0)] + [
@@ -268,13 +273,16 @@ def test_the_plan_check_runs_a_named_subset_and_refuses_unknown_names(capsys):
 
 @pytest.mark.parametrize("first", ["", '{"params/sparse_0/embedding": "row"}'])
 def test_resume_with_plan_auto_keeps_the_layout_the_checkpoints_hold(tmp_path, first):
-    """Whatever the first run's ``--plan`` resolved to (a chosen or given JSON plan, or
-    "" for the strategy's layout), ``--resume --plan auto`` takes it: a plan timed anew
-    could store the tables another way."""
-    record = {"run_id": "r", "config": {"plan": first}, "trajectory": {}}
-    (tmp_path / checkpoint.RUN_FILE).write_text(json.dumps(record))
-    config = RunConfig(resume=True, checkpoint_dir=str(tmp_path), plan="auto")
-    assert resumed_config(config).plan == first
+    """Whatever the first run's ``--plan`` resolved to (a chosen or given plan, or ""
+    for the strategy's layout), ``--resume --plan auto`` takes it: a plan timed anew
+    could store the tables another way. Folders of versions before 0.3 recorded a plan
+    as the JSON text of one: read the same."""
+    recorded = json.loads(first) if first else first  # a JSON object since 0.3
+    for plan in {recorded if isinstance(recorded, str) else json.dumps(recorded), first}:
+        record = {"run_id": "r", "config": {"plan": plan}, "trajectory": {}}
+        (tmp_path / checkpoint.RUN_FILE).write_text(json.dumps(record))
+        config = RunConfig(resume=True, checkpoint_dir=str(tmp_path), plan="auto")
+        assert resumed_config(config).plan == RunConfig(plan=first).plan
     fresh = RunConfig(checkpoint_dir=str(tmp_path), plan="auto")  # not resuming: plans
     assert resumed_config(fresh).plan == "auto"
 
@@ -284,11 +292,11 @@ def test_table_wise_tables_are_priced_by_their_packs():
     owner: buckets of twice a table's ids); one table alone costs P times as much (its
     owner's bucket holds all its ids); the memory is an owner's rows."""
     eight = [stats(f"t{i}", 1000, reads=256, distinct=200, bucket=50) for i in range(8)]
-    packed = planner.table_wise_choices(eight, 4, SLOW, optimizer_slots=1)
+    packed = tablewise.price_together(eight, 4, SLOW, 1)
     rows = [planner.layout_cost(s, "row", 4, SLOW) for s in eight]
     assert sum(c.bytes for c in packed) == pytest.approx(sum(c.bytes for c in rows))
     assert sum(c.memory for c in packed) == 2 * 1000 * 16 * 4 * 2  # R = two tables' rows
-    (alone,) = planner.table_wise_choices(eight[:1], 4, SLOW)
+    (alone,) = tablewise.price_together(eight[:1], 4, SLOW, 1)
     assert alone.bytes == pytest.approx(4 * rows[0].bytes)
     plan = planner.plan_tables(eight, 4, SLOW, layouts=["table"])
     assert plan.seconds == pytest.approx(
@@ -303,7 +311,7 @@ def test_the_modelled_buckets_of_a_pack_hold_what_its_batches_need():
     params = w.init(jax.random.key(0))
     batches = [w.batch_at(s) for s in range(3)]
     found = planner.table_stats(w.loss, params, w.embedding_paths, batches, 4)
-    packed = planner.table_wise_choices(found, 4, SLOW)
+    packed = tablewise.price_together(found, 4, SLOW, 1)
     modelled_c = sum(c.bytes for c in packed) / (3 * (4 + 2 * 8 * 4))
     mask = table_mask(params, w.embedding_paths)
     tables = tablewise.bind(find_tables(params, mask, tablewise.TABLE), 4)
@@ -320,13 +328,13 @@ def test_a_table_read_by_a_full_softmax_is_never_table_wise():
     params = w.init(jax.random.key(0))
     found = planner.table_stats(w.loss, params, w.embedding_paths, [w.batch_at(0)], 4)
     assert any(s.attended for s in found)
-    plans = planner.candidate_plans(found, 4, SLOW, layouts=planner.LAYOUT_NAMES, within=1e9)
+    plans = planner.candidate_plans(found, 4, SLOW, layouts=PRICED, within=1e9)
     for plan in plans:
         for s in found:
-            assert not (s.attended and plan.layouts()[s.name] == "table"), plan.layouts()
+            assert not (s.attended and names(plan)[s.name] == "table"), names(plan)
     mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
     mid = [mid[0]._replace(attended=True), *mid[1:]]
     with pytest.raises(ValueError, match="no layout of the tables fits"):  # t0 fits no layout
         planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table"])
     tight = planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table", "row"])
-    assert tight.layouts()["t0"] == "row" and tight.memory <= 4.5e5
+    assert names(tight)["t0"] == "row" and tight.memory <= 4.5e5

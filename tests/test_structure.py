@@ -127,3 +127,89 @@ def test_the_launcher_starts_without_jax():
         [sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True
     )
     assert done.stdout.strip() == "False", done.stderr
+
+
+# ------------------------------------------------- names belong to their registries
+
+REPO = PACKAGE.parent
+# Strings that are such a name only by spelling here: (file, string): why.
+NOT_NAMES = {
+    ("sparsecomm_jax/embedding/row_optimizers.py", "row"): "lazy_adam's count='row'",
+    ("sparsecomm_jax/embedding/row_optimizers.py", "table"): "lazy_adam's count='table'",
+}
+
+# Dicts keyed by names that are a result's columns (data, not facts of the names).
+RESULT_ROWS = {
+    ("experiments/paper_scale.py", frozenset({"dense", "embrace"})): "modelled seconds each",
+}
+
+
+def registry_names() -> dict[str, tuple[str, set[str]]]:
+    """Kind -> (the module that registers its names, the names)."""
+    from sparsecomm_jax import AGGREGATORS, STRATEGIES, optimizers
+    from sparsecomm_jax.embedding import layouts
+
+    return {
+        "layout": ("sparsecomm_jax/embedding/layouts.py", set(layouts.LAYOUTS)),
+        "strategy": ("sparsecomm_jax/strategies/registry.py", set(STRATEGIES)),
+        "aggregator": ("sparsecomm_jax/aggregators.py", set(AGGREGATORS)),
+        "optimizer": ("sparsecomm_jax/optimizers.py", set(optimizers.OPTIMIZERS)),
+    }
+
+
+def named_outside_registries(path: Path, text: str) -> list[str]:
+    """Where the code at ``path`` tests a registered name by its spelling: a comparison
+    with one (``== "row"``, ``in ("sgd", "adagrad")``), or a table of facts keyed by two
+    or more names of one kind (a dict literal). Each as ``file:line what``; a registry's
+    own module may name its own. Names as data (a list of strategies to run) are no
+    test of a name and pass."""
+    where = str(path.relative_to(REPO))
+    registries = registry_names()
+    homes = {n for home, names in registries.values() if home == where for n in names}
+    found = []
+    for kind, (_, names) in registries.items():
+        mine = {n for n in names if (where, n) not in NOT_NAMES and n not in homes}
+
+        def strings(node, mine=mine) -> list[str]:
+            constants = (n for n in ast.walk(node) if isinstance(n, ast.Constant))
+            return [n.value for n in constants if n.value in mine]
+
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops
+            ):
+                literal = ast.Constant | ast.Tuple | ast.List | ast.Set
+                sides = [x for x in (node.left, *node.comparators) if isinstance(x, literal)]
+                found += [
+                    f"{where}:{node.lineno} compares {kind} {h!r}"
+                    for x in sides
+                    for h in strings(x)
+                ]
+            elif isinstance(node, ast.Dict):
+                keys = {k.value for k in node.keys if isinstance(k, ast.Constant)} & mine
+                if len(keys) >= 2 and (where, frozenset(keys)) not in RESULT_ROWS:
+                    found.append(f"{where}:{node.lineno} keys a table by {kind}s {sorted(keys)}")
+    return found
+
+
+def test_the_check_of_names_sees_a_comparison_and_a_table():
+    code = 'if opt == "adam": pass\nif x in ("sgd",): pass\nFACTS = {"column": 1, "row": 2}\n'
+    found = named_outside_registries(REPO / "experiments" / "x.py", code)
+    assert found == [
+        "experiments/x.py:3 keys a table by layouts ['column', 'row']",
+        "experiments/x.py:1 compares optimizer 'adam'",
+        "experiments/x.py:2 compares optimizer 'sgd'",
+    ], found
+    assert not named_outside_registries(REPO / "experiments" / "x.py", 'RUN = ("sgd", "adam")')
+
+
+def test_no_layout_strategy_or_optimizer_name_is_compared_outside_its_registry():
+    """Callers ask a registry's values for their facts (``Layout.sharded``,
+    ``Strategy.scannable``, ``AggregatorKind.sparse``, ``Optimizer.rows``, ...) instead
+    of testing names: a new layout, strategy, aggregator or optimizer is one entry, with
+    nothing else to edit."""
+    found = []
+    for folder in ("sparsecomm_jax", "experiments", "models"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            found += named_outside_registries(path, path.read_text())
+    assert not found, "\n".join(found)

@@ -16,8 +16,10 @@ gtopk          2 log2 P                  2 log2(P) * 4k
 
 topk_a2a splits the bucket into P shards of c = ceil(d/P) entries (padding included)
 and sends s = ceil(k/P) pair slots to each (``a2a_bytes``); for d and k multiples of P
-this is (P-1)/P * 4(2k + d). Here k = round(density * d), at least 1. This table is the
-one home of the volumes: ``collectives`` and the experiments refer to it.
+this is (P-1)/P * 4(2k + d). Here k = round(density * d), at least 1. These formulas
+(``dense_cost``, ``allgather_cost``, ...) are the one home of the volumes: each
+exchange of ``topk.exchanges`` names its own, and ``hlo`` checks them against the
+compiled programs.
 
 A link may also carry ``local``, the measured seconds of each strategy's local work
 (selection, residual, scatter-add) as a line in the bucket size
@@ -26,16 +28,17 @@ work, so the choice is the shortest step, not the fewest bytes.
 
 Example:
     >>> from sparsecomm_jax.comm import costmodel
-    >>> link = costmodel.Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
-    >>> costmodel.choose(25_000_000, 0.01, 32, link)
-    'topk_allgather'
+    >>> costmodel.allgather_cost(1000, 0.01, 4)  # 6 messages, 3 x 10 values and indices
+    (6, 240)
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,7 +49,6 @@ from jax.sharding import PartitionSpec as P
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
 
-CHOICES = ("dense", "topk_allgather", "topk_a2a")
 _MESSAGES = {
     "all-reduce": lambda p: 2 * (p - 1),
     "all-gather": lambda p: p - 1,
@@ -98,43 +100,41 @@ def program_time(colls: Sequence[hlo.Collective], link: Link) -> float:
     return sum(collective_time(c, link) for c in colls if not c.conditional)
 
 
-def messages_and_bytes(strategy: str, size: int, density: float, workers: int):
-    """``(messages, bytes per worker)`` of one exchange of ``size`` float32 entries."""
-    p, k = workers, max(1, round(density * size))
-    if p <= 1:
-        return 0, 0.0
-    table = {
-        "dense": (2 * (p - 1), 2 * (p - 1) / p * 4 * size),
-        "topk_allgather": (2 * (p - 1), 2 * (p - 1) * 4 * k),
-        "topk_a2a": (3 * (p - 1), a2a_bytes(size, density, p)),
-        "gtopk": (2 * math.log2(p), 2 * math.log2(p) * 4 * k),
-    }
-    if strategy not in table:
-        raise ValueError(f"strategy must be one of {sorted(table)}, got {strategy!r}")
-    return table[strategy]
+def _k(size: int, density: float) -> int:
+    """k = round(density * size), at least 1 and at most the size."""
+    return min(size, max(1, round(density * size)))
+
+
+def dense_cost(size: int, density: float, workers: int) -> tuple[float, float]:
+    """``(messages, bytes per worker)`` of the ring all-reduce of ``size`` float32."""
+    p = workers
+    return (2 * (p - 1), 2 * (p - 1) / p * 4 * size) if p > 1 else (0, 0.0)
+
+
+def allgather_cost(size: int, density: float, workers: int) -> tuple[float, float]:
+    """TopK-AllGather: every worker's k values and k indices to every worker."""
+    p = workers
+    return (2 * (p - 1), 2 * (p - 1) * 4 * _k(size, density)) if p > 1 else (0, 0.0)
+
+
+def a2a_cost(size: int, density: float, workers: int) -> tuple[float, float]:
+    """TopKA2A: one all-to-all of values and one of indices, an all-gather of shards."""
+    p = workers
+    return (3 * (p - 1), a2a_bytes(size, density, p)) if p > 1 else (0, 0.0)
+
+
+def gtopk_cost(size: int, density: float, workers: int) -> tuple[float, float]:
+    """gTop-k: log2 P rounds, each a permute of k values and k indices."""
+    p, k = workers, _k(size, density)
+    return (2 * math.log2(p), 2 * math.log2(p) * 4 * k) if p > 1 else (0, 0.0)
 
 
 def a2a_bytes(size: int, density: float, workers: int) -> float:
     """Bytes per worker of topk_a2a on a bucket of ``size`` entries, as compiled, for any
     size: an all-to-all of s = ceil(k/P) (value, index) slots per shard, k = round(density
     * size) (``topk.shards.shard_slots``), and an all-gather of P shards of ceil(size/P)."""
-    p, k = workers, min(size, max(1, round(density * size)))
+    p, k = workers, _k(size, density)
     return (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + p * math.ceil(size / p))
-
-
-def strategy_time(strategy: str, size: int, density: float, workers: int, link: Link) -> float:
-    """Modelled seconds to exchange one bucket of ``size`` entries with ``strategy``:
-    communication, plus local work when ``link.local`` is set."""
-    messages, nbytes = messages_and_bytes(strategy, size, density, workers)
-    local = link.local.seconds(strategy, size) if link.local else 0.0
-    return messages * link.alpha + nbytes * link.beta + local
-
-
-def choose(
-    size: int, density: float, workers: int, link: Link, choices: Sequence[str] = CHOICES
-) -> str:
-    """The cheapest strategy for one bucket (ties go to the earlier choice)."""
-    return min(choices, key=lambda s: strategy_time(s, size, density, workers, link))
 
 
 def crossover_density(workers: int) -> float:
@@ -210,3 +210,25 @@ def calibrate(mesh, axis_name: str = "data", sizes=(1 << 10, 1 << 16, 1 << 20), 
         seconds = runtime.agreed_mean(median_seconds(fn, x, repeats=repeats))
         points.append((2 * (p - 1), 2 * (p - 1) / p * 4 * n, seconds))
     return fit(points), points
+
+
+# Names that moved to ``topk.exchanges`` (0.3): the exchanges own their costs now.
+_MOVED = {
+    "messages_and_bytes": "messages_and_bytes",
+    "strategy_time": "exchange_time",
+    "choose": "choose",
+    "CHOICES": "MENU",
+}
+
+
+def __getattr__(name: str):
+    """The names that moved to ``topk.exchanges``, with a ``DeprecationWarning`` (kept
+    for one version)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"costmodel.{name} moved to sparsecomm_jax.topk.exchanges.{_MOVED[name]}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module("sparsecomm_jax.topk.exchanges"), _MOVED[name])

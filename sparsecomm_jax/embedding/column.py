@@ -40,9 +40,13 @@ from jax.sharding import PartitionSpec as P
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
 from sparsecomm_jax.embedding.layout import (
+    FLOAT,
     CapacityPolicy,
     Fetched,
     Layout,
+    Price,
+    Pricing,
+    TableStats,
     distinct_per_worker,
     grow_by_eighth,
 )
@@ -244,6 +248,25 @@ def attend(shard, h, axis: str):
     return h @ jax.lax.all_gather(shard, axis, axis=1, tiled=True).T
 
 
+def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+    """One table column-wise, for one worker per step: its C = ``stats.distinct`` ids
+    to every owner (4 bytes each) and C rows of D/P columns each way, ``(P-1) C (4 +
+    2 D b / P)`` bytes (D padded to a multiple of P); memory its columns, 1/P of the
+    table and its optimizer state.
+
+    Example:
+        >>> from sparsecomm_jax.comm.costmodel import Link
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
+        600.0
+    """
+    p, padded = workers, -(-stats.dim // workers) * workers
+    nbytes = (p - 1) * stats.distinct * (4 + 2 * padded * FLOAT / p)
+    memory = stats.vocab * padded / p * FLOAT * (1 + slots)
+    return Price(nbytes, nbytes * link.beta, memory)
+
+
+PRICING = Pricing(price, messages=lambda workers: 3 * (workers - 1))
+
 COLUMN = Layout(
     name="column",
     spec=lambda axis: P(None, axis),
@@ -253,4 +276,5 @@ COLUMN = Layout(
     attend=attend,
     sum_dense=lambda g, axis: g,  # the gather's transpose already summed it
     row_specs=lambda axis: (P(), P(None, axis)),  # every worker's distinct ids, my columns
+    pricing=PRICING,
 )

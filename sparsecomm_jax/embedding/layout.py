@@ -19,7 +19,13 @@ splits (``split_dim``; a table is stored padded to a multiple of P there, see
 (``attend``, differentiated by autodiff, and ``sum_dense`` that sums that dense gradient
 over the workers), and how a row gradient lies as global arrays (``row_specs``, for the
 row-sparse update). ``embedding.gradients`` drives the trio; ``embedding.update`` turns
-the pairs into the optimizer's gradient. Adding a layout is one file and one value.
+the pairs into the optimizer's gradient.
+
+A layout also owns what the planner knows of it (``pricing``: what one table costs a
+worker per step, the messages of the exchange its tables share, which tables it can
+serve), so the planner, the command line and the checkpoints ask the layouts instead of
+naming them. Adding a layout is one file, one value and one line in
+``embedding.layouts`` (or ``layouts.register`` from your own file).
 
 Example:
     >>> from sparsecomm_jax.embedding import column
@@ -34,7 +40,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,6 +50,68 @@ from jax.sharding import PartitionSpec as P
 from sparsecomm_jax.embedding.access import HostReads, Read
 
 Pairs = tuple[jax.Array, jax.Array]  # (ids int[m], rows float[m, width]) at the owner
+FLOAT = 4  # bytes of a float32 entry on the wire and in memory
+
+
+class TableStats(NamedTuple):
+    """What a table sees per step, per worker (``planner.table_stats`` measures it).
+
+    Attributes:
+      name: the table's path joined by ``/``.
+      vocab: V. dim: D.
+      reads: ids read per worker per step (every read, duplicates included).
+      distinct: the most distinct ids one worker reads in a step (column's slots).
+      bucket: the most distinct ids one worker asks of one owner (row's slots).
+      lookups: how many reads of the table the loss makes (replicated pays per read).
+      attended: the loss reads the whole table by a full softmax (``emb.attend``),
+        which the table-wise layout does not serve.
+    """
+
+    name: str
+    vocab: int
+    dim: int
+    reads: int
+    distinct: int
+    bucket: int
+    lookups: int = 1
+    attended: bool = False
+
+
+class Price(NamedTuple):
+    """What one table under one layout costs one worker per step.
+
+    Attributes:
+      bytes: sent per step (the alpha-beta model's bytes).
+      seconds: the modelled time of those bytes and of its local work, messages
+        left out (they are the layout's, shared by its tables: ``Pricing.messages``).
+      memory: bytes of the table and its optimizer state held by the worker.
+    """
+
+    bytes: float
+    seconds: float
+    memory: float
+
+
+class Pricing(NamedTuple):
+    """What the planner knows of a layout.
+
+    Attributes:
+      table: ``table(stats, P, link, optimizer_slots) -> Price``: one table alone
+        (``link`` a ``comm.costmodel.Link``; ``optimizer_slots`` optimizer state per
+        parameter entry).
+      messages: ``messages(P) -> int``: the messages per step of the exchange the
+        layout's tables share (paid once, whatever number of tables it holds).
+      together: ``together(stats, P, link, optimizer_slots) -> [Price, ...]``: the
+        tables priced as they are placed together (table-wise packs: each owner's load
+        sets the exchange's buckets), one ``Price`` each; ``None``: each on its own.
+      serves: ``serves(stats) -> bool``: whether the layout can serve the table's reads
+        (the table-wise layout serves no full softmax).
+    """
+
+    table: Callable[[TableStats, int, Any, int], Price]
+    messages: Callable[[int], int] = lambda workers: 0
+    together: Callable[[Sequence[TableStats], int, Any, int], list[Price]] | None = None
+    serves: Callable[[TableStats], bool] = lambda stats: True
 
 
 class Fetched(NamedTuple):
@@ -127,6 +195,11 @@ class Layout(NamedTuple):
       bind: ``bind(tables, P) -> tables`` for a layout that places its tables by looking
         at all of them (table-wise owners): called once when a step is built, it returns
         the records with a layout bound to that placement (``None``: nothing to bind).
+      pricing: what the planner knows of it (``None``: the planner leaves it out of
+        its plans; it can still be given by hand).
+      data_parallel: the table is no table to the step: an ordinary parameter, its
+        gradient in the dense layers' all-reduce (``embedding.dense.DENSE``); the
+        trio is never called.
     """
 
     name: str
@@ -139,6 +212,20 @@ class Layout(NamedTuple):
     row_specs: Callable[[str], tuple[P, P]]
     storage: Storage | None = None
     bind: Callable[[tuple, int], tuple] | None = None
+    pricing: Pricing | None = None
+    data_parallel: bool = False
+
+    @property
+    def sharded(self) -> bool:
+        """Each worker holds part of the layout's tables (it splits them, or places
+        whole tables on owners), reached through an exchange the tables share."""
+        return self.split_dim is not None or self.bind is not None
+
+    @property
+    def packs(self) -> bool:
+        """It stores several tables in one leaf, as it places them (table-wise): a
+        checkpoint restores them only into the same placement."""
+        return self.bind is not None or self.storage is not None
 
 
 def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:

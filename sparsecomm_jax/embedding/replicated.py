@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.access import Read
-from sparsecomm_jax.embedding.layout import Fetched, Layout
+from sparsecomm_jax.embedding.layout import FLOAT, Fetched, Layout, Price, Pricing, TableStats
 
 F32 = jnp.float32
 
@@ -64,6 +64,24 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
     return Fetched(rows, back)
 
 
+def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+    """One replicated table, for one worker per step: its (id, gradient row) pair of
+    every read to every other worker, ``(P-1) n (D b + 4)`` bytes (n = ``stats.reads``);
+    memory the whole table and its optimizer state.
+
+    Example:
+        >>> from sparsecomm_jax.comm.costmodel import Link
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
+        6912.0
+    """
+    nbytes = float((workers - 1) * stats.reads * (stats.dim * FLOAT + 4))
+    memory = stats.vocab * stats.dim * FLOAT * (1 + slots)
+    return Price(nbytes, nbytes * link.beta, memory)
+
+
+# two all-gathers (ids, rows) of every replicated table's pairs
+PRICING = Pricing(price, messages=lambda workers: 2 * (workers - 1))
+
 REPLICATED = Layout(
     name="replicated",
     spec=lambda axis: P(),
@@ -73,4 +91,5 @@ REPLICATED = Layout(
     attend=lambda table, h, axis: h @ table.T,
     sum_dense=lambda g, axis: comm_wire.psum(g, axis),
     row_specs=lambda axis: (P(), P()),
+    pricing=PRICING,
 )

@@ -38,7 +38,16 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
-from sparsecomm_jax.embedding.layout import CapacityPolicy, Fetched, Layout, next_power_of_two
+from sparsecomm_jax.embedding.layout import (
+    FLOAT,
+    CapacityPolicy,
+    Fetched,
+    Layout,
+    Price,
+    Pricing,
+    TableStats,
+    next_power_of_two,
+)
 
 F32 = jnp.float32
 
@@ -259,6 +268,25 @@ def attend(shard, h, axis: str):
     return h @ jax.lax.all_gather(shard, axis, axis=0, tiled=True).T
 
 
+def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+    """One table row-wise, for one worker per step: buckets of C = ``stats.bucket``
+    ids to every owner (4 bytes each) and C whole rows each way, ``(P-1) C (4 + 2 D b)``
+    bytes; memory its rows, 1/P of the table (V padded to a multiple of P) and their
+    optimizer state.
+
+    Example:
+        >>> from sparsecomm_jax.comm.costmodel import Link
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
+        816.0
+    """
+    p, padded = workers, -(-stats.vocab // workers) * workers
+    nbytes = float((p - 1) * stats.bucket * (4 + 2 * stats.dim * FLOAT))
+    memory = padded / p * stats.dim * FLOAT * (1 + slots)
+    return Price(nbytes, nbytes * link.beta, memory)
+
+
+PRICING = Pricing(price, messages=lambda workers: 3 * (workers - 1))
+
 ROW = Layout(
     name="row",
     spec=lambda axis: P(axis, None),
@@ -268,4 +296,5 @@ ROW = Layout(
     attend=attend,
     sum_dense=lambda g, axis: g,
     row_specs=lambda axis: (P(axis), P(axis, None)),  # each owner its own rows
+    pricing=PRICING,
 )

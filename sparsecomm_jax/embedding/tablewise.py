@@ -57,10 +57,14 @@ from jax.sharding import PartitionSpec as P
 from sparsecomm_jax.embedding import row
 from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
 from sparsecomm_jax.embedding.layout import (
+    FLOAT,
     CapacityPolicy,
     Fetched,
     Layout,
+    Price,
+    Pricing,
     Storage,
+    TableStats,
     next_power_of_two,
 )
 from sparsecomm_jax.embedding.tables import Table, replace_leaves
@@ -341,7 +345,7 @@ def bind(tables, num_workers: int) -> tuple:
     Returns:
       The records, the table-wise ones with one bound ``Layout`` for all of them.
     """
-    mine = [t for t in tables if t.layout is not None and t.layout.name == TABLE.name]
+    mine = [t for t in tables if t.layout is TABLE]
     if not mine:
         return tuple(tables)
     packing = assign(mine, num_workers)
@@ -352,6 +356,58 @@ def bind(tables, num_workers: int) -> tuple:
         bind=None,
     )
     return tuple(t._replace(layout=bound) if t.index in packing.slots else t for t in tables)
+
+
+# ------------------------------------------------------------------ pricing
+
+
+def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+    """One table's share of an even split over the owners, while the planner compares
+    its layouts: ``(P-1) C/P (4 + 2 D b)`` bytes (C = ``stats.distinct``), memory 1/P
+    of the table and its optimizer state. ``price_together`` prices the packs as
+    ``assign`` places them."""
+    nbytes = (workers - 1) * stats.distinct / workers * (4 + 2 * stats.dim * FLOAT)
+    memory = stats.vocab * stats.dim * FLOAT * (1 + slots) / workers
+    return Price(nbytes, nbytes * link.beta, memory)
+
+
+def price_together(stats: list[TableStats], workers: int, link, slots: int) -> list[Price]:
+    """The table-wise tables priced as they are placed (``assign``): per pack, the bytes
+    of an exchange whose buckets hold C = the most distinct ids one worker asks of one
+    owner (the owner's tables' ``distinct`` summed), and R rows per worker; each table
+    gets its share (by distinct ids, by rows).
+
+    Example:
+        >>> from sparsecomm_jax.comm.costmodel import Link
+        >>> two = [TableStats("a", 1000, 8, 64, 60, 20), TableStats("b", 900, 8, 64, 50, 20)]
+        >>> found = price_together(two, 2, Link(0.0, 1.0), 1)  # an owner each, buckets of 60
+        >>> round(sum(p.bytes for p in found)) == (2 - 1) * 60 * (4 + 2 * 8 * 4)
+        True
+    """
+    records = [Table(i, s.name, s.vocab, s.dim, None) for i, s in enumerate(stats)]
+    packing = assign(records, workers)
+    prices: list[Price | None] = [None] * len(stats)
+    for pack, rows in packing.rows.items():
+        members = packing.members(pack)
+        per_owner = [0] * workers
+        for i in members:
+            per_owner[packing.slots[i].owner] += stats[i].distinct
+        nbytes = (workers - 1) * max(per_owner) * (4 + 2 * packing.dims[pack] * FLOAT)
+        memory = rows * packing.dims[pack] * FLOAT * (1 + slots)
+        distinct = sum(stats[i].distinct for i in members) or 1
+        vocab = sum(stats[i].vocab for i in members)
+        for i in members:
+            share = nbytes * stats[i].distinct / distinct
+            prices[i] = Price(share, share * link.beta, memory * stats[i].vocab / vocab)
+    return prices
+
+
+PRICING = Pricing(
+    price,
+    messages=lambda workers: 3 * (workers - 1),
+    together=price_together,
+    serves=lambda stats: not stats.attended,  # no full softmax: see the module doc
+)
 
 
 def _unbound(*args, **kwargs):
@@ -368,4 +424,5 @@ TABLE = Layout(
     sum_dense=lambda g, axis: g,
     row_specs=lambda axis: (P(axis), P(axis, None)),  # each owner its own rows
     bind=bind,
+    pricing=PRICING,
 )

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding import layouts, row_optimizers, update
+from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.tables import (
     Table,
@@ -392,10 +393,8 @@ def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
         raise ArgumentError(
             "capacity", capacity, "must be an integer >= 1, or None (sized per batch)"
         )
-    if name.aggregator == "gtopk" and num & (num - 1):
-        raise ArgumentError(
-            "strategy", str(name), f"needs a power-of-two number of devices, got {num}"
-        )
+    if problem := aggregators.AGGREGATORS[name.aggregator].workers(num):
+        raise ArgumentError("strategy", str(name), f"{problem}, got {num}")
     if nonfinite not in NONFINITE:
         raise ArgumentError("nonfinite", nonfinite, f"must be one of {list(NONFINITE)}")
 
@@ -414,7 +413,7 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
         )
     if comm_dtype == "float32":
         return
-    if table_update is not update.ROWS or name.aggregator != "dense":
+    if table_update is not update.ROWS or aggregators.AGGREGATORS[name.aggregator].sparse:
         raise ArgumentError(
             "comm_dtype",
             comm_dtype,
@@ -430,17 +429,14 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
         )
 
 
-DENSE_TABLE = "dense"  # in table_layouts: the table is data parallel, an ordinary parameter
-
-
 def place_tables(
     tables: tuple[Table, ...],
     table_layouts: Mapping[Any, str | Layout] | None,
     name: StrategyName,
 ) -> tuple[Table, ...]:
-    """``tables`` with the layouts ``table_layouts`` gives them (by path or name);
-    ``"dense"`` makes a table's layout ``None``: an ordinary parameter of the step, its
-    gradient dense and in the dense layers' all-reduce.
+    """``tables`` with the layouts ``table_layouts`` gives them (by path or name); a
+    data-parallel layout (``"dense"``) makes a table an ordinary parameter of the step,
+    its gradient dense and in the dense layers' all-reduce.
 
     Raises:
       ArgumentError: not a mapping, a path that names no table, a table named twice, an
@@ -473,15 +469,13 @@ def place_tables(
             f"names {few(twice)} more than once (a path as keys and as 'a/b/c' names one "
             "table): give each table one layout",
         )
-    known = [*layouts.LAYOUTS, DENSE_TABLE]
-    if bad := sorted({str(x) for x in table_layouts.values() if not _known_layout(x)}):
+    if bad := sorted({str(x) for x in table_layouts.values() if not layouts.known(x)}):
         raise ArgumentError(
-            "table_layouts", NO_VALUE, f"names unknown layouts {few(bad)}; choose among {known}"
+            "table_layouts",
+            NO_VALUE,
+            f"names unknown layouts {few(bad)}; choose among {list(layouts.LAYOUTS)}",
         )
-    chosen = {
-        name: None if x == DENSE_TABLE else layouts.get(x)
-        for name, x in zip(names, table_layouts.values(), strict=True)
-    }
+    chosen = {name: layouts.get(x) for name, x in zip(names, table_layouts.values(), strict=True)}
     if unknown := sorted(set(chosen) - {t.name for t in tables}):
         raise ArgumentError(
             "table_layouts",
@@ -490,11 +484,6 @@ def place_tables(
             f"{few([t.name for t in tables])}",
         )
     return tuple(t._replace(layout=chosen.get(t.name, t.layout)) for t in tables)
-
-
-def _known_layout(layout: Any) -> bool:
-    named = isinstance(layout, str) and (layout in layouts.LAYOUTS or layout == DENSE_TABLE)
-    return named or isinstance(layout, Layout)
 
 
 def resolve_id_keys(
@@ -568,7 +557,8 @@ def choose_table_update(
 def make_aggregator(name: StrategyName, axis_name: str, density: float, comm_dtype: str, **options):
     """The aggregator of the dense layers: the named one; a table strategy's ``dense``
     mean travels as one flat buffer in ``comm_dtype`` (``aggregators.flat_allreduce``)."""
-    if name.aggregator == "dense" and name.strategy.layout is not None:
+    kind = aggregators.AGGREGATORS[name.aggregator]
+    if not kind.sparse and not name.strategy.layout.data_parallel:
         return aggregators.flat_allreduce(axis_name, comm_dtype)
     return aggregators.AGGREGATORS[name.aggregator](density, axis_name, **options)
 
@@ -725,12 +715,12 @@ def make_context(
     table_update = choose_table_update(table_update, name, optimizer, params, named, comm_dtype)
     check_table_update(name, table_update, comm_dtype)
     aggregator = make_aggregator(name, axis_name, density, comm_dtype, **aggregator_options)
-    id_tables = find_tables(params, named, None)
+    id_tables = find_tables(params, named, DENSE)
     layout = name.strategy.layout
-    mask = named if layout else jax.tree.map(lambda _: False, named)
+    mask = jax.tree.map(lambda _: False, named) if layout.data_parallel else named
     tables = place_tables(find_tables(params, mask, layout), table_layouts, name)
-    if dense := {t.index for t in tables if t.layout is None}:  # data parallel, as parameters
-        tables = tuple(t for t in tables if t.layout is not None)
+    if dense := {t.index for t in tables if t.layout.data_parallel}:  # ordinary parameters
+        tables = tuple(t for t in tables if not t.layout.data_parallel)
         leaves, treedef = jax.tree.flatten(mask)
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
     for bind in {t.layout.bind for t in tables if t.layout.bind is not None}:

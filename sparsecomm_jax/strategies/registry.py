@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.embedding.column import COLUMN
+from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
@@ -39,8 +40,9 @@ class Strategy(NamedTuple):
       step: ``step(ctx, specs) -> fn(state, batch) -> (state, loss)``: the step's
         function before ``jax.jit`` (``bodies.shard_map_step(body)`` for one body; for
         the ``pmap`` engine the body of ``jax.pmap``).
-      layout: where its tables live (``embedding.column.COLUMN``, ...), or ``None``
-        when it gives tables no special treatment (data parallel).
+      layout: where its tables live (``embedding.column.COLUMN``, ...); the
+        data-parallel ``embedding.dense.DENSE`` when it gives tables no special
+        treatment (``dense``, ``dense_pmap``, the top-k strategies).
       capacity: a plan of the ids of its own, instead of its layout's (the pipelined
         step's first chunk), or ``None``.
       lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
@@ -50,6 +52,8 @@ class Strategy(NamedTuple):
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
       any_layout: each table may have a layout of its own (``table_layouts``): its
         step reads every table through the table's layout.
+      across_steps: its step can also run across steps, as ``make_overlapped`` builds it
+        (step t's late exchange and table update beside step t+1's compute).
       narrow_wire: its exchanges can travel in a narrower dtype than float32
         (``comm_dtype``); the pipelined ``embrace_2d``'s chunks cannot.
       serial: the strategy whose step it runs where a program's collectives cannot
@@ -62,7 +66,7 @@ class Strategy(NamedTuple):
 
     name: str
     step: Callable
-    layout: Layout | None = None
+    layout: Layout = DENSE
     capacity: CapacityPolicy | None = None
     lookahead: int = 0
     needs_tables: bool = False
@@ -70,6 +74,7 @@ class Strategy(NamedTuple):
     engine: str = "shard_map"
     row_updates: bool = False
     any_layout: bool = False
+    across_steps: bool = False
     narrow_wire: bool = True
     serial: Strategy | None = None
 
@@ -135,6 +140,7 @@ STRATEGIES: dict[str, Strategy] = {
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
+            across_steps=True,
             narrow_wire=False,
             serial=SERIAL_2D,
         ),
@@ -183,6 +189,6 @@ def parse_strategy(strategy: str | StrategyName) -> StrategyName:
 
 def strategy_names() -> list[str]:
     """Every accepted ``strategy`` name."""
-    sparse = [a for a in AGGREGATORS if a != "dense"]
+    sparse = [name for name, kind in AGGREGATORS.items() if kind.sparse]
     tables = [s.name for s in STRATEGIES.values() if s.needs_tables and s.combines]
     return [*STRATEGIES, *sparse, *(f"{t}+{a}" for t in tables for a in sparse)]

@@ -6,7 +6,7 @@ vector, identical on every worker (divide by P for the mean) and typed so: under
 The collectives are ``topk_allgather`` (all-gather of the (value, index) pairs,
 scatter-add), ``topk_a2a`` (all-to-all per shard, local add, all-gather of the shards)
 and ``gtopk`` (log2 P rounds of ppermute and re-selection). Their messages and bytes
-per worker are ``comm.costmodel.messages_and_bytes``.
+per worker are ``topk.exchanges.messages_and_bytes``.
 
 References:
     Peng et al., "TopKA2A", ICPP 2024.

@@ -15,41 +15,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparsecomm_jax import runtime
-from sparsecomm_jax.comm.costmodel import CHOICES, LocalWork, fit_line, median_seconds
-from sparsecomm_jax.topk import selectors, shards
+from sparsecomm_jax.comm.costmodel import LocalWork, fit_line, median_seconds
+from sparsecomm_jax.topk import exchanges
 
 
-def local_work_fn(strategy: str, size: int, density: float, workers: int):
-    """One worker's local work of ``strategy`` on a bucket (collectives left out: the
-    all-gather is stood in for by tiling the own selection P times), as a jitted
-    ``float32[size] -> outputs``; ``None`` for dense."""
-    k = selectors.num_selected(density, size)
-    if strategy == "topk_allgather":
-
-        def work(x):
-            values, indices, kept = selectors.select_with_residual(selectors.AUTO, x, k)
-            gathered = (jnp.tile(values, workers), jnp.tile(indices, workers))
-            return selectors.densify(*gathered, size), kept
-
-    elif strategy == "topk_a2a":
-
-        def work(x):
-            values, local, kept = shards.shard_select(selectors.AUTO, x, k, workers)  # [P, k/P]
-            return selectors.densify(values, local, -(-size // workers)), kept
-
-    else:
-        return None
-    return jax.jit(work)
+def local_work_fn(exchange: str, size: int, density: float, workers: int):
+    """One worker's local work of ``exchange`` on a bucket (its collectives stood in
+    for), as a jitted ``float32[size] -> outputs`` (``Exchange.local``); ``None`` for
+    an exchange whose local work is not timed (dense: its additions are inside the
+    timed all-reduce)."""
+    local = exchanges.get(exchange).local
+    return None if local is None else local(size, density, workers)
 
 
 def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
-    """``LocalWork`` of the sparse strategies, timed at each bucket size on this device
-    and fitted as a line in the size; each time the mean over the processes
+    """``LocalWork`` of adaptive's exchanges (``exchanges.MENU``), timed at each bucket
+    size on this device and fitted as a line in the size; each time the mean over the
+    processes
     (``runtime.agreed_mean``: every process must choose the same strategies), so call
     it on every process.
 
@@ -64,13 +50,13 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
     """
     timer = timer or median_seconds
     rng, lines = np.random.default_rng(0), {}
-    for strategy in CHOICES:
+    for name in exchanges.MENU:
         points = []
         for size in sorted(set(sizes)):
-            fn = local_work_fn(strategy, size, density, workers)
+            fn = local_work_fn(name, size, density, workers)
             if fn is not None:
                 x = jnp.asarray(rng.normal(size=size).astype(np.float32))  # no ties
                 points.append((size, runtime.agreed_mean(timer(fn, x))))
         if points:
-            lines[strategy] = fit_line(points)
+            lines[name] = fit_line(points)
     return LocalWork(lines)

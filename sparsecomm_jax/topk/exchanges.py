@@ -1,0 +1,211 @@
+"""How a fused bucket's top-k selection travels: the exchanges, each a value that owns
+its facts.
+
+An ``Exchange`` is one way a worker's selection of a bucket reaches every worker summed
+(``make``: the device code, ``parts -> (total, kept)``), what it costs one worker
+(``cost``: messages and bytes, from the formulas of ``comm.costmodel``, which match the
+compiled programs to the byte), and the local work it does besides (``local``: selection,
+residual and sums with the collectives stood in for, timed by ``topk.local_cost`` for the
+cost model). ``EXCHANGES`` is the registry; ``adaptive`` chooses per bucket among the
+exchanges marked ``menu``. The aggregators of ``sparsecomm_jax.aggregators`` wrap an
+exchange in error feedback and fusion.
+
+Example:
+    >>> from sparsecomm_jax.topk import exchanges
+    >>> exchanges.messages_and_bytes("topk_allgather", 1000, 0.01, 4)
+    (6, 240)
+    >>> exchanges.MENU
+    ('dense', 'topk_allgather', 'topk_a2a')
+
+References:
+    Peng et al., "TopKA2A", ICPP 2024; Shi et al., "gTop-k", ICDCS 2019.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sparsecomm_jax.comm import costmodel, fusion
+from sparsecomm_jax.comm.costmodel import Link
+from sparsecomm_jax.topk import collectives, selectors, shards
+from sparsecomm_jax.topk.selectors import Selector
+
+ExchangeFn = Callable  # parts -> (total float[d], kept per part)[, every]
+
+
+class Exchange(NamedTuple):
+    """One way a bucket's selection travels (see the module doc).
+
+    Attributes:
+      name: its registry key (also its aggregator's name).
+      make: ``make(density, axis_name, selector) -> exchange``; ``exchange(parts)``
+        (inside ``shard_map``) returns ``(total, kept)``: the sum over the workers of
+        what they sent, float[d] for the bucket's d entries (``parts``, 1-D), and what
+        this worker keeps in its residual, one array per part. With ``carries``,
+        ``exchange(parts, extra)`` also returns every worker's float32 ``extra``.
+      cost: ``cost(size, density, P) -> (messages, bytes per worker)``.
+      local: ``local(size, density, P) -> fn``: the exchange's local work on one
+        worker with its collectives stood in for, jitted ``float32[size] -> outputs``
+        (``None``: none worth timing).
+      menu: ``adaptive`` chooses among it.
+      carries: its ``exchange`` can carry a worker's scalars (``update_carrying``).
+    """
+
+    name: str
+    make: Callable[[float, str, Selector], ExchangeFn]
+    cost: Callable[[int, float, int], tuple[float, float]]
+    local: Callable[[int, float, int], Callable] | None = None
+    menu: bool = False
+    carries: bool = False
+
+
+# ------------------------------------------------------------------ the exchanges
+
+
+def _on_flat(exchange: Callable) -> Callable:
+    """An exchange of parts from ``exchange(flat)`` on their concatenation."""
+
+    def on_parts(parts):
+        total, kept = exchange(jnp.concatenate(parts))
+        return total, fusion.split(kept, [p.shape[0] for p in parts])
+
+    return on_parts
+
+
+def dense_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO):
+    """``parts -> (total, kept)`` sending everything: ``psum``, nothing kept."""
+    return _on_flat(lambda flat: (jax.lax.psum(flat, axis_name), jnp.zeros_like(flat)))
+
+
+def allgather_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO):
+    """``parts -> (total, kept)`` of TopK-AllGather: every worker's k (value, index)
+    pairs to every worker, scatter-added."""
+
+    def exchange(parts, extra=None):
+        d = sum(p.shape[0] for p in parts)
+        k = selectors.num_selected(density, d)
+        values, indices, kept = selectors.select_parts(selector, parts, k)
+        if extra is None:
+            return collectives.topk_allgather(values, indices, d, axis_name), kept
+        total, every = collectives.topk_allgather_carrying(values, indices, d, axis_name, extra)
+        return total, kept, every
+
+    return exchange
+
+
+def a2a_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO):
+    """``parts -> (total, kept)`` of TopKA2A, any length: k entries in all, split over
+    the P shards by their real entries (``topk.shards.shard_slots``)."""
+
+    def exchange(parts):
+        num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
+        k = selectors.num_selected(density, d)
+        values, local, kept = shards.shard_select_parts(selector, parts, k, num)
+        size = num * -(-d // num)  # the shards of ceil(d/P), padding included
+        total = collectives.topk_a2a(values, local, size, axis_name)  # values: [P, k/P]
+        return shards.from_shards(total.reshape(num, -1), d), kept
+
+    return exchange
+
+
+def gtopk_exchange(density: float, axis_name: str, selector: Selector = selectors.AUTO):
+    """``parts -> (total, kept)`` of gTop-k (P a power of two); ``selector`` picks each
+    worker's first k, the merges re-select exactly."""
+
+    def exchange(parts):
+        d = sum(p.shape[0] for p in parts)
+        k = selectors.num_selected(density, d)  # collectives.gtopk_lists checks P
+        values, indices, kept = selectors.select_parts(selector, parts, k)
+        values, indices, left_v, left_i = collectives.gtopk_lists(values, indices, k, axis_name)
+        return selectors.densify(values, indices, d), selectors.add_to_parts(kept, left_v, left_i)
+
+    return exchange
+
+
+# ------------------------------------------------------------------ local work
+
+
+def allgather_local(size: int, density: float, workers: int) -> Callable:
+    """TopK-AllGather's local work: selection and residual, and the scatter-add of P
+    workers' pairs (the all-gather stood in for by tiling the own selection P times)."""
+    k = selectors.num_selected(density, size)
+
+    def work(x):
+        values, indices, kept = selectors.select_with_residual(selectors.AUTO, x, k)
+        gathered = (jnp.tile(values, workers), jnp.tile(indices, workers))
+        return selectors.densify(*gathered, size), kept
+
+    return jax.jit(work)
+
+
+def a2a_local(size: int, density: float, workers: int) -> Callable:
+    """TopKA2A's local work: the per-shard selection and residual, and the sum of the
+    P pieces of one shard (the all-to-all stood in for by the own pieces)."""
+    k = selectors.num_selected(density, size)
+
+    def work(x):
+        values, local, kept = shards.shard_select(selectors.AUTO, x, k, workers)  # [P, k/P]
+        return selectors.densify(values, local, -(-size // workers)), kept
+
+    return jax.jit(work)
+
+
+# ------------------------------------------------------------------ the registry
+
+DENSE = Exchange("dense", dense_exchange, costmodel.dense_cost, menu=True)
+ALLGATHER = Exchange(
+    "topk_allgather",
+    allgather_exchange,
+    costmodel.allgather_cost,
+    allgather_local,
+    menu=True,
+    carries=True,
+)
+A2A = Exchange("topk_a2a", a2a_exchange, costmodel.a2a_cost, a2a_local, menu=True)
+GTOPK = Exchange("gtopk", gtopk_exchange, costmodel.gtopk_cost)
+
+EXCHANGES: dict[str, Exchange] = {x.name: x for x in (DENSE, ALLGATHER, A2A, GTOPK)}
+MENU = tuple(name for name, x in EXCHANGES.items() if x.menu)  # adaptive's choices
+
+
+def get(name: str | Exchange) -> Exchange:
+    """The exchange called ``name`` (a value is returned as it is).
+
+    Raises:
+      ValueError: an unknown name (the message lists ``EXCHANGES``).
+    """
+    if isinstance(name, Exchange):
+        return name
+    if name not in EXCHANGES:
+        raise ValueError(f"unknown exchange {name!r}; choose one of {list(EXCHANGES)}")
+    return EXCHANGES[name]
+
+
+def messages_and_bytes(name: str, size: int, density: float, workers: int):
+    """``(messages, bytes per worker)`` of one exchange of ``size`` float32 entries."""
+    return get(name).cost(size, density, workers)
+
+
+def exchange_time(name: str, size: int, density: float, workers: int, link: Link) -> float:
+    """Modelled seconds to exchange one bucket of ``size`` entries by ``name``:
+    communication, plus local work when ``link.local`` is set."""
+    messages, nbytes = messages_and_bytes(name, size, density, workers)
+    local = link.local.seconds(name, size) if link.local else 0.0
+    return messages * link.alpha + nbytes * link.beta + local
+
+
+def choose(
+    size: int, density: float, workers: int, link: Link, choices: Sequence[str] = MENU
+) -> str:
+    """The cheapest exchange for one bucket (ties go to the earlier choice).
+
+    Example:
+        >>> link = Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
+        >>> choose(25_000_000, 0.01, 32, link)
+        'topk_allgather'
+    """
+    return min(choices, key=lambda s: exchange_time(s, size, density, workers, link))
