@@ -27,7 +27,7 @@ from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.comm.wire import WIRE_DTYPES
 from sparsecomm_jax.embedding.layouts import TablePlan
 from sparsecomm_jax.errors import few
-from sparsecomm_jax.strategies.build import NONFINITE
+from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density
 
 TABLE_UPDATES = ("auto", "rows", "dense")

@@ -25,7 +25,7 @@ from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
 from sparsecomm_jax.embedding import update
 from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
-from sparsecomm_jax.strategies.build import check_table_update
+from sparsecomm_jax.strategies.rules import check_table_update
 
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
 # participating device: more simulated devices in one process deadlock, then abort.

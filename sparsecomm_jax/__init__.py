@@ -53,16 +53,10 @@ _EXPORTS = {
         "sparsecomm_jax.step.placement",
     ),
     **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
+    "make_train_step": "sparsecomm_jax.strategies.build",
     **dict.fromkeys(
-        (
-            "call_plan",
-            "make_train_step",
-            "place_for_call",
-            "place_for_step",
-            "placed_batches",
-            "placed_calls",
-        ),
-        "sparsecomm_jax.strategies.build",
+        ("call_plan", "place_for_call", "place_for_step", "placed_batches", "placed_calls"),
+        "sparsecomm_jax.strategies.feeding",
     ),
     "make_overlapped": "sparsecomm_jax.strategies.overlapped",
     **dict.fromkeys(

@@ -18,7 +18,7 @@ from experiments.startup import adaptive_link
 from experiments.train import main, train_and_evaluate
 from experiments.validate import validate
 from models import MODELS
-from sparsecomm_jax.strategies.build import NONFINITE
+from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import SELECTORS
 
 SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)

@@ -1,0 +1,184 @@
+"""The engines that turn a strategy's step into a ``TrainStep``: ``jax.jit`` of a
+``shard_map`` step (its calls checked, its state donated, several steps a call by a
+``lax.scan``) and ``jax.pmap`` (the classic baseline).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from sparsecomm_jax.step.placement import PlacedBatch
+    >>> add = lambda state, batch: (state + batch.data["x"].sum(), state)
+    >>> scan_steps(add)(jnp.float32(0), PlacedBatch({"x": jnp.ones((3, 2))}))
+    (Array(6., dtype=float32), Array([0., 2., 4.], dtype=float32))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from sparsecomm_jax.step import placement
+from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step.state import StepContext, TrainState, TrainStep
+from sparsecomm_jax.strategies.registry import Strategy
+
+
+def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
+    """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
+    if strategy.serial is not None and not ctx.overlap:  # the pipeline could only lose
+        strategy = strategy.serial
+    state, specs = placement.place_state(ctx, pad=strategy.any_layout)
+    step = strategy.step(ctx, specs)
+    policies = (
+        [(strategy.capacity, ctx.tables)]
+        if strategy.capacity is not None
+        else placement.layout_policies(ctx)
+    )
+    capacity = placement.capacity_fn(ctx, policies) if policies else None
+    scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
+    return TrainStep(
+        step=DonatingStep(jax.jit(step, donate_argnums=0)),
+        state=state,
+        place_batch=placement.batch_placer(ctx, policies, strategy.lookahead, capacity),
+        steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0), stacked=True)
+        if scannable
+        else one_step_a_call(strategy, "steps"),
+        place_steps=placement.steps_placer(ctx, capacity)
+        if scannable
+        else one_step_a_call(strategy, "place_steps"),
+        scannable=scannable,
+        host_params=placement.host_params_of(ctx),
+        strategy=strategy.name,
+        lookahead=strategy.lookahead,
+        capacity_slots=_capacity_slots(ctx, policies),
+        runs_as=strategy.name,
+        stored_together=placement.stored_together(ctx),
+    )
+
+
+def scan_steps(step: Callable) -> Callable:
+    """``steps(state, placed) -> (state, losses)``: ``step`` run on each batch of
+    ``placed`` in turn (its data stacked along a leading step axis, one capacity for
+    all), as one ``lax.scan``: one program call for several steps, the same arithmetic
+    (to float rounding: XLA compiles the loop body on its own and may fuse it otherwise).
+
+    Args:
+      step: ``step(state, placed_batch) -> (state, loss)`` (not yet jitted).
+
+    Returns:
+      The scanned step; ``losses`` holds one loss per step.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from sparsecomm_jax.step.placement import PlacedBatch
+        >>> add = lambda state, batch: (state + batch.data["x"].sum(), state)
+        >>> scan_steps(add)(jnp.float32(0), PlacedBatch({"x": jnp.ones((3, 2))}))
+        (Array(6., dtype=float32), Array([0., 2., 4.], dtype=float32))
+    """
+
+    def steps(state: TrainState, placed: PlacedBatch):
+        def one(state, data):  # data: one step's batch, [B, ...] per key
+            return step(state, PlacedBatch(data, placed.capacity))
+
+        return jax.lax.scan(one, state, placed.data)  # placed.data: [S, B, ...] per key
+
+    return steps
+
+
+def one_step_a_call(strategy: Strategy, what: str) -> Callable:
+    """``ts.steps`` or ``ts.place_steps`` of a strategy that runs one step a call: a
+    function that says so (``ValueError``) when called."""
+
+    def refuse(*args, **kwargs):
+        raise ValueError(
+            f"ts.{what}: strategy {strategy.name!r} runs one step a program call "
+            f"({strategy.why_one_step_a_call()}); call ts.step(state, "
+            "ts.place_batch(batch)) once a step (ts.scannable is False)"
+        )
+
+    return refuse
+
+
+def _capacity_slots(ctx: StepContext, policies) -> tuple:
+    """Per table of ``ctx.tables`` (the order of a batch's capacity), its name and what a
+    slot of its capacity holds."""
+    what = {t.index: policy.what for policy, tables in policies for t in tables}
+    return tuple((t.name, what.get(t.index, "none")) for t in ctx.tables)
+
+
+def check_step_call(state: TrainState, batch: Any, stacked: bool = False) -> None:
+    """``ValueError`` for a step called on a state an earlier call took (the step
+    donates its state's buffers to the new one), on a batch ``place_batch`` did not
+    place, or (``stacked``: ``ts.steps``) on one step's batch, and the reverse:
+    mistakes the runtime would otherwise meet deep in a call, crash on, or run as
+    something else."""
+    one = "ts.step(state, ts.place_batch(host_batch))"
+    several = "ts.steps(state, ts.place_steps(host_batches))"
+    if not isinstance(batch, PlacedBatch):
+        raise ValueError(
+            f"batch must be placed first: {several if stacked else one} (a PlacedBatch; "
+            f"got {type(batch).__name__})"
+        )
+    if bool(batch.steps) != stacked:
+        made_by = "place_steps" if batch.steps else "place_batch"
+        raise ValueError(
+            f"this batch holds {batch.steps or 1} step(s) ({made_by}): call "
+            f"{several if batch.steps else one}"
+        )
+    if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(state)):
+        raise ValueError(
+            "this state was donated to an earlier step (its buffers became that step's "
+            "result): pass the state the last ts.step returned"
+        )
+
+
+class DonatingStep(NamedTuple):
+    """A ``jax.jit`` step that donates its state: each call is checked first
+    (``check_step_call``); ``lower`` is the jit's."""
+
+    jitted: Callable
+    stacked: bool = False  # ``TrainStep.steps``: batches of several steps
+
+    def __call__(self, state: TrainState, batch: PlacedBatch):
+        check_step_call(state, batch, self.stacked)
+        return self.jitted(state, batch)
+
+    def lower(self, *args, **kwargs):
+        return self.jitted.lower(*args, **kwargs)
+
+
+class PmapStep(NamedTuple):
+    """A ``jax.pmap`` step that returns the loss as one scalar, like every other step
+    (the per-device copies are equal after ``pmean``); ``lower`` is the pmap's."""
+
+    pmapped: Callable
+
+    def __call__(self, state: TrainState, batch: placement.PlacedBatch):
+        check_step_call(state, batch)
+        state, loss = self.pmapped(state, batch)
+        return state, loss.addressable_data(0).reshape(())
+
+    def lower(self, *args, **kwargs):
+        return self.pmapped.lower(*args, **kwargs)
+
+
+def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
+    """The classic ``jax.pmap`` + ``lax.pmean`` baseline (``dense_pmap``)."""
+    devices = list(ctx.mesh.devices.flat)
+    num_local = sum(d.process_index == jax.process_index() for d in devices)
+    state = TrainState(ctx.params, ctx.optimizer.init(ctx.params), ())
+    body = strategy.step(ctx)
+    return TrainStep(
+        step=PmapStep(jax.pmap(body, ctx.axis_name, devices=devices, donate_argnums=0)),
+        state=placement.stack_per_device(state, num_local),
+        place_batch=placement.pmap_placer(ctx),
+        steps=one_step_a_call(strategy, "steps"),
+        place_steps=one_step_a_call(strategy, "place_steps"),
+        host_params=placement.replica_params,
+        strategy=strategy.name,
+        per_device_state=True,
+        runs_as=strategy.name,
+    )
+
+
+ENGINES = {"shard_map": jit_step, "pmap": pmap_step}
