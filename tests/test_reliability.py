@@ -301,7 +301,7 @@ ts = sc.make_train_step(w.loss, optax.sgd(0.1), runtime.data_mesh(2),
                            w.init(jax.random.key(0)), "dense")
 folder = Path(sys.argv[1])
 ckpt = checkpoint.Checkpointer(folder)
-checkpoint._write_json = lambda path, record: None  # the run record aside,
+checkpoint.files.write_json = lambda path, record: None  # the run record aside,
 shutil.rmtree(folder)
 folder.write_text("the folder became a file")  # orbax's own write fails midway
 try:

@@ -1,0 +1,147 @@
+"""The train-state layer of checkpoints: a library step's state saved as global arrays
+and restored into the step it came from, its tables stored as the step stores them.
+
+``Checkpointer`` is the ``store.Store`` of any pytree, plus ``save_state`` and
+``restore_state`` for a ``TrainStep``'s state: parameters (sharded tables as global
+arrays), optimizer state and the aggregator's per-worker residuals (``portable``). Each
+checkpoint records how its tables are stored together (``TrainStep.stored_together``,
+the table-wise packs), and restores only into a step that stores them the same way: a
+pack restored into other layouts would read one table's rows as another's.
+
+The data position and the random state need nothing more: every batch is a pure
+function of ``(seed, step)`` and parameters are initialised from the seed.
+``embrace_2d``'s carry (rows fetched early for the next batch) is not saved: a resumed
+run fetches them again, which gives the same rows.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax, tempfile
+    >>> from sparsecomm_jax import make_train_step, runtime
+    >>> from sparsecomm_jax.checkpoint import Checkpointer
+    >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(), {"w": jnp.zeros((3, 1))})
+    >>> with Checkpointer(tempfile.mkdtemp()) as ckpt:
+    ...     _ = ckpt.save_state(1, ts, ts.state, force=True)
+    ...     state, step = ckpt.restore_state(ts)
+    >>> step, state.params["w"].shape
+    (1, (3, 1))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from sparsecomm_jax.checkpoint.store import MismatchError, Store, _warn
+from sparsecomm_jax.step.placement import first_replica
+from sparsecomm_jax.step.state import TrainState, TrainStep
+
+STORED_TOGETHER = "stored_together"  # the identity field of how tables are stored
+
+
+def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
+    """The saved form of a library step's state: global arrays (``pmap`` state: its
+    first replica) under ``params``, ``opt_state`` and ``agg_state``."""
+    tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
+    if ts.per_device_state:
+        return jax.tree.map(first_replica, tree)
+    return tree
+
+
+def _as_json(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples as lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _stored_words(groups: Any) -> str:
+    """``stored_together`` in words: ``table [a (20 x 4), b (8 x 4)] on 4 workers``, or
+    ``none`` (``TypeError`` or ``ValueError`` for a record of another form)."""
+    said = [
+        f"{layout} [{', '.join(f'{n} ({v} x {d})' for n, v, d in tables)}] on {p} workers"
+        for layout, tables, p in groups
+    ]
+    return "; ".join(said) or "none"
+
+
+def _one_dimension_differs(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    return len(a) == len(b) == 2 and (a[0] == b[0]) != (a[1] == b[1])
+
+
+def shape_hint(name: str, saved: tuple, ours: tuple) -> str:
+    """What a state's shape that differs may mean (``store.restore``'s ``hint``)."""
+    if name.startswith("agg_state"):
+        return " (per-worker residuals: resume error-feedback runs on the same number of devices)"
+    if _one_dimension_differs(saved, ours):
+        return (
+            " (if it is an embedding table stored padded to a multiple of the workers: "
+            "resume it on a device count that pads it to the same size; a table-wise pack "
+            "on the same device count)"
+        )
+    return ""
+
+
+def stored_together_check(ours: tuple) -> Callable[[dict, Path], None]:
+    """``store.restore``'s ``check``: the tables stored together must be stored so here
+    too (a table-wise pack restored into other layouts, or another pack, would read one
+    table's rows as another's, silently where the shapes agree). A checkpoint that does
+    not record it (written by ``save`` of another pytree, or by an earlier version) is
+    not checked."""
+
+    def check(identity: dict, folder: Path) -> None:
+        if STORED_TOGETHER not in identity:
+            return
+        theirs, mine = identity[STORED_TOGETHER], _as_json(ours)  # as the record reads back
+        if theirs == mine:
+            return
+        try:
+            words = _stored_words(theirs)
+        except (TypeError, ValueError) as e:
+            raise MismatchError(
+                f"checkpoint {folder}: its record of the tables stored together is "
+                f"unreadable ({e}); this step stores {_stored_words(mine)}"
+            ) from e
+        raise MismatchError(
+            f"checkpoint {folder} stores tables together as {words}; this step stores "
+            f"{_stored_words(mine)}: restore it into a step with the table layouts it was "
+            "saved with (the same tables table-wise, on as many workers)"
+        )
+
+    return check
+
+
+class Checkpointer(Store):
+    """A ``store.Store`` that also saves and restores a library step's state (see the
+    module doc); its arguments are the store's."""
+
+    def save_state(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
+        """``save`` of a library step's state (``portable``), with how its tables are
+        stored (``TrainStep.stored_together``)."""
+        identity = {STORED_TOGETHER: _as_json(ts.stored_together)}
+        return self.save(step, portable(ts, state), force, identity)
+
+    def restore_state(
+        self,
+        ts: TrainStep,
+        step: int | None = None,
+        on_skip: Callable[[int, str], None] = _warn,
+    ) -> tuple[TrainState, int]:
+        """``restore`` of a library step's state, placed like ``ts.state``.
+
+        Replicated state restores onto any device count; sharded tables onto any count
+        that stores them at the same size (that divides their sharded dimension, or pads
+        it to the same multiple: ``layout.padded_shape``) under the same layout;
+        table-wise tables (packed by owner) onto the same count with the same tables
+        table-wise (``TrainStep.stored_together``; another is refused). Per-worker
+        residuals need the same count.
+        """
+        check = stored_together_check(ts.stored_together)
+        tree, s = self.restore(portable(ts, ts.state), step, on_skip, check, shape_hint)
+        state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
+        if ts.per_device_state:
+            local = jax.local_device_count()
+            state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)), state)
+        return state, s
