@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 
-from experiments.config import RunConfig, add_arguments, from_namespace
 from experiments.train import start_devices, train_and_evaluate, write_json
-from experiments.validate import one_step_a_call
+from experiments.train.config import RunConfig, add_arguments, from_namespace
+from experiments.train.validate import one_step_a_call
 from sparsecomm_jax import parse_strategy
 
 # Defaults of the headline comparison: a large-vocabulary LM with sampled softmax,

@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.config import RunConfig
-from experiments.selection_cost import selector_times
+from experiments.studies.selection_cost import selector_times
 from experiments.train import build, start_devices
+from experiments.train.config import RunConfig
 from models import MODELS
 from sparsecomm_jax import loss_value
 from sparsecomm_jax.comm.costmodel import median_seconds

@@ -73,7 +73,7 @@ def a2a_sent(x, k, workers):
 
 
 def record_loop_events(monkeypatch, loop) -> list:
-    """A list that ``experiments.loop`` (passed as ``loop``) fills as it runs: ``"run"``
+    """A list that ``experiments.train.loop`` (passed as ``loop``) fills as it runs: ``"run"``
     when a program call is handed to the devices, ``"read"`` when its losses are read."""
     events = []
     real_runner, real_read = loop._runner, loop.loss_values

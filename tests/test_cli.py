@@ -11,12 +11,10 @@ from conftest import REPO
 from helpers import record_loop_events
 
 import sparsecomm_jax as sc
-from experiments import loop
-from experiments import train as cli
-from experiments.config import RunConfig
-from experiments.startup import adaptive_link
-from experiments.train import main, train_and_evaluate
-from experiments.validate import validate
+from experiments.train import command, loop, main, run, train_and_evaluate
+from experiments.train.config import RunConfig
+from experiments.train.startup import adaptive_link
+from experiments.train.validate import validate
 from models import MODELS
 from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import SELECTORS
@@ -225,7 +223,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args, message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
 def test_bad_input_is_one_line_error(args, message, capsys, monkeypatch):
     """Every bad flag stops before JAX builds anything, with one line naming it."""
-    monkeypatch.setattr(cli, "build", lambda config: pytest.fail("built despite bad input"))
+    monkeypatch.setattr(run, "build", lambda config: pytest.fail("built despite bad input"))
     code, lines = run_main(args, capsys)
     assert code == 2
     assert len(lines) == 1 and message in lines[0], lines
@@ -269,7 +267,7 @@ def test_bad_input_as_a_process_is_one_line_without_traceback():
 
 
 def test_every_flag_has_help_and_fixed_sets_have_choices():
-    parser = cli.make_parser()
+    parser = command.make_parser()
     for action in parser._actions:
         assert action.help and action.help.strip(), f"{action.option_strings} has no help"
     choices = {a.dest: a.choices for a in parser._actions if a.choices is not None}

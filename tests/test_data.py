@@ -13,9 +13,9 @@ import optax
 import pytest
 
 import sparsecomm_jax as sc
-from experiments.config import RunConfig
-from experiments.record import write_json
 from experiments.train import main, train_and_evaluate
+from experiments.train.config import RunConfig
+from experiments.train.record import write_json
 from models import datasets, get_workload, heldout, vision
 from models.bert import MASK_ID
 from models.data import read_words

@@ -9,24 +9,24 @@ import jax
 import pytest
 from conftest import REPO
 
-from experiments import bandwidth, convergence, density, scaling, sweep
 from experiments import train as train_cli
+from experiments.studies import bandwidth, convergence, density, harness, scaling
 
 
 def test_rates_and_arguments():
-    assert sweep.gbit("100mbit") == pytest.approx(0.1)
-    assert sweep.gbit("25gbit") == 25.0
+    assert harness.gbit("100mbit") == pytest.approx(0.1)
+    assert harness.gbit("25gbit") == 25.0
     with pytest.raises(ValueError, match="bandwidth"):
-        sweep.gbit("fast")
-    assert sweep.split_argv(["--nproc", "2", "--", "--steps", "3"]) == (
+        harness.gbit("fast")
+    assert harness.split_argv(["--nproc", "2", "--", "--steps", "3"]) == (
         ["--nproc", "2"],
         ["--steps", "3"],
     )
-    assert sweep.split_argv(["--nproc", "2"]) == (["--nproc", "2"], [])
-    cmd = sweep.command(["--steps", "3"], "r.json", 4, "1gbit")
+    assert harness.split_argv(["--nproc", "2"]) == (["--nproc", "2"], [])
+    cmd = harness.command(["--steps", "3"], "r.json", 4, "1gbit")
     assert cmd[cmd.index("--nproc") + 1] == "4" and "--per-worker" in cmd
     assert cmd[cmd.index("--devices") + 1] == "4"
-    assert "experiments.train" in sweep.command([], "r.json", 2, "")
+    assert "experiments.train" in harness.command([], "r.json", 2, "")
 
 
 def test_speedups_within_groups_and_failed_rows():
@@ -38,7 +38,7 @@ def test_speedups_within_groups_and_failed_rows():
         {"strategy": "embrace", "bandwidth": "25gbit", "step_s": 0.7},
         {"job": ["25gbit", "dense_pmap"], "error": "boom"},
     ]
-    sweep.add_speedups(rows, ("bandwidth",))
+    harness.add_speedups(rows, ("bandwidth",))
     assert [r.get("speedup") for r in rows] == [1.0, 4.0, 1.0, 1.25, None, None]
 
 
@@ -48,7 +48,7 @@ def test_grid_keeps_going_after_a_failure(capsys):
             raise RuntimeError("config 2 broke")
         return {"x": x}
 
-    rows = sweep.grid([(1,), (2,), (3,)], measure, "t")
+    rows = harness.grid([(1,), (2,), (3,)], measure, "t")
     assert rows[0] == {"x": 1} and rows[2] == {"x": 3}
     assert rows[1]["job"] == [2] and "config 2 broke" in rows[1]["error"]
     assert "config 2 broke" in capsys.readouterr().err
@@ -91,10 +91,10 @@ TINY = ["--", "--steps", "4", "--warmup", "1", "--vocab", "500", "--dim", "16", 
 
 
 def _run_config_in_process(train_args, out, nproc=1, bandwidth=""):
-    """``sweep.run_config`` without a process per run: the same command line, given to
+    """``harness.run_config`` without a process per run: the same command line, given to
     ``experiments.train.main`` here (``test_convergence_runs_and_saves`` runs processes)."""
     assert len(jax.devices()) >= nproc  # the suite's devices, started before main runs
-    cmd = sweep.command(train_args, out, nproc, bandwidth)
+    cmd = harness.command(train_args, out, nproc, bandwidth)
     assert cmd[1:3] == ["-m", "experiments.train"]
     assert train_cli.main(cmd[3:]) == 0
     return json.loads(Path(out).read_text())
@@ -102,7 +102,7 @@ def _run_config_in_process(train_args, out, nproc=1, bandwidth=""):
 
 @pytest.mark.slow
 def test_scaling_runs_and_saves(tmp_path, monkeypatch):
-    monkeypatch.setattr(sweep, "run_config", _run_config_in_process)
+    monkeypatch.setattr(harness, "run_config", _run_config_in_process)
     argv = [
         "--local",
         "--nproc",
@@ -167,7 +167,7 @@ def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
     def fake_run(train_args, out, nproc, rate):
         strategy = train_args[train_args.index("--strategy") + 1]
         nbytes = {"dense_pmap": 8e6, "embrace": 1e6}[strategy]
-        step = 0.01 + nbytes * 8 / (sweep.gbit(rate) * 1e9)
+        step = 0.01 + nbytes * 8 / (harness.gbit(rate) * 1e9)
         coll = {
             "kind": "all-gather",
             "name": "ag",
@@ -184,7 +184,7 @@ def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
             "collectives": [coll],
         }
 
-    monkeypatch.setattr(sweep, "run_config", fake_run)
+    monkeypatch.setattr(harness, "run_config", fake_run)
     argv = [
         "--nproc",
         "2",
@@ -244,7 +244,7 @@ def test_density_sweep_predictions_with_stand_in_runs(tmp_path, monkeypatch):
         }
         return {**result, "link": link} if "--calibrate" in train_args else result
 
-    monkeypatch.setattr(sweep, "run_config", fake_run)
+    monkeypatch.setattr(harness, "run_config", fake_run)
     argv = ["--nproc", "4", "--densities", "0.1,0.3", "--out-dir", str(tmp_path)]
     assert density.main(argv) == 0
     saved = json.loads((tmp_path / "density.json").read_text())
@@ -261,6 +261,6 @@ def test_density_sweep_stops_clearly_without_calibration(tmp_path, monkeypatch, 
     def failing_run(*args):
         raise RuntimeError("no root")
 
-    monkeypatch.setattr(sweep, "run_config", failing_run)
+    monkeypatch.setattr(harness, "run_config", failing_run)
     assert density.main(["--densities", "0.1", "--out-dir", str(tmp_path)]) == 2
     assert "calibration" in capsys.readouterr().err

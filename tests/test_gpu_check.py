@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from experiments import gpu_check
-from experiments.config import RunConfig
+from experiments.train.config import RunConfig
 from models import MODELS, get_workload
 
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it

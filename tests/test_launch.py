@@ -16,9 +16,9 @@ import pytest
 from conftest import NUM_DEVICES, REPO
 from jax.sharding import PartitionSpec as P
 
-from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
-from experiments.validate import flag_words
+from experiments.train.config import RunConfig
+from experiments.train.validate import flag_words
 from sparsecomm_jax import cores, launch, runtime
 
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)

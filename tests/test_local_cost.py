@@ -1,10 +1,10 @@
-"""experiments.local_cost: the timed aggregation is topk_allgather's, and the report."""
+"""experiments.studies.local_cost: the timed aggregation is topk_allgather's, and the report."""
 
 import json
 
 import numpy as np
 
-from experiments import local_cost
+from experiments.studies import local_cost
 
 
 def test_aggregation_step_is_error_feedback_topk():

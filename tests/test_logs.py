@@ -14,9 +14,8 @@ from tensorboardX.proto import event_pb2
 from test_data import write_corpus
 from tqdm import tqdm
 
-from experiments import loop, runlog
-from experiments.config import RunConfig
-from experiments.train import main, train_and_evaluate
+from experiments.train import loop, main, runlog, train_and_evaluate
+from experiments.train.config import RunConfig
 from sparsecomm_jax import checkpoint
 
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it

@@ -97,7 +97,7 @@ def test_many_overlapped_steps_on_processes(tmp_path, nproc):
         "--",
         sys.executable,
         "-m",
-        "experiments.timeline",
+        "experiments.studies.timeline",
         "--strategies",
         "embrace,overlap",
         "--vocab",

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from experiments import plan_check, startup
-from experiments.checkpoints import resumed_config
-from experiments.config import RunConfig
-from experiments.train import build, main
+from experiments.studies import plan_check
+from experiments.train import build, main, startup
+from experiments.train.checkpoints import resumed_config
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm.costmodel import Link

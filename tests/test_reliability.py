@@ -18,10 +18,9 @@ from conftest import REPO
 from helpers import place, record_loop_events
 
 import sparsecomm_jax as sc
-from experiments import loop
-from experiments import train as cli
-from experiments.config import RunConfig
-from experiments.train import main, train_and_evaluate
+from experiments.train import loop, main, train_and_evaluate
+from experiments.train import run as cli
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.cores import cpu_quota, usable_cores
@@ -751,13 +750,13 @@ def test_calls_after_a_resume_and_host_work_between_calls(monkeypatch, tmp_path)
         RunConfig(steps=18, checkpoint_every=10, resume=True, **base), progress=False
     )
     assert resumed["start_step"] == 10 and events.count("run") == 2
-    real_save = loop._save
+    real_save = loop.StepLoop._save
 
     def slow_save(*args):
         time.sleep(0.6)
         return real_save(*args)
 
-    monkeypatch.setattr(loop, "_save", slow_save)
+    monkeypatch.setattr(loop.StepLoop, "_save", slow_save)
     # calls (0, 1) (1, 1) (2, 1) (3, 1) (4, 4) (8, 4): saves after steps 0, 3, 7, 11; a
     # fixed capacity, so that no call after the first two compiles (no wall time)
     slow = dict(base, checkpoint_dir=str(tmp_path / "slow"), warmup=2, capacity=256)

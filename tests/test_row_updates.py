@@ -12,8 +12,8 @@ import pytest
 from helpers import assert_trees_close, place, reference_run, strategy_run
 
 import sparsecomm_jax as sc
-from experiments.config import RunConfig
 from experiments.train import main, train_and_evaluate, validate
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import row_optimizers, runtime
 from sparsecomm_jax.comm import hlo

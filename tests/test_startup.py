@@ -6,9 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import startup
-from experiments.config import RunConfig
-from experiments.train import build, train_and_evaluate, validate
+from experiments.train import build, startup, train_and_evaluate, validate
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax.comm import fusion
 

@@ -1,4 +1,4 @@
-"""experiments.step_profile: per-device step breakdown read from profiler traces, checked
+"""experiments.studies.step_profile: per-device step breakdown read from profiler traces, checked
 on synthetic traces whose parts are known and on a real trace of a jitted shard_map."""
 
 import gzip
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from experiments import step_profile as sp
+from experiments.studies import step_profile as sp
 from sparsecomm_jax import runtime
 
 

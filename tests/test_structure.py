@@ -140,7 +140,7 @@ NOT_NAMES = {
 
 # Dicts keyed by names that are a result's columns (data, not facts of the names).
 RESULT_ROWS = {
-    ("experiments/paper_scale.py", frozenset({"dense", "embrace"})): "modelled seconds each",
+    ("experiments/studies/paper_scale.py", frozenset({"dense", "embrace"})): "seconds each",
 }
 
 

@@ -15,8 +15,8 @@ from helpers import assert_trees_close, reference_run, strategy_run
 from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
-from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.embedding import access, tablewise

@@ -6,8 +6,8 @@ import optax
 import pytest
 from helpers import strategy_run
 
-from experiments.config import RunConfig
 from experiments.train import train_and_evaluate
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax.comm import hlo
 

@@ -1,7 +1,8 @@
 """Cost of top-k selection (every selector, and TopKA2A's per-shard selection) against a
-model step. ``experiments.local_cost`` reports selection and the whole aggregation in passes.
+model step. ``experiments.studies.local_cost`` reports selection and the whole
+aggregation in passes.
 
-    python -m experiments.selection_cost --size 25000000 --model resnet
+    python -m experiments.studies.selection_cost --size 25000000 --model resnet
 
 Times each selector, jitted, on a float32[size] vector and on a vector as long as the
 model's gradient, next to one single-device train step of the model. Writes
@@ -10,8 +11,6 @@ model's gradient, next to one single-device train step of the model. Writes
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from experiments.studies import harness
 from models import get_workload
 from sparsecomm_jax.comm.costmodel import median_seconds
 from sparsecomm_jax.topk import selectors, shards
@@ -58,9 +58,7 @@ def model_step(model: str, **overrides) -> tuple[int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.selection_cost", description=__doc__
-    )
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--size", type=int, default=25_000_000, help="vector length d")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--shards", type=int, default=8, help="P for per-shard selection")
@@ -68,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=32, help="vision models: first-stage width")
     parser.add_argument("--blocks", type=int, default=2, help="vision models: blocks per stage")
     parser.add_argument("--batch", type=int, default=32, help="examples in the timed step")
-    parser.add_argument("--out-dir", default="runs/selection_cost")
     args = parser.parse_args(argv)
     grad_size, step_s = model_step(
         args.model, width=args.width, blocks=args.blocks, batch=args.batch
@@ -86,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "at_size": {"size": args.size, **selector_times(args.size, args.density, args.shards)},
     }
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "selection_cost.json").write_text(json.dumps(result, indent=1))
+    harness.write_result(out, "selection_cost", result)
     print(f"{args.model}: {grad_size:,} parameters, single-device step {step_s * 1e3:.1f} ms")
     for name in result["at_size"]:
         if name == "size":

@@ -29,8 +29,8 @@ from typing import Any
 
 import jax
 
-from experiments.config import RunConfig
-from experiments.validate import is_primary, writable_folder
+from experiments.train.config import RunConfig
+from experiments.train.validate import is_primary, writable_folder
 from models.heldout import evaluate, heldout_splits
 from models.workload import Workload
 from sparsecomm_jax import checkpoint

@@ -5,7 +5,7 @@ worker sends (read from the compiled program), its collectives, peak memory and 
 full configuration; ``write_json`` writes it atomically.
 
 Example:
-    >>> from experiments.record import write_json
+    >>> from experiments.train.record import write_json
     >>> write_json({"losses": [1.0]}, "")  # no path: nothing written
 """
 
@@ -18,9 +18,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig
-from experiments.loop import RunLog, warm_steps
-from experiments.startup import calibrated_link
+from experiments.train.config import RunConfig
+from experiments.train.loop import RunLog, warm_steps
+from experiments.train.startup import calibrated_link
 from sparsecomm_jax.comm import hlo
 
 

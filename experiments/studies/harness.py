@@ -3,8 +3,8 @@ emulated cluster or on simulated CPU devices), a progress-reporting grid that su
 failed configuration, speed-ups against a baseline, and saving rows as JSON and CSV.
 
 Example:
-    >>> from experiments import sweep
-    >>> result = sweep.run_config(["--steps", "3", "--strategy", "dense"], "runs/x.json",
+    >>> from experiments.studies import harness
+    >>> result = harness.run_config(["--steps", "3", "--strategy", "dense"], "runs/x.json",
     ...                           nproc=2)                    # 2 simulated devices
     >>> result["step_time_s"] > 0
     True
@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import subprocess
@@ -23,6 +24,34 @@ from typing import Any
 from sparsecomm_jax.comm import costmodel, hlo
 
 BASELINE = "dense_pmap"
+
+
+def parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+    """A study's command line: ``python -m <module>`` with its docstring as help, and
+    ``--out-dir`` (default ``runs/<study>``), the folder its results go to.
+
+    Example:
+        >>> parser("experiments.studies.scaling", "Throughput.").parse_args([]).out_dir
+        'runs/scaling'
+    """
+    name = module.rsplit(".", 1)[-1]
+    p = argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out-dir", default=f"runs/{name}", help="where the results go")
+    return p
+
+
+def write_result(out_dir: str | Path, name: str, result: Any) -> Path:
+    """``result`` as ``<out_dir>/<name>.json`` (the folder made); returns the path."""
+    path = Path(out_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
 _UNITS = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}
 
 

@@ -1,7 +1,7 @@
 """Throughput against the number of workers, per strategy and model (EmbRace's main
 figure), on the emulated cluster.
 
-    python -m experiments.scaling --nproc 1,2,4 --bandwidth 1gbit \\
+    python -m experiments.studies.scaling --nproc 1,2,4 --bandwidth 1gbit \\
         --models lstm_lm,bert --strategies dense_pmap,embrace,topk_a2a -- --steps 6
 
 Weak scaling: every worker keeps ``--batch-per-worker`` examples, so the global batch is
@@ -17,27 +17,26 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.scaling", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--nproc", default="1,2,4", help="worker counts, comma-separated")
     parser.add_argument("--bandwidth", default="1gbit", help="each worker's link rate")
     parser.add_argument("--local", action="store_true", help="simulated devices, no network")
     parser.add_argument("--models", default="lstm_lm", help="models, comma-separated")
     parser.add_argument("--strategies", default="dense_pmap,embrace,topk_a2a")
     parser.add_argument("--batch-per-worker", type=int, default=16)
-    parser.add_argument("--out-dir", default="runs/scaling")
     return parser.parse_args(argv)
 
 
 def plot(rows: list[dict], models: list[str], path: Path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         ok = [r for r in rows if "error" not in r and r["model"] == model]
-        sweep.plot_by_strategy(ax, ok, "workers", "throughput")
+        harness.plot_by_strategy(ax, ok, "workers", "throughput")
         unit = ok[0]["unit"].replace("_per_s", "/s") if ok else ""
         ax.set(title=model, xlabel="workers", ylabel=unit)
         ax.set_xticks(sorted({r["workers"] for r in ok}))
@@ -47,7 +46,7 @@ def plot(rows: list[dict], models: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, train_args = sweep.split_argv(argv)
+    own, train_args = harness.split_argv(argv)
     args = parse_args(own)
     bandwidth = "" if args.local else args.bandwidth
     models, strategies = args.models.split(","), args.strategies.split(",")
@@ -64,16 +63,16 @@ def main(argv: list[str] | None = None) -> int:
             str(n * args.batch_per_worker),
             *train_args,
         ]
-        return sweep.measure(
+        return harness.measure(
             run_args, out / f"{model}_{strategy}_{n}.json", n, bandwidth, model=model, workers=n
         )
 
     jobs = [(m, n, s) for m in models for n in workers for s in strategies]
-    rows = sweep.grid(jobs, run, "scaling runs")
-    sweep.add_speedups(rows, ("model", "workers"))
-    sweep.save_rows(rows, out, "scaling", {"bandwidth": bandwidth or "local"})
+    rows = harness.grid(jobs, run, "scaling runs")
+    harness.add_speedups(rows, ("model", "workers"))
+    harness.save_rows(rows, out, "scaling", {"bandwidth": bandwidth or "local"})
     plot(rows, models, out / "scaling.png")
-    print(sweep.report(rows, ("model", "workers")))
+    print(harness.report(rows, ("model", "workers")))
     print(f"results in {out}/scaling.json, scaling.csv, scaling.png")
     return 0 if all("error" not in r for r in rows) else 1
 

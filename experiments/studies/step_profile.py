@@ -2,7 +2,7 @@
 
     python -m sparsecomm_jax.launch --nproc 4 -- python -m experiments.train \\
         --strategy embrace --devices 4 --steps 14 --profile-steps 8:13 --log-dir runs/p4
-    python -m experiments.step_profile runs/p4 --out runs/p4/profile.json
+    python -m experiments.studies.step_profile runs/p4 --out runs/p4/profile.json
 
 Reads ``<log dir>/trace/rank*/plugins/profile/*/*.trace.json.gz`` (one ``jax.profiler``
 trace per rank; XLA:CPU records every thunk it runs, tagged with its program

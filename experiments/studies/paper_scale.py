@@ -1,6 +1,6 @@
 """The cost model projected to the papers' settings, beside their headline numbers.
 
-    python -m experiments.paper_scale --out-dir runs/paper_scale
+    python -m experiments.studies.paper_scale --out-dir runs/paper_scale
 
 EmbRace (ICPP 2022): 16 GPUs, NLP models with large embedding tables; headline up to
 2.41x end-to-end over the best baseline. TopKA2A (ICPP 2024): 32 GPUs; headline up to
@@ -12,12 +12,10 @@ Writes ``paper_scale.json`` and ``paper_scale.png``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 from sparsecomm_jax.comm import costmodel
 from sparsecomm_jax.topk import exchanges
 
@@ -85,7 +83,7 @@ def project() -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for name in EMBRACE_MODELS:
         pts = [(r["gbit"], r["ratio"]) for r in result["embrace_16gpu"] if r["model"] == name]
@@ -119,13 +117,11 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.paper_scale", description=__doc__)
-    parser.add_argument("--out-dir", default="runs/paper_scale")
+    parser = harness.parser(__name__, __doc__)
     args = parser.parse_args(argv)
     result = project()
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "paper_scale.json").write_text(json.dumps(result, indent=1))
+    harness.write_result(out, "paper_scale", result)
     plot(result, out / "paper_scale.png")
     print("EmbRace setting, 16 GPUs: modelled communication seconds per step")
     for r in result["embrace_16gpu"]:

@@ -5,7 +5,7 @@ fixed choices and value check live in the field's metadata, so the parser, ``--h
 and ``check_fields`` (used by ``experiments.train.validate``) cannot disagree.
 
 Example:
-    >>> from experiments.config import RunConfig, check_fields
+    >>> from experiments.train.config import RunConfig, check_fields
     >>> check_fields(RunConfig(lr=1e-2))
     >>> RunConfig(model="gpt2").trajectory()["model"]
     'gpt2'

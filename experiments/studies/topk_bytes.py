@@ -2,7 +2,7 @@
 programs on simulated meshes, and the density where topk_a2a starts to beat
 topk_allgather against the formula 1 / (2 (P - 1)).
 
-    python -m experiments.topk_bytes --size 25000000 --workers 4,8,16,32
+    python -m experiments.studies.topk_bytes --size 25000000 --workers 4,8,16,32
 
 Nothing is allocated: the programs are lowered from shapes only. Writes
 ``topk_bytes.json`` and ``topk_bytes.png`` into ``--out-dir``.
@@ -10,12 +10,11 @@ Nothing is allocated: the programs are lowered from shapes only. Writes
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 
 DENSITIES = (0.001, 0.01, 0.05)
 KINDS = ("dense", "topk_allgather", "topk_a2a", "gtopk")
@@ -74,7 +73,7 @@ def crossover(size: int, workers: int, lo: float = 1e-4, hi: float = 0.5) -> flo
 
 
 def plot(rows, path: Path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, len(DENSITIES), figsize=(4 * len(DENSITIES), 3.5), sharey=True)
     for ax, density in zip(axes, DENSITIES, strict=True):
         for kind in KINDS:
@@ -88,7 +87,7 @@ def plot(rows, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.topk_bytes", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--size", type=int, default=25_000_000, help="gradient length d")
     parser.add_argument("--workers", default="4,8,16,32", help="comma list of P")
     parser.add_argument(
@@ -97,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         default=1_000_000,
         help="d for the crossover bisection (many compiles)",
     )
-    parser.add_argument("--out-dir", default="runs/topk_bytes")
     args = parser.parse_args(argv)
     workers = [int(p) for p in args.workers.split(",")]
     from sparsecomm_jax import runtime

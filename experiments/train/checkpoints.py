@@ -10,8 +10,8 @@ auto`` as the update it chose, ``--bucket-mb auto`` as the threshold its search 
 ``resumed_config`` gives a resumed run those choices, so the same command resumes.
 
 Example:
-    >>> from experiments.config import RunConfig
-    >>> from experiments.checkpoints import resolved_trajectory, trajectory_differences
+    >>> from experiments.train.config import RunConfig
+    >>> from experiments.train.checkpoints import resolved_trajectory, trajectory_differences
     >>> sgd = dict(strategy="embrace", optimizer="sgd")  # --table-update auto: rows
     >>> theirs = {"trajectory": resolved_trajectory(RunConfig(lr=0.2, **sgd))}
     >>> trajectory_differences(RunConfig(lr=0.1, **sgd), theirs)
@@ -30,8 +30,8 @@ from typing import Any
 
 import jax
 
-from experiments.config import RunConfig
-from experiments.validate import is_primary, table_update_of
+from experiments.train.config import RunConfig
+from experiments.train.validate import is_primary, table_update_of
 from sparsecomm_jax import checkpoint
 from sparsecomm_jax.embedding.layouts import TablePlan
 

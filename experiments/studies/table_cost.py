@@ -1,6 +1,6 @@
 """Cost of a table strategy's step against the vocabulary, row-sparse or dense update.
 
-    python -m experiments.table_cost --vocabs 1000 100000 --out-dir runs/table_cost
+    python -m experiments.studies.table_cost --vocabs 1000 100000 --out-dir runs/table_cost
 
 One device, LSTM LM D=H=128, 16 x 32 tokens, sampled softmax 1,024, SGD: the step time
 of ``--strategy`` (``embrace``; ``embrace_2d`` pipelined, each batch placed with the
@@ -14,15 +14,14 @@ each update and writes ``table_cost.json`` into ``--out-dir``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from experiments.config import RunConfig
+from experiments.studies import harness
 from experiments.train import build, start_devices, validate
+from experiments.train.config import RunConfig
 from sparsecomm_jax import place_for_step
 
 WORKLOAD = dict(
@@ -80,7 +79,7 @@ def prepared(strategy: str, vocab: int, update: str, rounds: int, overlap: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.table_cost", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--strategy", default="embrace")
     parser.add_argument(
         "--collectives-overlap",
@@ -93,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds over the configurations")
     parser.add_argument("--block", type=int, default=5, help="steps per configuration a round")
     parser.add_argument("--warmup", type=int, default=1, help="first rounds not counted")
-    parser.add_argument("--out-dir", default="runs/table_cost")
     args = parser.parse_args(argv)
     start_devices(1)
     configs = [(v, u) for u in args.updates for v in args.vocabs]
@@ -117,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for v, u in configs
     ]
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table_cost.json").write_text(json.dumps({"workload": WORKLOAD, "rows": rows}, indent=1))
+    harness.write_result(out, "table_cost", {"workload": WORKLOAD, "rows": rows})
     for u in args.updates:
         mine = [r for r in rows if r["table_update"] == u]
         for r in mine:

@@ -2,7 +2,7 @@
 cluster: measured step and communication times, the cost model's prediction, and the
 measured crossover against 1/(2(P-1)).
 
-    python -m experiments.density --nproc 4 --bandwidth 100mbit \\
+    python -m experiments.studies.density --nproc 4 --bandwidth 100mbit \\
         --densities 0.01,0.05,0.1,0.2,0.3,0.5 -- --model resnet --width 32 --blocks 2
 
 Each configuration runs twice through ``experiments.cluster``: at ``--bandwidth`` and
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 from sparsecomm_jax.comm import costmodel
 
 STRATEGIES = ("topk_allgather", "topk_a2a", "adaptive")
@@ -37,7 +37,7 @@ def measured_crossover(rows: list[dict], key: str = "step_s") -> float | None:
 
 
 def plot(rows, dense, formula: float, path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in STRATEGIES:
         pts = sorted(
@@ -62,27 +62,26 @@ def plot(rows, dense, formula: float, path) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.density", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--nproc", type=int, default=4, help="processes (workers)")
     parser.add_argument("--bandwidth", default="100mbit", help="link rate, e.g. 1gbit")
     parser.add_argument("--free-bandwidth", default="100gbit", help="the 'unthrottled' rate")
     parser.add_argument("--alpha-us", type=float, default=50.0, help="nominal alpha")
     parser.add_argument("--densities", default="0.01,0.05,0.1,0.2,0.3,0.5")
-    parser.add_argument("--out-dir", default="runs/density")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, train_args = sweep.split_argv(argv)
+    own, train_args = harness.split_argv(argv)
     args = parse_args(own)
-    nominal = costmodel.Link.from_bandwidth(sweep.gbit(args.bandwidth), args.alpha_us * 1e-6)
+    nominal = costmodel.Link.from_bandwidth(harness.gbit(args.bandwidth), args.alpha_us * 1e-6)
     out = Path(args.out_dir)
 
     def measure(strategy, density, extra=()):
         name = f"{strategy}_{density}"
         run_args = ["--strategy", strategy, "--density", str(density), *train_args, *extra]
-        slow = sweep.run_config(run_args, out / f"{name}.json", args.nproc, args.bandwidth)
-        free = sweep.run_config(
+        slow = harness.run_config(run_args, out / f"{name}.json", args.nproc, args.bandwidth)
+        free = harness.run_config(
             run_args, out / f"{name}_free.json", args.nproc, args.free_bandwidth
         )
         return {
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_s": slow["step_time_s"],
             "free_step_s": free["step_time_s"],
             "comm_s": slow["step_time_s"] - free["step_time_s"],
-            "predicted_comm_s": sweep.predicted_comm_s(slow, nominal),
+            "predicted_comm_s": harness.predicted_comm_s(slow, nominal),
             "bytes": slow["comm_bytes_per_step"],
             "final_loss": slow["losses"][-1],
             "result": slow,
@@ -105,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     link = costmodel.Link(dense["result"]["link"]["alpha"], dense["result"]["link"]["beta"])
     densities = [float(d) for d in args.densities.split(",")]
     jobs = [(s, d) for d in densities for s in STRATEGIES]
-    rows = sweep.grid(jobs, measure, "density runs")
+    rows = harness.grid(jobs, measure, "density runs")
     for r in [dense, *rows]:
         if "error" not in r:
-            r["calibrated_comm_s"] = sweep.predicted_comm_s(r.pop("result"), link)
+            r["calibrated_comm_s"] = harness.predicted_comm_s(r.pop("result"), link)
     cross = {
         "measured_step": measured_crossover(rows, "step_s"),
         "measured_comm": measured_crossover(rows, "comm_s"),
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "link": {"alpha": link.alpha, "beta": link.beta},
         "nominal_link": {"alpha": nominal.alpha, "beta": nominal.beta},
     }
-    sweep.save_rows(rows, out, "density", extra)
+    harness.save_rows(rows, out, "density", extra)
     plot(rows, dense, cross["formula"], out / "density.png")
     print(report(dense, rows, link, cross))
     return 0

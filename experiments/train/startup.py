@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from experiments.config import RunConfig
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import optimizers, place_for_step, planner, runtime
 from sparsecomm_jax.comm import costmodel, fusion

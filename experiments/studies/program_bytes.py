@@ -4,7 +4,7 @@ compute, the only part the overlap can hide), and how many positions the neighbo
 batch reads (what must go first). Read from the compiled programs of a
 middle step on simulated CPU devices (``hlo.parse_collectives``); nothing is timed.
 
-    python -m experiments.program_bytes --vocab 100000 --dim 256 --hidden 64 \\
+    python -m experiments.studies.program_bytes --vocab 100000 --dim 256 --hidden 64 \\
         --seq-len 16 --batch 64 --sampled-softmax 1024
 """
 
@@ -41,7 +41,7 @@ def measure(args) -> dict:
     import optax
 
     import sparsecomm_jax as sc
-    from experiments.timeline import _workload
+    from experiments.studies.timeline import _workload
     from sparsecomm_jax.comm.hlo import compiled_text as hlo_text
 
     w, mesh = _workload(args), runtime.data_mesh(args.devices)
@@ -71,7 +71,7 @@ def reuse(args, steps=range(2, 8)) -> dict:
     ``neg``: the shared negatives (output table)."""
     import numpy as np
 
-    from experiments.timeline import _workload
+    from experiments.studies.timeline import _workload
 
     w, out = _workload(args), collections.defaultdict(list)
 
@@ -97,7 +97,7 @@ def reuse(args, steps=range(2, 8)) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.timeline import parse
+    from experiments.studies.timeline import parse
 
     args = parse([*(argv if argv is not None else sys.argv[1:]), "--out", "-"])
     for name, value in measure(args).items():

@@ -1,6 +1,6 @@
 """Loss against step and against wall-clock time, dense vs sparse strategies.
 
-    python -m experiments.convergence --nproc 4 --bandwidth 1gbit \\
+    python -m experiments.studies.convergence --nproc 4 --bandwidth 1gbit \\
         --strategies dense_pmap,embrace,topk_allgather,topk_a2a -- --steps 100
 
 Lossless strategies (embrace, sparse_allgather, ...) must trace the dense curve step for
@@ -21,11 +21,11 @@ import itertools
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.convergence", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--nproc", type=int, default=4, help="workers")
     parser.add_argument("--bandwidth", default="1gbit", help="each worker's link rate")
     parser.add_argument("--local", action="store_true", help="simulated devices, no network")
@@ -34,7 +34,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--target-loss", type=float, default=None, help="default: dense_pmap's final loss"
     )
-    parser.add_argument("--out-dir", default="runs/convergence")
     return parser.parse_args(argv)
 
 
@@ -81,7 +80,7 @@ def summarize(
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for strategy, rows in curves.items():
         by_step.plot([r["step"] for r in rows], [r["smooth_loss"] for r in rows], label=strategy)
@@ -94,23 +93,23 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, train_args = sweep.split_argv(argv)
+    own, train_args = harness.split_argv(argv)
     args = parse_args(own)
     bandwidth = "" if args.local else args.bandwidth
     out = Path(args.out_dir)
 
     def run(strategy):
-        result = sweep.run_config(
+        result = harness.run_config(
             ["--strategy", strategy, *train_args], out / f"{strategy}.json", args.nproc, bandwidth
         )
         return {"strategy": strategy, "curve": curve(result, args.window)}
 
-    runs = sweep.grid([(s,) for s in args.strategies.split(",")], run, "convergence runs")
+    runs = harness.grid([(s,) for s in args.strategies.split(",")], run, "convergence runs")
     curves = {r["strategy"]: r["curve"] for r in runs if "error" not in r}
-    summary = summarize(curves, sweep.BASELINE, args.target_loss)
-    target = args.target_loss or f"{sweep.BASELINE}'s final loss"
+    summary = summarize(curves, harness.BASELINE, args.target_loss)
+    target = args.target_loss or f"{harness.BASELINE}'s final loss"
     rows = [row for c in curves.values() for row in c]
-    sweep.save_rows(rows, out, "convergence", {"summary": summary, "bandwidth": bandwidth})
+    harness.save_rows(rows, out, "convergence", {"summary": summary, "bandwidth": bandwidth})
     plot(curves, out / "convergence.png")
     for s in summary:
         reach = s["time_to_target_s"]

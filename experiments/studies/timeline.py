@@ -2,9 +2,9 @@
 program per step), ``embrace_2d`` (one pipelined program per step) and ``overlap``
 (``embrace_2d`` with step t's late exchange beside step t+1's compute), as a Gantt PNG.
 
-    python -m experiments.timeline --cluster --nproc 4 --per-worker --bandwidth 200mbit \\
+    python -m experiments.studies.timeline --cluster --nproc 4 --per-worker --bandwidth 200mbit \\
         --vocab 100000 --steps 12 --out runs/timeline.json      # root + tc
-    python -m experiments.timeline --steps 8 --out runs/timeline.json   # simulated devices
+    python -m experiments.studies.timeline --steps 8 --out runs/timeline.json   # simulated devices
 
 Host timestamps around every dispatched program (``block_until_ready``); each rank
 writes ``OUT`` with ``.rankN`` before the suffix, rank 0 also the merged JSON and the PNG
@@ -201,7 +201,7 @@ def run_cluster(args, worker_argv: list[str]) -> int:
         "--",
         sys.executable,
         "-m",
-        "experiments.timeline",
+        "experiments.studies.timeline",
         *worker_argv,
     ]
     with cluster.Namespace(rate, "") as ns:
@@ -212,7 +212,7 @@ def run_cluster(args, worker_argv: list[str]) -> int:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.timeline", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m experiments.studies.timeline", description=__doc__)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--model", default="lstm_lm")
     for flag, default in (

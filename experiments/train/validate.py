@@ -7,8 +7,8 @@ this machine and every location the run writes. A failure is a ``ValueError`` wh
 message names the flag: ``experiments.train`` prints it as one line (exit status 2).
 
 Example:
-    >>> from experiments.config import RunConfig
-    >>> from experiments.validate import validate
+    >>> from experiments.train.config import RunConfig
+    >>> from experiments.train.validate import validate
     >>> validate(RunConfig(strategy="embrace", optimizer="sgd"))
 """
 
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.config import RunConfig, check_fields
+from experiments.train.config import RunConfig, check_fields
 from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
 from sparsecomm_jax.embedding import update

@@ -1,7 +1,7 @@
 """Speed-up over ``dense_pmap`` against link bandwidth, per strategy, on the emulated
 cluster.
 
-    python -m experiments.bandwidth --nproc 4 --bandwidths 1gbit,10gbit,25gbit \\
+    python -m experiments.studies.bandwidth --nproc 4 --bandwidths 1gbit,10gbit,25gbit \\
         --strategies dense_pmap,embrace,topk_a2a -- --model lstm_lm --steps 6
 
 Each worker has a link of its own of each bandwidth (``cluster --per-worker``). On a
@@ -19,30 +19,29 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments import sweep
+from experiments.studies import harness
 from sparsecomm_jax.comm import costmodel
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bandwidth", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--nproc", type=int, default=4, help="processes (workers)")
     parser.add_argument("--bandwidths", default="1gbit,10gbit,25gbit", help="per worker")
     parser.add_argument("--free-bandwidth", default="100gbit", help="'' to leave out")
     parser.add_argument("--strategies", default="dense_pmap,embrace,topk_a2a")
     parser.add_argument("--alpha-us", type=float, default=50.0, help="model's alpha")
-    parser.add_argument("--out-dir", default="runs/bandwidth")
     return parser.parse_args(argv)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    sweep.plot_by_strategy(ax, rows, "gbit", "speedup")
+    harness.plot_by_strategy(ax, rows, "gbit", "speedup")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set(
         xscale="log",
         xlabel="link bandwidth per worker (Gbit/s)",
-        ylabel=f"speed-up over {sweep.BASELINE}",
+        ylabel=f"speed-up over {harness.BASELINE}",
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -50,7 +49,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    own, train_args = sweep.split_argv(argv)
+    own, train_args = harness.split_argv(argv)
     args = parse_args(own)
     bandwidths = args.bandwidths.split(",") + ([args.free_bandwidth] if args.free_bandwidth else [])
     strategies = args.strategies.split(",")
@@ -58,24 +57,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(bandwidth, strategy):
         run_args = ["--strategy", strategy, *train_args]
-        return sweep.measure(
+        return harness.measure(
             run_args,
             out / f"{strategy}_{bandwidth}.json",
             args.nproc,
             bandwidth,
-            link=costmodel.Link.from_bandwidth(sweep.gbit(bandwidth), args.alpha_us * 1e-6),
+            link=costmodel.Link.from_bandwidth(harness.gbit(bandwidth), args.alpha_us * 1e-6),
             bandwidth=bandwidth,
-            gbit=sweep.gbit(bandwidth),
+            gbit=harness.gbit(bandwidth),
         )
 
     jobs = [(b, s) for b in bandwidths for s in strategies]
-    rows = sweep.grid(jobs, run, "bandwidth runs")
-    sweep.add_speedups(rows, ("bandwidth",))
+    rows = harness.grid(jobs, run, "bandwidth runs")
+    harness.add_speedups(rows, ("bandwidth",))
     if args.free_bandwidth:
-        sweep.add_measured_comm(rows, {"bandwidth": args.free_bandwidth})
-    sweep.save_rows(rows, out, "bandwidth", {"nproc": args.nproc})
+        harness.add_measured_comm(rows, {"bandwidth": args.free_bandwidth})
+    harness.save_rows(rows, out, "bandwidth", {"nproc": args.nproc})
     plot(rows, out / "bandwidth.png")
-    print(sweep.report(rows, ("bandwidth",)))
+    print(harness.report(rows, ("bandwidth",)))
     for r in (r for r in rows if "comm_s" in r and r["bandwidth"] != args.free_bandwidth):
         print(
             f"{r['bandwidth']:>8} {r['strategy']:>15}  comm {r['comm_s'] * 1e3:9.1f} ms, "

@@ -2,7 +2,7 @@
 ``topk_allgather`` aggregation (error-feedback add, selection, residual, packing,
 scatter-add), one process, one device.
 
-    python -m experiments.local_cost --size 8388608 --densities 0.01,0.2
+    python -m experiments.studies.local_cost --size 8388608 --densities 0.01,0.2
 
 A pass is one jitted ``jnp.sum(jnp.abs(x))`` over the same float32[size] vector; every
 figure is a median wall time divided by it. Writes ``local_cost.json`` into ``--out-dir``.
@@ -10,8 +10,6 @@ figure is a median wall time divided by it. Writes ``local_cost.json`` into ``--
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -21,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from experiments.studies import harness
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm.costmodel import median_seconds
 from sparsecomm_jax.topk import selectors
@@ -70,14 +69,13 @@ def measure(size: int, densities, chosen, repeats: int = 5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.local_cost", description=__doc__)
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--size", type=int, default=8 * 2**20, help="vector length d")
     parser.add_argument("--densities", default="0.01,0.2", help="comma-separated")
     parser.add_argument(
         "--selectors", default="auto", help=f"comma-separated, of {','.join(selectors.SELECTORS)}"
     )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out-dir", default="runs/local_cost")
     args = parser.parse_args(argv)
     chosen = args.selectors.split(",")
     for s in chosen:
@@ -85,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     densities = [float(v) for v in args.densities.split(",")]
     result = measure(args.size, densities, chosen, args.repeats)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "local_cost.json").write_text(json.dumps(result, indent=1))
+    harness.write_result(out, "local_cost", result)
     print(f"d={args.size:,}: one pass {result['pass_s'] * 1e3:.2f} ms (median)")
     for row in result["rows"]:
         print(

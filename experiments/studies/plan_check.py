@@ -1,6 +1,6 @@
 """The planner judged on measured time: its plan against hand-picked plans, per table mix.
 
-    python -m experiments.plan_check --mix dlrm --nproc 4 --bandwidth 1gbit \\
+    python -m experiments.studies.plan_check --mix dlrm --nproc 4 --bandwidth 1gbit \\
         --out-dir runs/plan_check
 
 For each mix of DLRM tables (``MIXES``: a few large tables, many small ones, the DLRM
@@ -21,7 +21,6 @@ best hand plan; writes ``plan_check_<mix>.json``, ``.csv`` and ``.png`` into
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 from pathlib import Path
@@ -29,8 +28,8 @@ from typing import Any
 
 import jax
 
-from experiments import sweep
-from experiments.config import RunConfig
+from experiments.studies import harness
+from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import planner
 from sparsecomm_jax.embedding.dense import DENSE
@@ -84,7 +83,7 @@ def median_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def plot(rows: list[dict[str, Any]], mix: str, path: Path) -> None:
     """A bar per plan (median throughput, each round a dot); the planner's bar dark."""
-    plt = sweep.pyplot()
+    plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
     names = [r["plan"] for r in rows]
     colors = [{"planner": "tab:blue", "model": "lightsteelblue"}.get(n, "lightgray") for n in names]
@@ -100,13 +99,12 @@ def plot(rows: list[dict[str, Any]], mix: str, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--mix", choices=sorted(MIXES), required=True)
     parser.add_argument("--nproc", type=int, default=4, help="processes (one worker each)")
     parser.add_argument("--bandwidth", default="1gbit", help="each worker's link (tc rate)")
     parser.add_argument("--steps", type=int, default=12, help="steps per run (2 warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds over the plans (median)")
-    parser.add_argument("--out-dir", default="runs/plan_check")
     parser.add_argument(
         "--plans", default="", help="comma-separated plan names to run (default: every plan)"
     )
@@ -130,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         value = plan if planned else json.dumps(plan)
         extra = ["--plan", value] + (["--link-gbit", "0"] if planned else [])
         path = out / f"{args.mix}_{name}_{round_}.json"
-        row = sweep.measure(
+        row = harness.measure(
             [*flags, *extra], path, args.nproc, args.bandwidth, plan=name, round=round_
         )
         if planned and "error" not in row:
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     jobs = [(name, plan, r) for r in range(args.repeats) for name, plan in plans.items()]
-    rows = sweep.grid(jobs, one, f"plans of {args.mix}")
+    rows = harness.grid(jobs, one, f"plans of {args.mix}")
     ok = median_rows([r for r in rows if "error" not in r])
     hand = [r for r in ok if r["plan"] not in ("planner", "model")]
     best = max(hand, key=lambda r: r["throughput"], default=None)
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     ratio = ratios.get("planner")
     extra = {"mix": mix, "args": vars(args), "ratio": ratio, "ratios": ratios, "runs": rows}
-    sweep.save_rows(ok, out, f"plan_check_{args.mix}", extra)
+    harness.save_rows(ok, out, f"plan_check_{args.mix}", extra)
     if ok:
         plot(ok, args.mix, out / f"plan_check_{args.mix}.png")
     return 0

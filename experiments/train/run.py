@@ -1,47 +1,45 @@
-"""Trains one model with one strategy and writes a JSON result.
+"""One run: ``train_and_evaluate(config)`` builds the model and the step, runs the
+loop and returns the result record.
 
-    python -m experiments.train --model lstm_lm --strategy dense --devices 8 \\
-        --steps 20 --seed 0 --out run.json
+In order: the config and every location it writes are checked before JAX starts
+(``validate``, ``runlog.check_run_io``); the checkpoint folder is claimed
+(``checkpoints``); the devices start (``start_devices``); start-up measurements decide
+what the flags leave open (``startup``: ``--plan auto``, ``--bucket-mb auto``); the step
+is built (``build``); the loop runs it (``loop``) with its logs (``runlog``); the result
+is recorded (``record``).
 
-On a CPU-only host ``--devices N`` simulates N devices; on GPU hosts it takes the first N
-GPUs. Under ``python -m sparsecomm_jax.launch`` every process joins one job and rank 0
-writes the result.
-
-Every flag, output location and checkpoint folder is checked before JAX starts; a bad
-one is a one-line error (exit status 2). A checkpoint folder holds one run: a fresh run
-refuses another run's checkpoints (unless --overwrite), --resume refuses a configuration
-that changes the trajectory, and a lock keeps two processes out of one folder.
-
-The pieces: ``config`` (the flags), ``validate`` (their checks), ``checkpoints`` (the
-folder), ``loop`` (the steps), ``record`` (the result), ``runlog`` (logs and traces).
+Example:
+    >>> from experiments.train.config import RunConfig
+    >>> from experiments.train.run import train_and_evaluate
+    >>> record = train_and_evaluate(RunConfig(vocab=50, dim=8, hidden=8, seq_len=4,
+    ...                                       batch=8, steps=2, devices=2), progress=False)
+    >>> len(record["losses"])
+    2
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import sys
-import traceback
 from typing import Any
 
 import jax
 import optax
 
 import sparsecomm_jax as sc
-from experiments import runlog
-from experiments.checkpoints import claim_checkpoint_dir, resumed_config, start_state
-from experiments.config import OneLineErrors, RunConfig, add_arguments, from_namespace
-from experiments.loop import decide_in_flight, run_overlapped, run_steps
-from experiments.record import result, write_json
-from experiments.startup import adaptive_link, choose_bucket, choose_plan
-from experiments.validate import check_outputs, in_flags, table_update_of, validate
+from experiments.train import runlog
+from experiments.train.checkpoints import claim_checkpoint_dir, resumed_config, start_state
+from experiments.train.config import RunConfig
+from experiments.train.loop import decide_in_flight, run_overlapped, run_steps
+from experiments.train.record import result
+from experiments.train.startup import adaptive_link, choose_bucket, choose_plan
+from experiments.train.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
 from sparsecomm_jax import launch, optimizers, parse_strategy, runtime
 from sparsecomm_jax.embedding.layouts import TablePlan
 from sparsecomm_jax.errors import ArgumentError
 
-__all__ = ["build", "main", "start_devices", "train_and_evaluate", "validate", "write_json"]
+__all__ = ["build", "make_optimizer", "start_devices", "train_and_evaluate"]
 
 
 def start_devices(devices: int) -> int:
@@ -151,7 +149,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     Returns:
       A JSON-ready dict: model, strategy, devices, steps, losses, step_times_s,
       step_time_s (the median time after warm-up from when the devices could start a step
-      to its loss; ``experiments.loop`` keeps one step in flight unless ``--in-flight``
+      to its loss; ``experiments.train.loop`` keeps one step in flight unless ``--in-flight``
       decides no), wall_time_s (the median time from one step's loss to the next one's:
       logging, waiting for the batch, the program), tokens_per_s or samples_per_s (per
       wall_time_s), place_time_s, comm_bytes_per_step, collectives, peak_memory_bytes,
@@ -205,66 +203,3 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         for held in (lock, log_lock):
             if held:
                 held.release()
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """The command line: one flag per ``RunConfig`` field, one-line errors."""
-    parser = OneLineErrors(
-        prog="python -m experiments.train",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(devices=0)  # every device of the job
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line: trains, writes ``--out`` and prints one line; returns the exit
-    status (2 for a bad flag, said in one line on stderr, as for any error a user can
-    act on)."""
-    try:
-        config = from_namespace(make_parser().parse_args(argv))
-    except SystemExit as e:  # --help (0), or a flag argparse refused (2, said already)
-        return e.code if isinstance(e.code, int) else 2
-    try:
-        record = train_and_evaluate(config)
-        if record["rank"] == 0:
-            write_json(record, config.out)
-    except (ValueError, FloatingPointError, OSError, runtime.JobError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if record["rank"] == 0:
-        items = next(k for k in record if k.endswith("_per_s"))
-        print(
-            f"{config.strategy}: final loss {record['losses'][-1]:.4f}, "
-            f"step {record['step_time_s'] * 1e3:.1f} ms "
-            f"({(record['wall_time_s'] or record['step_time_s']) * 1e3:.1f} ms wall), "
-            f"{items} {record[items]:.0f}, "
-            f"comm {record['comm_bytes_per_step'] / 1e6:.3f} MB/step/worker"
-        )
-    return 0
-
-
-def cli() -> None:
-    """``main`` as a process: a failed run ends at once with a non-zero status instead
-    of waiting at shutdown for threads a failure left behind (orbax, coordination)."""
-    try:
-        code = main()
-    except SystemExit as e:  # argparse: --help (0) or a bad flag (2)
-        code = e.code if isinstance(e.code, int) else 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        code = 130
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        os._exit(code)
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    cli()

@@ -1,0 +1,5 @@
+"""``python -m experiments.train``: the training command line (``command.cli``)."""
+
+from experiments.train.command import cli
+
+cli()
