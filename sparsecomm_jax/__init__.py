@@ -4,9 +4,10 @@ The front door: ``make_train_step`` builds any strategy's step (``strategy_names
 lists them; ``"embrace"``, ``"topk_a2a"``, ``"embrace+topk_a2a"``, ...), and the pieces a
 hand-written ``shard_map`` step uses: the aggregators (``topk_a2a(0.01)``,
 ``per_worker``, ``vary``), the row-sparse table update (``ROWS``, ``lazy_adam``), flax
-layers whose tables a strategy can shard (``nn.Embed``) and the devices (``runtime``).
-The concepts live in subpackages: ``comm``, ``topk``, ``embedding``, ``step``,
-``schedule``, ``strategies``; the tools beside them: ``runtime``, ``launch``,
+layers whose tables a strategy can shard (``nn.Embed``), a plan of table layouts
+(``TablePlan``, ``planner``), checkpoints (``checkpoint``) and the devices
+(``runtime``). The concepts live in subpackages: ``comm``, ``topk``, ``embedding``,
+``step``, ``schedule``, ``strategies``; the tools beside them: ``runtime``, ``launch``,
 ``checkpoint``.
 
 Example:
@@ -19,21 +20,28 @@ Example:
 
 import importlib
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # The public API, name -> the module that defines it. Loaded on first use (PEP 562), so
 # that ``python -m sparsecomm_jax.launch`` starts without importing JAX.
 _EXPORTS = {
     "aggregators": "sparsecomm_jax.aggregators",
+    "checkpoint": "sparsecomm_jax.checkpoint",
+    "layouts": "sparsecomm_jax.embedding.layouts",
     "nn": "sparsecomm_jax.nn",
+    "optimizers": "sparsecomm_jax.optimizers",
+    "planner": "sparsecomm_jax.planner",
     "runtime": "sparsecomm_jax.runtime",
     "row_optimizers": "sparsecomm_jax.embedding.row_optimizers",
+    "ArgumentError": "sparsecomm_jax.errors",
+    "TablePlan": "sparsecomm_jax.embedding.layouts",
     **dict.fromkeys(
         (
             "AGGREGATORS",
             "Aggregator",
             "adaptive",
             "dense_allreduce",
+            "error_feedback",
             "flat_allreduce",
             "gtopk",
             "per_worker",

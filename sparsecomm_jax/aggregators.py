@@ -51,6 +51,7 @@ __all__ = [
     "ErrorFeedbackState",
     "adaptive",
     "dense_allreduce",
+    "error_feedback",
     "flat_allreduce",
     "gtopk",
     "per_worker",
@@ -219,8 +220,21 @@ def _checked(density: float, selector: str | Selector) -> Selector:
     return selectors.get(selector)
 
 
-def _error_feedback(exchange: Callable, axis_name: str, bucket_bytes, carries: bool = False):
-    """The shared skeleton: residual add, fusion, one ``exchange`` per bucket.
+def error_feedback(
+    exchange: Callable, axis_name: str = "data", bucket_bytes=DEFAULT_BUCKET_BYTES, carries=False
+) -> Aggregator:
+    """An aggregator with error feedback around ``exchange`` (an ``Exchange``'s
+    ``make(density, axis_name, selector)``): residual add, fusion, one ``exchange`` per
+    bucket. Every top-k aggregator is one; a new exchange becomes an aggregator so.
+
+    Args:
+      exchange: see below.
+      axis_name: the data-parallel mesh axis.
+      bucket_bytes: fusion threshold (``None``: one bucket).
+      carries: ``exchange`` takes an ``extra`` (see below).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
 
     ``exchange(parts) -> (total, kept)``: ``parts`` are the bucket's flattened leaves,
     read as one vector of d entries; ``total`` is the sum over workers of what is sent
@@ -294,7 +308,7 @@ def topk_allgather(
     """
     selector = _checked(density, selector)
     exchange = exchanges.ALLGATHER.make(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes, carries=True)
+    return error_feedback(exchange, axis_name, bucket_bytes, carries=True)
 
 
 def topk_a2a(
@@ -317,7 +331,7 @@ def topk_a2a(
     # No update_carrying: its dense result is one tiled all-gather; scalars appended to
     # each share would make it strided, a copy of the whole gradient per step (measured
     # 1.2-1.3x the step on one process) to save one small all-reduce.
-    return _error_feedback(exchange, axis_name, bucket_bytes)
+    return error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def gtopk(
@@ -340,7 +354,7 @@ def gtopk(
     """
     selector = _checked(density, selector)
     exchange = exchanges.GTOPK.make(density, axis_name, selector)
-    return _error_feedback(exchange, axis_name, bucket_bytes)
+    return error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def adaptive(
@@ -350,7 +364,7 @@ def adaptive(
     selector: str | Selector = "auto",
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> Aggregator:
-    """Per fused bucket, the cheapest exchange of ``topk.exchanges.MENU`` (dense,
+    """Per fused bucket, the cheapest exchange of ``topk.exchanges.menu()`` (dense,
     topk_allgather, topk_a2a, ...) under the alpha-beta model of ``link`` (chosen when
     the step is traced: bucket size, density and P are static). Beyond both papers:
     small or dense-ish buckets go dense, large sparse ones by whichever sparse exchange
@@ -372,11 +386,11 @@ def adaptive(
     def exchange(parts):
         num, d = jax.lax.axis_size(axis_name), sum(p.shape[0] for p in parts)
         # a sparse exchange carries k = round(density d) >= 1 entries: smaller buckets go dense
-        choices = exchanges.MENU if round(density * d) >= 1 else (exchanges.DENSE.name,)
+        choices = exchanges.menu() if round(density * d) >= 1 else (exchanges.DENSE.name,)
         chosen = exchanges.get(exchanges.choose(d, density, num, link, choices))
         return chosen.make(density, axis_name, selector)(parts)
 
-    return _error_feedback(exchange, axis_name, bucket_bytes)
+    return error_feedback(exchange, axis_name, bucket_bytes)
 
 
 def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:
@@ -398,20 +412,23 @@ class AggregatorKind(NamedTuple):
       link: it prices its choices on a cost-model ``link`` (``adaptive``).
       workers: ``workers(P) -> problem or None``: what it needs of the device count
         (gTop-k's pairwise rounds: a power of two).
+      flat: the plain mean: beside a table strategy the dense layers' mean travels as
+        one flat buffer in the wire's dtype (``flat_allreduce``) instead.
     """
 
     build: Callable[..., Aggregator]
     sparse: bool = True
     link: bool = False
     workers: Callable[[int], str | None] = lambda workers: None
+    flat: bool = False
 
     def __call__(self, density: float, axis_name: str = "data", **options: Any) -> Aggregator:
         return self.build(density, axis_name, **options)
 
 
-# name -> how to build it: the second half of a strategy name (``embrace+topk_a2a``)
+#: The aggregators by name: the second half of a strategy name (``embrace+topk_a2a``).
 AGGREGATORS: dict[str, AggregatorKind] = {
-    "dense": AggregatorKind(_dense, sparse=False),
+    "dense": AggregatorKind(_dense, sparse=False, flat=True),
     "topk_allgather": AggregatorKind(topk_allgather),
     "topk_a2a": AggregatorKind(topk_a2a),
     "gtopk": AggregatorKind(gtopk, workers=_power_of_two),

@@ -47,6 +47,7 @@ class Optimizer(NamedTuple):
     rows: str | None = None
 
 
+#: The optimizers by name (``--optimizer``).
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
     for o in (

@@ -280,12 +280,17 @@ def candidate_plans(
     table is a candidate of its own because the model's mixes pay every such cost.
 
     Args:
-      stats, workers, link, memory_bytes, optimizer_slots, layouts: as ``plan_tables``.
+      stats: ``table_stats(...)``.
+      workers: P.
+      link: the alpha-beta model.
+      memory_bytes: the tables' memory per worker (``None``: no limit).
+      optimizer_slots: optimizer state per parameter entry.
+      layouts: the layouts to choose from (``None``: ``priced()``).
       within: candidates modelled slower than this many times the best are left out
         (a 1M-row table data parallel is not worth a compile).
 
     Returns:
-      One or more ``Plan``s.
+      One ``Plan`` or more.
 
     Raises:
       ValueError: no assignment fits ``memory_bytes``.
@@ -336,7 +341,7 @@ def choose_measured(
     Args:
       candidates: ``candidate_plans(...)``.
       time_plans: ``plans -> seconds of a step under each`` (timed on the cluster that
-        will train; ``experiments.startup.choose_plan`` runs real steps of every plan in
+        will train; ``experiments.train.startup.choose_plan`` runs real steps of every plan in
         turns, so that a change of load on the host falls on all of them). Not called
         when there is one candidate.
 

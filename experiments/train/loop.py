@@ -408,8 +408,8 @@ def in_flight_choice(choice: str, platform: str, processes: int, cores: int) -> 
     (``platform``) and a host runs more of the job's ``processes`` than it has
     ``cores``, else ``yes``; ``yes`` and ``no`` stay. Where processes outnumber cores, a
     host thread working while its program runs takes a core from another process's
-    program instead of filling idle time (4 processes on 2 cores: 0.89x the steps of
-    waiting for each; 2 on 2: 1.10x; ``BENCHMARKS.md``).
+    program instead of filling idle time (measured in the lab notebook of 2026-12-02,
+    "The step's fixed costs").
 
     Args:
       choice: ``auto``, ``yes`` or ``no``.

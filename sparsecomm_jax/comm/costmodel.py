@@ -217,7 +217,7 @@ _MOVED = {
     "messages_and_bytes": "messages_and_bytes",
     "strategy_time": "exchange_time",
     "choose": "choose",
-    "CHOICES": "MENU",
+    "CHOICES": "menu",
 }
 
 
@@ -231,4 +231,5 @@ def __getattr__(name: str):
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(importlib.import_module("sparsecomm_jax.topk.exchanges"), _MOVED[name])
+    moved = getattr(importlib.import_module("sparsecomm_jax.topk.exchanges"), _MOVED[name])
+    return moved() if name == "CHOICES" else moved  # the menu is a function now

@@ -219,7 +219,7 @@ def fetch_rows(shard, ids, axis: str, take=None):
         through a patch of early updates).
 
     Returns:
-      float[*ids.shape, D].
+      ``float[*ids.shape, D]``.
     """
     take = take or (lambda t, i: jnp.take(t, i, axis=0))
     flat = ids.reshape(-1)  # ids: int[n]

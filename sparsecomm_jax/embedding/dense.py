@@ -1,7 +1,7 @@
 """Dense tables: a table that is no table to the step (data parallel).
 
 Every worker holds the whole table as an ordinary parameter: its reads are plain
-``take``s, its gradient a dense V x D array in the dense layers' all-reduce, its update
+``take`` calls, its gradient a dense V x D array in the dense layers' all-reduce, its update
 the optimizer's on the whole table. The layout has no trio of its own: a step that gives
 a table this layout (``table_layouts={table: "dense"}``, or a data-parallel strategy for
 every table) never calls one. It pays per step the all-reduce of the whole table and a

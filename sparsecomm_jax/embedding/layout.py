@@ -118,7 +118,7 @@ class Fetched(NamedTuple):
     """The rows of a step's reads and the way back for their gradients.
 
     Attributes:
-      rows: per read, float[*ids.shape, D] (full rows, in the order of the reads).
+      rows: per read, ``float[*ids.shape, D]`` (full rows, in the order of the reads).
       back: ``back(grads) -> [(table index, (ids, rows)), ...]``: ``grads`` the gradient
         of each read's rows; the result this worker's share as the rows' owner.
       missed: table index -> bool[]: some id this worker reads of the table found no

@@ -31,6 +31,7 @@ from sparsecomm_jax.embedding.row import ROW
 from sparsecomm_jax.embedding.tablewise import TABLE
 from sparsecomm_jax.errors import few
 
+#: The table layouts by name: the library's, and any registered (``register``).
 LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, TABLE, REPLICATED, DENSE)}
 
 

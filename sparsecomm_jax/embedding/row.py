@@ -163,7 +163,7 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
       wire: the dtype rows travel in.
 
     Returns:
-      ``(rows, back, missed)``: per read float[*ids.shape, D]; ``back(grads)`` -> per
+      ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(grads)`` -> per
       read ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``; per read
       bool[]: some id found no slot (C too small; its rows are NaN).
     """

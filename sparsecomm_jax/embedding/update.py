@@ -124,7 +124,9 @@ def rows_apply(optimizer, params, opt_state, grads, ok=True, view=None):
     return rows_step(optimizer, params, opt_state, grads, view.roles, ok, view.take, view.put)
 
 
+#: A dense gradient of each table shard; every row updated (exact for any optimizer).
 DENSE = TableUpdate("dense", dense_gradient, dense_apply, every_next_row)
+#: The optimizer on the rows a step reads only (the row view).
 ROWS = TableUpdate("rows", row_gradient, rows_apply, rows_with_gradient)
 TABLE_UPDATES = {u.name: u for u in (DENSE, ROWS)}
 

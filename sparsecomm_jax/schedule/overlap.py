@@ -5,14 +5,14 @@ XLA:CPU runs the collectives and the independent compute of one program one afte
 other, and two programs that both communicate at once break the collective library's
 message order. So each step is four programs, one of them collective-free:
 
-==========  ============================================================  ===========
-program     what                                                          collectives
-==========  ============================================================  ===========
-``fetch``   rows of batch 0 (and again after a spill of the guard)        yes
-``compute`` forward + backward of batch t+1 on rows fetched early         none
-``high``    dense mean and update, first chunks, early update, next rows  yes
-``low``     late chunks of step t and the update of the tables            yes
-==========  ============================================================  ===========
+===========  ============================================================  ===========
+program      what                                                          collectives
+===========  ============================================================  ===========
+``fetch``    rows of batch 0 (and again after a spill of the guard)        yes
+``compute``  forward + backward of batch t+1 on rows fetched early         none
+``high``     dense mean and update, first chunks, early update, next rows  yes
+``low``      late chunks of step t and the update of the tables            yes
+===========  ============================================================  ===========
 
 ``low`` of step t runs on a host thread beside ``compute`` of step t+1; ``high`` of
 t+1 waits for both. ``run(..., fused=True)`` instead dispatches one program per step

@@ -287,7 +287,7 @@ def patched_take(shard: jax.Array, patch: RowGrad, ids: jax.Array) -> jax.Array:
       ids: int[...] rows to read, in [0, V).
 
     Returns:
-      float[*ids.shape, D/P].
+      ``float[*ids.shape, D/P]``.
     """
     rows = jnp.take(shard, ids, axis=0)
     pos = jnp.clip(jnp.searchsorted(patch.ids, ids), 0, patch.ids.shape[0] - 1)

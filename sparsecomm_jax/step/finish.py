@@ -62,10 +62,10 @@ def finite(tree: PyTree) -> jax.Array:
 
     The leaves' flags are combined by one minimum over an int32 vector. An ``and``
     reduction of the stacked flags would be rewritten by XLA into a chain of scalar
-    ``and``s, which its fusion then copies into every consumer of the result: the skipped
-    step's ``where`` on each leaf of the state, so leaves x state leaves operations (a
-    transformer with Adam, 48 leaves: 6,967 ``and``s in 26,831 lines of compiled HLO,
-    13,871 lines combined once).
+    ``and`` operations, which its fusion then copies into every consumer of the result:
+    the skipped step's ``where`` on each leaf of the state, so leaves x state leaves
+    operations (a transformer with Adam, 48 leaves: 6,967 of them in 26,831 lines of
+    compiled HLO, 13,871 lines combined once).
     """
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     if not leaves:

@@ -426,7 +426,7 @@ def opt_specs(optimizer: optax.GradientTransformation, opt_state, specs: PyTree)
 
 
 def initial_agg_state(ctx: StepContext, host_params):
-    """Zeros of the aggregator's state, one slice per worker: global [P, *shape] (the
+    """Zeros of the aggregator's state, one slice per worker: global ``[P, *shape]`` (the
     aggregator reduces the dense layers only when there are tables)."""
     if ctx.tables:
         host_params = jax.tree.map(lambda x, m: None if m else x, host_params, ctx.table_mask)

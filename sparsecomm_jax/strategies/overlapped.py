@@ -6,8 +6,10 @@ one program per step (``run(..., fused=True)``). It takes ``make_train_step``'s
 arguments and returns an ``Overlapped`` whose ``run(state, batch_at, steps)`` trains;
 ``python -m experiments.train --strategy embrace_2d --overlap`` runs it.
 
-Example (a bag of words regressed to one number; its table exchanged as ``embrace_2d``
-exchanges it, the next step's rows first):
+Example:
+    A bag of words regressed to one number; its table exchanged as ``embrace_2d``
+    exchanges it, the next step's rows first:
+
     >>> import jax, jax.numpy as jnp, numpy as np, optax
     >>> from sparsecomm_jax import make_overlapped, nn, runtime
     >>> V, D, B, T = 64, 8, 16, 4

@@ -102,6 +102,7 @@ SERIAL_2D = Strategy(
     row_updates=True,
 )
 
+#: The table strategies by name: the first half of a strategy name.
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (

@@ -237,6 +237,6 @@ def make_aggregator(name: StrategyName, axis_name: str, density: float, comm_dty
     """The aggregator of the dense layers: the named one; a table strategy's ``dense``
     mean travels as one flat buffer in ``comm_dtype`` (``aggregators.flat_allreduce``)."""
     kind = aggregators.AGGREGATORS[name.aggregator]
-    if not kind.sparse and not name.strategy.layout.data_parallel:
+    if kind.flat and not name.strategy.layout.data_parallel:
         return aggregators.flat_allreduce(axis_name, comm_dtype)
-    return aggregators.AGGREGATORS[name.aggregator](density, axis_name, **options)
+    return kind(density, axis_name, **options)

@@ -14,7 +14,7 @@ Example:
     >>> from sparsecomm_jax.topk import exchanges
     >>> exchanges.messages_and_bytes("topk_allgather", 1000, 0.01, 4)
     (6, 240)
-    >>> exchanges.MENU
+    >>> exchanges.menu()
     ('dense', 'topk_allgather', 'topk_a2a')
 
 References:
@@ -168,8 +168,27 @@ ALLGATHER = Exchange(
 A2A = Exchange("topk_a2a", a2a_exchange, costmodel.a2a_cost, a2a_local, menu=True)
 GTOPK = Exchange("gtopk", gtopk_exchange, costmodel.gtopk_cost)
 
+#: The exchanges by name: the library's, and any registered (``register``).
 EXCHANGES: dict[str, Exchange] = {x.name: x for x in (DENSE, ALLGATHER, A2A, GTOPK)}
-MENU = tuple(name for name, x in EXCHANGES.items() if x.menu)  # adaptive's choices
+
+
+def register(exchange: Exchange) -> Exchange:
+    """Adds ``exchange`` to ``EXCHANGES`` under its name (one of that name is
+    replaced); returns it. ``adaptive`` built afterwards chooses among it too where it
+    is marked ``menu`` (``menu()`` is read when an ``adaptive`` step is traced).
+
+    Raises:
+      ValueError: not an ``Exchange``, or an empty name.
+    """
+    if not isinstance(exchange, Exchange) or not exchange.name:
+        raise ValueError(f"register takes an Exchange with a name, got {exchange!r}")
+    EXCHANGES[exchange.name] = exchange
+    return exchange
+
+
+def menu() -> tuple[str, ...]:
+    """The names ``adaptive`` chooses among: the exchanges marked ``menu``."""
+    return tuple(name for name, x in EXCHANGES.items() if x.menu)
 
 
 def get(name: str | Exchange) -> Exchange:
@@ -199,13 +218,15 @@ def exchange_time(name: str, size: int, density: float, workers: int, link: Link
 
 
 def choose(
-    size: int, density: float, workers: int, link: Link, choices: Sequence[str] = MENU
+    size: int, density: float, workers: int, link: Link, choices: Sequence[str] | None = None
 ) -> str:
-    """The cheapest exchange for one bucket (ties go to the earlier choice).
+    """The cheapest exchange for one bucket among ``choices`` (default ``menu()``; ties
+    go to the earlier choice).
 
     Example:
         >>> link = Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
         >>> choose(25_000_000, 0.01, 32, link)
         'topk_allgather'
     """
-    return min(choices, key=lambda s: exchange_time(s, size, density, workers, link))
+    names = menu() if choices is None else choices
+    return min(names, key=lambda s: exchange_time(s, size, density, workers, link))

@@ -33,7 +33,7 @@ def local_work_fn(exchange: str, size: int, density: float, workers: int):
 
 
 def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer=None):
-    """``LocalWork`` of adaptive's exchanges (``exchanges.MENU``), timed at each bucket
+    """``LocalWork`` of adaptive's exchanges (``exchanges.menu()``), timed at each bucket
     size on this device and fitted as a line in the size; each time the mean over the
     processes
     (``runtime.agreed_mean``: every process must choose the same strategies), so call
@@ -50,7 +50,7 @@ def measure_local_work(sizes: Sequence[int], density: float, workers: int, timer
     """
     timer = timer or median_seconds
     rng, lines = np.random.default_rng(0), {}
-    for name in exchanges.MENU:
+    for name in exchanges.menu():
         points = []
         for size in sorted(set(sizes)):
             fn = local_work_fn(name, size, density, workers)
