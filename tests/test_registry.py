@@ -1,5 +1,6 @@
-"""The strategy registry: names derive from it, and the README's worked example of a new
-strategy (run from the README's own text) trains like the strategy it builds on."""
+"""The strategy registry: names derive from it, and the worked examples of a new
+strategy and a new layout (run from the guide's own text, docs/guides/extending.md)
+train like the strategy they build on."""
 
 import re
 from pathlib import Path
@@ -12,13 +13,15 @@ from helpers import assert_trees_close, strategy_run
 import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.strategies import bodies
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "extending.md"
 
 
-def readme_block(heading: str) -> str:
-    """The first ```python block after ``heading`` in the README."""
-    text = README.read_text()
+def guide_block(heading: str) -> str:
+    """The first ```python block after ``heading`` in the extending guide."""
+    text = GUIDE.read_text()
     start = text.index(heading)
     return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
 
@@ -37,9 +40,12 @@ def test_names_derive_from_the_registry():
         sc.parse_strategy("embrace+nope")
 
 
-def test_readme_example_strategy_trains_like_embrace(monkeypatch):
+def test_guide_example_strategy_trains_like_embrace(monkeypatch):
     monkeypatch.setitem(sc.STRATEGIES, "clipped_embrace", None)  # removed after the test
-    exec(readme_block("## Adding a strategy"), {})
+    scope = {}
+    exec(guide_block("## A table layout"), scope)  # the imports
+    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)
+    exec(guide_block("## A strategy"), scope)
     assert "clipped_embrace+topk_a2a" in sc.strategy_names()
     w = get_workload("lstm_lm", seed=2, vocab=64, dim=16, hidden=16, seq_len=4, batch=8)
     params = w.init(jax.random.key(2))
@@ -50,11 +56,20 @@ def test_readme_example_strategy_trains_like_embrace(monkeypatch):
     assert_trees_close(got_params, ref_params, rtol=1e-6, atol=1e-7)
 
 
-def test_readme_example_layout_trains_like_embrace_and_sends_more(monkeypatch):
-    """The README's layout (one exchange per read, no de-duplication), from its text:
+def test_guide_example_layout_trains_like_embrace_and_sends_more(monkeypatch):
+    """The guide's layout (one exchange per read, no de-duplication), from its text:
     the same losses and parameters as embrace with both table updates, more bytes."""
     monkeypatch.setitem(sc.STRATEGIES, "embrace_each_read", None)  # removed after the test
-    exec(readme_block("## Adding a table layout"), {})
+    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)
+    scope = {}
+    exec(guide_block("## A table layout"), scope)
+    sc.STRATEGIES["embrace_each_read"] = sc.Strategy(
+        "embrace_each_read",
+        bodies.shard_map_step(bodies.table_body),
+        layout=scope["EACH_READ"],
+        needs_tables=True,
+        row_updates=True,
+    )
     w = get_workload(
         "lstm_lm", seed=3, vocab=64, dim=16, hidden=16, seq_len=8, batch=64, sampled_softmax=8
     )

@@ -213,3 +213,16 @@ def test_no_layout_strategy_or_optimizer_name_is_compared_outside_its_registry()
         for path in sorted((REPO / folder).rglob("*.py")):
             found += named_outside_registries(path, path.read_text())
     assert not found, "\n".join(found)
+
+
+def test_one_version_from_one_place():
+    """The version is written once, ``sparsecomm_jax.__version__``; the package's
+    metadata reads it from there."""
+    import tomllib
+
+    import sparsecomm_jax
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    attr = project["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    assert attr == "sparsecomm_jax.__version__" and sparsecomm_jax.__version__
