@@ -10,7 +10,8 @@ over the ``axis_name`` workers, identical on every worker and typed replicated (
 per worker: ``per_worker(agg, P)`` holds it with a leading worker axis, passed with
 ``state_spec()``, so every worker's residual is visible.
 
-Error-feedback aggregators (``topk_allgather``, ``topk_a2a``, ``gtopk``) keep a
+Error-feedback aggregators (``topk_allgather``, ``topk_a2a``, ``gtopk``,
+``topk_balanced``, ``oktopk``, ``adaptive``) keep a
 ``residual`` per worker shaped like the gradients: ``acc = grad + residual``; what is not
 sent stays in ``residual``. Leaves are fused into flat buckets, one
 collective per bucket (``comm.fusion``). Conservation holds by construction, for any input:
@@ -25,11 +26,13 @@ Example:
     >>> #   mean, state = agg.update(grads, state)
 
 References:
-    Peng et al., "TopKA2A", ICPP 2024; Lin et al., "Deep Gradient Compression", 2018.
+    Peng et al., "TopKA2A", ICPP 2024; Lin et al., "Deep Gradient Compression", 2018;
+    Wang et al., "Zen", OSDI 2025; Li and Hoefler, "Ok-Topk", PPoPP 2022.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import costmodel, fusion, wire
 from sparsecomm_jax.comm.vma import check_per_worker, vary
+from sparsecomm_jax.errors import ArgumentError
 from sparsecomm_jax.topk import exchanges, selectors
 from sparsecomm_jax.topk.selectors import Selector
 
@@ -54,10 +58,12 @@ __all__ = [
     "error_feedback",
     "flat_allreduce",
     "gtopk",
+    "oktopk",
     "per_worker",
     "state_spec",
     "topk_a2a",
     "topk_allgather",
+    "topk_balanced",
     "vary",  # from comm.vma: each worker's own gradient inside a check_vma shard_map
 ]
 
@@ -153,9 +159,14 @@ class ErrorFeedbackState(NamedTuple):
 
     Attributes:
       residual: what this worker has not sent yet, shaped like the gradients.
+      deferred: int32[], for the exchanges with static slots (``topk_balanced``,
+        ``oktopk``, ``adaptive``): how many selected entries this worker has had to
+        keep for want of a slot since ``init``, counted up (each stayed in a residual
+        and was sent later, never dropped); ``()`` for the others.
     """
 
     residual: PyTree
+    deferred: Any = ()
 
 
 def check_float_grads(grads: PyTree) -> None:
@@ -221,7 +232,11 @@ def _checked(density: float, selector: str | Selector) -> Selector:
 
 
 def error_feedback(
-    exchange: Callable, axis_name: str = "data", bucket_bytes=DEFAULT_BUCKET_BYTES, carries=False
+    exchange: Callable,
+    axis_name: str = "data",
+    bucket_bytes=DEFAULT_BUCKET_BYTES,
+    carries: bool = False,
+    defers: bool = False,
 ) -> Aggregator:
     """An aggregator with error feedback around ``exchange`` (an ``Exchange``'s
     ``make(density, axis_name, selector)``): residual add, fusion, one ``exchange`` per
@@ -232,6 +247,8 @@ def error_feedback(
       axis_name: the data-parallel mesh axis.
       bucket_bytes: fusion threshold (``None``: one bucket).
       carries: ``exchange`` takes an ``extra`` (see below).
+      defers: ``exchange`` returns ``(total, kept, deferred)``, int32[] ``deferred`` the
+        entries it kept for want of a slot; the state counts them up (``deferred``).
 
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
@@ -248,7 +265,8 @@ def error_feedback(
     """
 
     def init(params):
-        return ErrorFeedbackState(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+        residual = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return ErrorFeedbackState(residual, jnp.zeros((), jnp.int32) if defers else ())
 
     def run(grads, state, extra=None):
         check_float_grads(grads)
@@ -261,11 +279,14 @@ def error_feedback(
             extra = jnp.concatenate([extra.astype(jnp.float32), bad.astype(jnp.float32)[None]])
         num = jax.lax.axis_size(axis_name)
         buckets = fusion.plan_buckets([a.size for a in acc], bucket_bytes)
-        mean, residual, every = {}, {}, None
+        mean, residual, every, deferred = {}, {}, None, jnp.zeros((), jnp.int32)
         for b, bucket in enumerate(buckets):
             parts = fusion.parts(acc, bucket)  # d entries in all
             if extra is not None and b == len(buckets) - 1:
                 total, kept, every = exchange(parts, extra)
+            elif defers:
+                total, kept, late = exchange(parts)
+                deferred = deferred + late
             else:
                 total, kept = exchange(parts)
             mean.update(fusion.unpack(total / num, leaves, bucket))
@@ -274,7 +295,10 @@ def error_feedback(
             every = jax.lax.all_gather(extra, axis_name, to="invarying")
         order = range(len(leaves))
         mean = treedef.unflatten([mean[i] for i in order])
-        return mean, ErrorFeedbackState(treedef.unflatten([residual[i] for i in order])), every
+        residual = treedef.unflatten([residual[i] for i in order])
+        counts = defers and bool(jax.tree.leaves(state.deferred))  # a state built by hand: not
+        counted = state.deferred + deferred if counts else state.deferred
+        return mean, ErrorFeedbackState(residual, counted), every
 
     def update(grads, state):
         mean, state, _ = run(grads, state)
@@ -357,6 +381,103 @@ def gtopk(
     return error_feedback(exchange, axis_name, bucket_bytes)
 
 
+def topk_balanced(
+    density: float,
+    axis_name: str = "data",
+    selector: str | Selector = "auto",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    capacity_factor: float | None = None,
+) -> Aggregator:
+    """Zen's sparse all-reduce: each worker's k = round(density * d) entries of a
+    bucket go to P owners chosen by a hash of the index (one all-to-all); each owner
+    sums its shard; the shards' nonzeros come back to every worker (one all-gather, as
+    (index, value) pairs, a bitmap and values, or dense: whichever is smallest for the
+    bucket, chosen when the step is built). The mean is the sum of what every worker
+    selected over P, exactly up to the order of float additions, unless an owner gets
+    more pairs than its static slots (``state.deferred`` counts them; they stay in a
+    residual and are sent later, never dropped). See ``topk.balanced``.
+
+    Args:
+      density: fraction of each bucket a worker selects, in (0, 1].
+      axis_name: the data-parallel mesh axis.
+      selector: how each worker selects its k (as ``topk_allgather``).
+      bucket_bytes: fusion threshold (``None``: one bucket).
+      capacity_factor: an owner's slots as a multiple of its mean share k/P, >= 1
+        (``None``: the mean plus six standard deviations plus 8,
+        ``costmodel.owner_slots``).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState`` with ``deferred``.
+
+    Example:
+        >>> agg = topk_balanced(0.01)
+        >>> agg.init({"w": jnp.zeros(3)}).deferred.tolist()
+        0
+
+    References:
+        Wang et al., "Zen: Near-Optimal Sparse Tensor Synchronization for Distributed
+        DNN Training", OSDI 2025.
+    """
+    selector = _checked(density, selector)
+    check_capacity_factor(capacity_factor)
+    exchange = exchanges.BALANCED.make(density, axis_name, selector, capacity_factor)
+    return error_feedback(exchange, axis_name, bucket_bytes, defers=True)
+
+
+def oktopk(
+    density: float,
+    axis_name: str = "data",
+    selector: str | Selector = "auto",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    capacity_factor: float | None = None,
+) -> Aggregator:
+    """Ok-Topk's sparse all-reduce: ``topk_balanced``'s split and reduce at hashed
+    owners, then the global top-k of the owners' sums, exact (a radix search for the
+    k-th largest magnitude, one small all-reduce of a histogram a digit), and an
+    all-gather of only those k entries. The mean is the k entries of largest magnitude
+    of the sum of the workers' selections, over P; each worker keeps in its residual
+    what it selected of the rest (as in Ok-Topk: every residual stays its own worker's).
+
+    How it differs: ``gtopk`` also sends a global k, but re-selects k at each of log2 P
+    pairwise merges (an entry can be dropped by a merge that a full sum would keep),
+    and puts what a merge drops back into one worker's residual; ``topk_a2a`` and
+    ``topk_balanced`` send the whole sum of the selections (up to P k entries).
+
+    Args: as ``topk_balanced`` (``capacity_factor`` also sizes the k/P global entries an
+      owner returns).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState`` with ``deferred``.
+
+    Example:
+        >>> agg = oktopk(0.01)
+        >>> sorted(agg.init({"w": jnp.zeros(3)})._asdict())
+        ['deferred', 'residual']
+
+    References:
+        Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning",
+        PPoPP 2022.
+    """
+    selector = _checked(density, selector)
+    check_capacity_factor(capacity_factor)
+    exchange = exchanges.OKTOPK.make(density, axis_name, selector, capacity_factor)
+    return error_feedback(exchange, axis_name, bucket_bytes, defers=True)
+
+
+def check_capacity_factor(factor: float | None) -> None:
+    """``ArgumentError`` unless ``factor`` is ``None`` or a finite number >= 1."""
+    if factor is None:
+        return
+    ok = isinstance(factor, int | float) and not isinstance(factor, bool)
+    if not (ok and math.isfinite(factor) and factor >= 1):
+        raise ArgumentError(
+            "capacity_factor",
+            factor,
+            "must be a number >= 1 (an owner's slots over its "
+            "mean share), or None (the mean plus six standard deviations)",
+        )
+
+
 def adaptive(
     density: float,
     axis_name: str = "data",
@@ -388,9 +509,10 @@ def adaptive(
         # a sparse exchange carries k = round(density d) >= 1 entries: smaller buckets go dense
         choices = exchanges.menu() if round(density * d) >= 1 else (exchanges.DENSE.name,)
         chosen = exchanges.get(exchanges.choose(d, density, num, link, choices))
-        return chosen.make(density, axis_name, selector)(parts)
+        out = chosen.make(density, axis_name, selector)(parts)
+        return out if chosen.defers else (*out, jnp.zeros((), jnp.int32))
 
-    return error_feedback(exchange, axis_name, bucket_bytes)
+    return error_feedback(exchange, axis_name, bucket_bytes, defers=True)
 
 
 def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:
@@ -414,6 +536,7 @@ class AggregatorKind(NamedTuple):
         (gTop-k's pairwise rounds: a power of two).
       flat: the plain mean: beside a table strategy the dense layers' mean travels as
         one flat buffer in the wire's dtype (``flat_allreduce``) instead.
+      options: the keyword options of its own it takes (``capacity_factor``).
     """
 
     build: Callable[..., Aggregator]
@@ -421,6 +544,7 @@ class AggregatorKind(NamedTuple):
     link: bool = False
     workers: Callable[[int], str | None] = lambda workers: None
     flat: bool = False
+    options: tuple[str, ...] = ()
 
     def __call__(self, density: float, axis_name: str = "data", **options: Any) -> Aggregator:
         return self.build(density, axis_name, **options)
@@ -432,5 +556,7 @@ AGGREGATORS: dict[str, AggregatorKind] = {
     "topk_allgather": AggregatorKind(topk_allgather),
     "topk_a2a": AggregatorKind(topk_a2a),
     "gtopk": AggregatorKind(gtopk, workers=_power_of_two),
+    "topk_balanced": AggregatorKind(topk_balanced, options=("capacity_factor",)),
+    "oktopk": AggregatorKind(oktopk, options=("capacity_factor",)),
     "adaptive": AggregatorKind(adaptive, link=True),
 }

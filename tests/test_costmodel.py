@@ -18,11 +18,9 @@ def _compiled(name, density, size, workers=N):
     agg = aggregators.AGGREGATORS[name](density, "data", bucket_bytes=None)
 
     def body(g, r):
-        state = (
-            agg.init({"g": g[0]})
-            if name == "dense"
-            else aggregators.ErrorFeedbackState({"g": r[0]})
-        )
+        state = agg.init({"g": g[0]})
+        if name != "dense":
+            state = state._replace(residual={"g": r[0]})
         return agg.update({"g": g[0]}, state)[0]["g"][None]
 
     fn = jax.jit(
@@ -34,7 +32,9 @@ def _compiled(name, density, size, workers=N):
     return hlo.collectives(fn, x, x)
 
 
-@pytest.mark.parametrize("name", ["dense", "topk_allgather", "topk_a2a", "gtopk"])
+@pytest.mark.parametrize(
+    "name", ["dense", "topk_allgather", "topk_a2a", "gtopk", "topk_balanced", "oktopk"]
+)
 @pytest.mark.parametrize("density", [0.01, 0.1])
 def test_formulas_match_compiled_bytes_and_messages(name, density):
     size = 64_000
@@ -57,8 +57,35 @@ def test_choose_at_the_crossover(workers):
     pair = ("topk_allgather", "topk_a2a")
     assert exchanges.choose(size, cross * 0.9, workers, link, pair) == "topk_allgather"
     assert exchanges.choose(size, cross * 1.1, workers, link, pair) == "topk_a2a"
-    assert exchanges.choose(size, 0.6, workers, link) == "dense"  # a2a loses above ~0.5
-    assert exchanges.choose(size, 0.001, workers, link) == "topk_allgather"
+    classic = ("dense", "topk_allgather", "topk_a2a")
+    assert exchanges.choose(size, 0.6, workers, link, classic) == "dense"  # a2a loses above ~0.5
+    assert exchanges.choose(size, 0.001, workers, link, classic) == "topk_allgather"
+
+
+@pytest.mark.parametrize("workers", [4, 8, 16, 32])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05, 0.1])
+def test_oktopk_sends_the_fewest_bytes_of_the_menu_on_large_buckets(workers, density):
+    """Within 1.5x of the 2k(P-1)/P pairs every sparse all-reduce must send, so on a
+    bytes-only link it is adaptive's choice; topk_balanced sends the whole sum of the
+    selections and is never below it."""
+    size, k = 25_000_000, round(density * 25_000_000)  # the histograms' bytes are fixed
+    link = costmodel.Link(alpha=0.0, beta=1e-9)
+    assert exchanges.choose(size, density, workers, link) == "oktopk"
+    nbytes = exchanges.messages_and_bytes("oktopk", size, density, workers)[1]
+    assert nbytes <= 1.5 * 2 * k * (workers - 1) / workers * 8
+    assert exchanges.messages_and_bytes("topk_balanced", size, density, workers)[1] >= nbytes
+
+
+@pytest.mark.parametrize("workers, size", [(8, 64_000), (8, 1001), (4, 10), (32, 250_000)])
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.5])
+def test_the_result_form_is_the_smallest(workers, size, density):
+    """Each form's words by hand: pairs 2 a slot, a bitmap a bit an entry and a value a
+    slot, the whole shard a word an entry; the chosen one is the fewest."""
+    width = -(-size // workers)
+    for slots in (1, max(1, round(density * width)), width):
+        words = {"pairs": 2 * slots, "bitmap": -(-width // 32) + slots, "shard": width}
+        form = costmodel.result_form(width, slots)
+        assert words[form] == min(words.values())
 
 
 def test_latency_bound_buckets_go_dense():
@@ -85,10 +112,8 @@ def test_calibrate_runs_on_simulated_devices():
     assert len(points) == 2 and link.alpha >= 0 and link.beta >= 0
 
 
-@pytest.mark.parametrize(
-    "density, expected", [(0.001, "all-gather"), (0.3, "all-to-all"), (0.9, "all-reduce")]
-)
-def test_adaptive_picks_per_bucket_and_conserves(density, expected):
+@pytest.mark.parametrize("density", [0.001, 0.3, 0.9])
+def test_adaptive_runs_the_chosen_exchange_and_conserves(density):
     link = costmodel.Link(alpha=0.0, beta=1e-9)
     mesh = runtime.data_mesh(N)
     agg = aggregators.adaptive(density, "data", link=link, bucket_bytes=None)
@@ -97,7 +122,8 @@ def test_adaptive_picks_per_bucket_and_conserves(density, expected):
     r = (0.1 * rng.normal(size=(N, 4000))).astype(np.float32)
 
     def body(gp, rp):
-        mean, st = agg.update({"w": gp[0]}, aggregators.ErrorFeedbackState({"w": rp[0]}))
+        state = agg.init({"w": gp[0]})._replace(residual={"w": rp[0]})
+        mean, st = agg.update({"w": gp[0]}, state)
         return mean["w"][None], st.residual["w"][None]
 
     fn = jax.jit(
@@ -112,8 +138,25 @@ def test_adaptive_picks_per_bucket_and_conserves(density, expected):
     args = [runtime.put_global(x, mesh, P("data")) for x in (g, r)]
     mean, new_r = (np.asarray(x) for x in fn(*args))
     np.testing.assert_allclose(N * mean[0] + new_r.sum(0), (g + r).sum(0), atol=1e-4)
-    kinds = {c.kind for c in hlo.collectives(fn, *args)}
-    assert expected in kinds
+    chosen = exchanges.choose(4000, density, N, link)
+    got = [(c.kind, c.bytes_sent) for c in hlo.collectives(fn, *args)]
+    assert got == [(c.kind, c.bytes_sent) for c in _compiled(chosen, density, 4000)]
+
+
+def test_adaptive_accepts_a_state_without_a_count():
+    """An ``ErrorFeedbackState`` built by hand (no ``deferred``, as before 0.3) still
+    works: nothing is counted."""
+    agg = aggregators.adaptive(0.1, "data", bucket_bytes=None)
+    mesh = runtime.data_mesh(N)
+
+    def body(g):
+        mean, st = agg.update({"w": g[0]}, aggregators.ErrorFeedbackState({"w": g[0] * 0}))
+        assert st.deferred == ()
+        return mean["w"][None]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    x = np.random.default_rng(2).normal(size=(N, 800)).astype(np.float32)
+    assert np.isfinite(np.asarray(jax.jit(fn)(runtime.put_global(x, mesh, P("data"))))).all()
 
 
 def test_fit_line_against_numpy():
@@ -129,17 +172,19 @@ def test_local_work_turns_the_choice_to_the_shorter_step():
     # P=4, density 0.2: topk_a2a sends fewer bytes than topk_allgather (crossover 1/6),
     # but here its local work is 50 ms a bucket against 5 ms.
     size, density, workers = 1 << 20, 0.2, 4
-    stand_in = {"topk_allgather": 0.005, "topk_a2a": 0.05}
+    stand_in = {"topk_allgather": 0.005, "topk_a2a": 0.05, "topk_balanced": 1, "oktopk": 1}
     timer = lambda fn, x: stand_in[calls.pop(0)]  # noqa: E731
-    calls = [s for s in ("topk_allgather", "topk_a2a") for _ in range(2)]
+    calls = [s for s in exchanges.menu() if s in stand_in for _ in range(2)]
     local = local_cost.measure_local_work([size, size // 2], density, workers, timer)
+    assert not calls  # every timed exchange of the menu, at both sizes
     assert local.seconds("topk_a2a", size) == pytest.approx(0.05)
     assert local.seconds("dense", size) == 0.0
     link = costmodel.Link(alpha=50e-6, beta=8 / 1e9)  # 1 Gbit/s
-    assert exchanges.choose(size, density, workers, link) == "topk_a2a"  # fewer bytes
+    pair = ("topk_allgather", "topk_a2a")
+    assert exchanges.choose(size, density, workers, link, pair) == "topk_a2a"  # fewer bytes
     with_local = costmodel.Link(link.alpha, link.beta, local)
     assert exchanges.choose(size, density, workers, with_local) == "topk_allgather"
-    ag, a2a = (exchanges.exchange_time(s, size, density, workers, with_local) for s in stand_in)
+    ag, a2a = (exchanges.exchange_time(s, size, density, workers, with_local) for s in pair)
     assert ag < a2a
 
 
@@ -167,8 +212,10 @@ def test_local_work_fn_is_the_exchange_without_collectives(strategy):
 
 
 def test_adaptive_prices_local_work():
-    # density 0.3 goes by all-to-all on bytes alone (above); a slow local a2a turns it.
-    local = costmodel.LocalWork({"topk_a2a": (1.0, 0.0)})
+    # density 0.3 goes by all-to-all on bytes alone (above); slow local work of every
+    # exchange by all-to-all turns it.
+    slow = (1.0, 0.0)
+    local = costmodel.LocalWork(dict.fromkeys(("topk_a2a", "topk_balanced", "oktopk"), slow))
     agg = aggregators.adaptive(
         0.3, "data", link=costmodel.Link(0.0, 1e-9, local), bucket_bytes=None
     )
@@ -209,3 +256,34 @@ def test_topk_a2a_formula_matches_compiled_bytes_for_any_size(size, workers, den
     slots = -(-round(density * size) // workers)
     a2a_shapes = {shape for c in colls if c.kind == "all-to-all" for _, shape in c.shapes}
     assert a2a_shapes == {(1, slots)}  # one [1, ceil(k/P)] chunk per destination
+
+
+BALANCED_CASES = [  # (size, workers, density): every result form, odd sizes, d < P
+    (100_000, 4, 0.001),  # pairs
+    (64_000, 8, 0.05),  # bitmap
+    (999, 4, 0.6),  # the whole shard
+    (5, 8, 0.4),
+    (37, 3, 0.1),
+]
+
+
+@pytest.mark.parametrize("name", ["topk_balanced", "oktopk"])
+@pytest.mark.parametrize("size, workers, density", BALANCED_CASES)
+def test_balanced_formulas_match_compiled_bytes_for_any_size(name, size, workers, density):
+    colls = _compiled(name, density, size, workers)
+    messages, nbytes = exchanges.messages_and_bytes(name, size, density, workers)
+    assert hlo.total_bytes(colls) == nbytes
+    link = costmodel.Link(alpha=1e-5, beta=1e-9)
+    assert costmodel.program_time(colls, link) == pytest.approx(
+        messages * link.alpha + nbytes * link.beta, rel=1e-9
+    )
+
+
+def test_the_balanced_cases_cover_every_result_form():
+    forms = set()
+    for size, workers, density in BALANCED_CASES:
+        k = max(1, round(density * size))
+        width = -(-size // workers)
+        forms.add(costmodel.result_form(width, costmodel.union_slots(k, size, workers)))
+        forms.add(costmodel.result_form(width, min(width, costmodel.owner_slots(k, workers))))
+    assert forms == set(costmodel.RESULT_FORMS)

@@ -35,7 +35,7 @@ def _launch(nproc, per_proc, cmd, timeout=240, extra=()):
     )
 
 
-def _train_cmd(out, devices=None):
+def _train_cmd(out, devices=None, strategy="dense"):
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
     devices = ["--devices", str(devices)] if devices else []
     return [
@@ -43,7 +43,7 @@ def _train_cmd(out, devices=None):
         "-m",
         "experiments.train",
         "--strategy",
-        "dense",
+        strategy,
         *devices,
         *flags,
         "--out",
@@ -51,9 +51,10 @@ def _train_cmd(out, devices=None):
     ]
 
 
-def _single(devices):
+def _single(devices, strategy="dense"):
     assert jax.device_count() == NUM_DEVICES  # JAX starts with conftest's devices, not ours
-    return train_and_evaluate(RunConfig(strategy="dense", devices=devices, **ARGS), progress=False)
+    config = RunConfig(strategy=strategy, devices=devices, **ARGS)
+    return train_and_evaluate(config, progress=False)
 
 
 def _free_port():
@@ -302,15 +303,19 @@ def test_repeated_signals_cannot_interrupt_the_clean_up(tmp_path):
 @pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
     """2 processes x 2 devices equal one process with 4; ``--devices`` left out means
-    every device of the job."""
+    every device of the job. The strategy crosses the processes every way a step can:
+    the tables' all-to-alls, oktopk's all-to-all to hashed owners, its histogram
+    all-reduces and all-gathers, and the run's count of deferred entries (the dense
+    mean across processes: tests/test_cluster.py)."""
     out = tmp_path / "mp.json"
-    proc = _launch(2, 2, _train_cmd(out))
+    proc = _launch(2, 2, _train_cmd(out, strategy="embrace+oktopk"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[rank 0]" in proc.stdout and "[rank 1]" in proc.stdout
-    multi, single = json.loads(out.read_text()), _single(4)
+    multi, single = json.loads(out.read_text()), _single(4, "embrace+oktopk")
     assert multi["devices"] == 4
     np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-6)
     assert multi["comm_bytes_per_step"] == pytest.approx(single["comm_bytes_per_step"])
+    assert multi["deferred_entries"] == single["deferred_entries"] == 0
 
 
 AGREE = """

@@ -30,9 +30,10 @@ SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
 
 # one strategy per kind of state: per-device replicas, sharded columns, sharded rows,
-# the pipelined carry, per-worker residuals
+# the pipelined carry, per-worker residuals (topk_a2a), and residuals with a count of
+# deferred entries beside them (oktopk)
 # embrace_rowwise's row state resumes in test_row_updates (on another device count too).
-RESUMABLE = ["dense_pmap", "embrace", "embrace_2d", "topk_a2a"]
+RESUMABLE = ["dense_pmap", "embrace", "embrace_2d", "topk_a2a", "oktopk"]
 
 
 @pytest.mark.parametrize("strategy", RESUMABLE)

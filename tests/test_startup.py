@@ -90,6 +90,6 @@ def test_calibrated_adaptive_link_carries_local_work(monkeypatch):
     monkeypatch.setattr(startup, "calibrated_link", lambda devices: {"alpha": 1e-5, "beta": 1e-9})
     config = RunConfig(**{**TINY, "strategy": "adaptive"}, link_gbit=0.0)
     link = startup.adaptive_link(config)
-    assert set(link.local.lines) == {"topk_allgather", "topk_a2a"}
+    assert set(link.local.lines) == {"topk_allgather", "topk_a2a", "topk_balanced", "oktopk"}
     assert all(fixed >= 0 and per >= 0 for fixed, per in link.local.lines.values())
     assert startup.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None

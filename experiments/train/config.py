@@ -69,6 +69,11 @@ def bucket_size(v: str) -> str | None:
         return f"must be a size in MiB or auto, got {v!r}"
 
 
+def capacity_factor_range(v: float) -> str | None:
+    """0 (sized by the spread) or a finite factor >= 1."""
+    return None if v == 0 or (math.isfinite(v) and v >= 1) else f"must be 0 or >= 1, got {v}"
+
+
 def density_range(v: float) -> str | None:
     try:
         check_density(v)
@@ -180,6 +185,12 @@ class RunConfig:
         "platform and size), exact (lax.top_k), radix (same result, no "
         "sort) or threshold (sampled, approximate)",
         choices=tuple(SELECTORS),
+    )
+    capacity_factor: float = _field(
+        0.0,
+        "topk_balanced, oktopk: an owner's slots for a worker's pairs over its mean "
+        "share k/P, >= 1; 0 = the mean plus six standard deviations plus 8",
+        capacity_factor_range,
     )
     bucket_mb: str = _field(
         "64",
@@ -356,7 +367,14 @@ NOT_TRAJECTORY = frozenset(
         "profile_steps",
     }
 )
-AGGREGATOR_FIELDS = ("density", "selector", "bucket_mb", "link_gbit", "link_alpha_us")
+AGGREGATOR_FIELDS = (
+    "density",
+    "selector",
+    "bucket_mb",
+    "link_gbit",
+    "link_alpha_us",
+    "capacity_factor",
+)
 
 
 def aggregator_fields(strategy: str) -> tuple[str, ...]:
@@ -364,7 +382,7 @@ def aggregator_fields(strategy: str) -> tuple[str, ...]:
     kind = AGGREGATORS[parse_strategy(strategy).aggregator]
     if not kind.sparse:
         return ()
-    fields = ("density", "bucket_mb", "selector")
+    fields = ("density", "bucket_mb", "selector", *kind.options)
     return fields + (("link_gbit", "link_alpha_us") if kind.link else ())
 
 

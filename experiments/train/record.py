@@ -18,6 +18,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
 from experiments.train.config import RunConfig
 from experiments.train.loop import RunLog, warm_steps
 from experiments.train.startup import calibrated_link
@@ -75,6 +79,17 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     if config.calibrate:
         record["link"] = calibrated_link(config.devices)
     return record
+
+
+def deferred_entries(state) -> int | None:
+    """The selected entries the gradient aggregator had to keep for want of a static
+    slot over the run, every worker's (``ErrorFeedbackState.deferred``: topk_balanced,
+    oktopk, adaptive); ``None`` for the aggregators without slots. Every process calls
+    it (an all-gather where the state spans processes)."""
+    deferred = getattr(state.agg_state, "deferred", ())
+    if not jax.tree.leaves(deferred):
+        return None
+    return int(np.sum(multihost_utils.process_allgather(deferred, tiled=True)))
 
 
 def strict(value: Any) -> Any:

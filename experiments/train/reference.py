@@ -30,7 +30,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "plan",
         "plan_memory_mb",
     ),
-    "Top-k strategies": ("density", "selector", "bucket_mb", "link_gbit", "link_alpha_us"),
+    "Top-k strategies": (
+        "density",
+        "selector",
+        "bucket_mb",
+        "capacity_factor",
+        "link_gbit",
+        "link_alpha_us",
+    ),
     "Models and synthetic data": (
         "batch",
         "seq_len",

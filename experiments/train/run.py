@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -31,7 +32,7 @@ from experiments.train import runlog
 from experiments.train.checkpoints import claim_checkpoint_dir, resumed_config, start_state
 from experiments.train.config import RunConfig
 from experiments.train.loop import decide_in_flight, run_overlapped, run_steps
-from experiments.train.record import result
+from experiments.train.record import deferred_entries, result
 from experiments.train.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.train.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
@@ -70,6 +71,8 @@ def _aggregator_options(config: RunConfig) -> dict[str, Any]:
     }
     if kind.link:
         options["link"] = adaptive_link(config)
+    for option in kind.options:  # a field of the config each; 0 = the default
+        options[option] = getattr(config, option) or None
     return options
 
 
@@ -192,6 +195,14 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         record = result(config, workload, log, start, rank)
         record["runs_as"] = ts.runs_as  # embrace_2d runs as embrace where nothing overlaps
         record.update(hooks.finish(state))
+        record["deferred_entries"] = deferred = deferred_entries(state)
+        if deferred:
+            warnings.warn(
+                f"{deferred} selected entries waited in a residual for a slot at their owner "
+                "(sent in a later step, none lost); to send each when it is selected, raise "
+                "--capacity-factor (0 = the mean share plus six standard deviations; try 2)",
+                stacklevel=2,
+            )
         if search:
             record["bucket_search"] = search
         if plan:

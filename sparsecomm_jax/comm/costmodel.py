@@ -12,11 +12,22 @@ dense          2(P-1)                    2(P-1)/P * 4d
 topk_allgather 2(P-1)                    2(P-1) * 4k
 topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + Pc)
 gtopk          2 log2 P                  2 log2(P) * 4k
+topk_balanced  2(P-1)                    (P-1) * 4(2C + W)
+oktopk         9(P-1)                    (P-1) * 4(2C + W' + 1) + the histograms
 ============== ========================= ==============================
 
 topk_a2a splits the bucket into P shards of c = ceil(d/P) entries (padding included)
 and sends s = ceil(k/P) pair slots to each (``a2a_bytes``); for d and k multiples of P
-this is (P-1)/P * 4(2k + d). Here k = round(density * d), at least 1. These formulas
+this is (P-1)/P * 4(2k + d). Here k = round(density * d), at least 1.
+
+topk_balanced and oktopk send each worker's pairs to hashed owners in C slots an owner
+(``owner_slots``: k/P plus six standard deviations plus 8), (index, value) packed in
+one int32 all-to-all; each owner's reduced shard of c = ceil(d/P) entries comes back by
+one all-gather of W words (``result_words``: the smallest of 2R pairs, a bitmap of c
+bits plus R values, or the whole shard of c values; R the slots of the returned entries:
+``union_slots`` for topk_balanced, ``owner_slots`` of the global k for oktopk).
+oktopk's global top-k adds ``len(RADIX_DIGITS)`` all-reduces of a histogram (2(P-1)
+messages each) and an all-gather of one count. These formulas
 (``dense_cost``, ``allgather_cost``, ...) are the one home of the volumes: each
 exchange of ``topk.exchanges`` names its own, and ``hlo`` checks them against the
 compiled programs.
@@ -135,6 +146,84 @@ def a2a_bytes(size: int, density: float, workers: int) -> float:
     * size) (``topk.shards.shard_slots``), and an all-gather of P shards of ceil(size/P)."""
     p, k = workers, _k(size, density)
     return (p - 1) / p * 4 * (2 * p * math.ceil(k / p) + p * math.ceil(size / p))
+
+
+# ------------------------------------------------------------------ balanced owners
+
+SPREAD_SIGMAS = 6  # an owner's slots above its mean share, in standard deviations
+RADIX_DIGITS = (11, 11, 9)  # oktopk's threshold search: bits a round, of 31-bit keys
+RESULT_FORMS = ("shard", "bitmap", "pairs")  # ties go to the earlier form
+
+
+def owner_slots(entries: int, workers: int, factor: float | None = None) -> int:
+    """Slots for one worker's share of ``entries`` (index, value) pairs spread over
+    ``workers`` owners by a hash: the mean share plus ``SPREAD_SIGMAS`` standard
+    deviations of a binomial share plus 8, or ``factor`` times the mean share; at
+    least 1, at most ``entries``.
+
+    Example:
+        >>> owner_slots(250_000, 32)   # 7,812.5 on average
+        8351
+        >>> owner_slots(250_000, 32, factor=1.25)
+        9766
+    """
+    share = entries / workers
+    slots = share * factor if factor else share + SPREAD_SIGMAS * math.sqrt(share) + 8
+    return max(1, min(entries, math.ceil(slots)))
+
+
+def union_slots(k: int, size: int, workers: int, factor: float | None = None) -> int:
+    """Slots for the nonzeros of one owner's reduced shard in topk_balanced: the union
+    of P workers' selections of k of ``size`` entries, counted as if independent, plus
+    the spread of ``owner_slots``; never more than the shard or than P workers' slots
+    can fill (real selections overlap more than independent ones, so need fewer)."""
+    width = -(-size // workers)
+    union = width * (1 - (1 - k / size) ** workers)
+    spread = SPREAD_SIGMAS * math.sqrt(union) + 8
+    return max(1, min(width, workers * owner_slots(k, workers, factor), math.ceil(union + spread)))
+
+
+def result_form(width: int, slots: int) -> str:
+    """How an owner's shard of ``width`` entries, ``slots`` of them to send, comes back:
+    the ``RESULT_FORMS`` with the fewest words (``result_words``)."""
+    return min(RESULT_FORMS, key=lambda form: result_words(form, width, slots))
+
+
+def result_words(form: str, width: int, slots: int) -> int:
+    """32-bit words an owner sends of its shard in ``form``: ``pairs`` 2 a slot,
+    ``bitmap`` a bit an entry plus a value a slot, ``shard`` the whole shard."""
+    return {"pairs": 2 * slots, "bitmap": -(-width // 32) + slots, "shard": width}[form]
+
+
+def balanced_cost(
+    size: int, density: float, workers: int, factor: float | None = None
+) -> tuple[float, float]:
+    """topk_balanced: an all-to-all of C packed pairs an owner, an all-gather of the
+    reduced shards in their smallest form."""
+    p, k = workers, _k(size, density)
+    if p == 1:
+        return (0, 0.0)
+    width, slots = -(-size // p), owner_slots(k, p, factor)
+    union = union_slots(k, size, p, factor)
+    words = 2 * slots + result_words(result_form(width, union), width, union)
+    return (2 * (p - 1), (p - 1) * 4 * words)
+
+
+def oktopk_cost(
+    size: int, density: float, workers: int, factor: float | None = None
+) -> tuple[float, float]:
+    """oktopk: topk_balanced's all-to-all; the global threshold's histogram all-reduces
+    and the all-gather of each worker's count of entries at it; an all-gather of the
+    global top-k's entries of each shard in their smallest form."""
+    p, k = workers, _k(size, density)
+    if p == 1:
+        return (0, 0.0)
+    width, slots = -(-size // p), owner_slots(k, p, factor)
+    top = min(width, slots)
+    words = 2 * slots + 1 + result_words(result_form(width, top), width, top)
+    histograms = sum(2 * (p - 1) / p * 4 * 2**bits for bits in RADIX_DIGITS)
+    messages = 3 * (p - 1) + len(RADIX_DIGITS) * 2 * (p - 1)
+    return (messages, (p - 1) * 4 * words + histograms)
 
 
 def crossover_density(workers: int) -> float:

@@ -15,10 +15,11 @@ Example:
     >>> exchanges.messages_and_bytes("topk_allgather", 1000, 0.01, 4)
     (6, 240)
     >>> exchanges.menu()
-    ('dense', 'topk_allgather', 'topk_a2a')
+    ('dense', 'topk_allgather', 'topk_a2a', 'topk_balanced', 'oktopk')
 
 References:
-    Peng et al., "TopKA2A", ICPP 2024; Shi et al., "gTop-k", ICDCS 2019.
+    Peng et al., "TopKA2A", ICPP 2024; Shi et al., "gTop-k", ICDCS 2019; Wang et al.,
+    "Zen", OSDI 2025; Li and Hoefler, "Ok-Topk", PPoPP 2022.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 
 from sparsecomm_jax.comm import costmodel, fusion
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.topk import collectives, selectors, shards
+from sparsecomm_jax.topk import balanced, collectives, selectors, shards
 from sparsecomm_jax.topk.selectors import Selector
 
 ExchangeFn = Callable  # parts -> (total float[d], kept per part)[, every]
@@ -53,6 +54,10 @@ class Exchange(NamedTuple):
         (``None``: none worth timing).
       menu: ``adaptive`` chooses among it.
       carries: its ``exchange`` can carry a worker's scalars (``update_carrying``).
+      defers: its ``exchange`` returns ``(total, kept, deferred)``: int32[] ``deferred``
+        counts the entries it could not send this step for want of a static slot (they
+        are in ``kept``, or in an owner's), for ``aggregators.error_feedback`` to count.
+      options: the keyword options ``make`` takes besides the three.
     """
 
     name: str
@@ -61,6 +66,8 @@ class Exchange(NamedTuple):
     local: Callable[[int, float, int], Callable] | None = None
     menu: bool = False
     carries: bool = False
+    defers: bool = False
+    options: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------ the exchanges
@@ -126,6 +133,76 @@ def gtopk_exchange(density: float, axis_name: str, selector: Selector = selector
     return exchange
 
 
+def balanced_exchange(
+    density: float,
+    axis_name: str,
+    selector: Selector = selectors.AUTO,
+    capacity_factor: float | None = None,
+):
+    """``parts -> (total, kept, deferred)`` of topk_balanced: each worker's k pairs to
+    hashed owners by one all-to-all, each owner's sum back to every worker by one
+    all-gather of its nonzeros in the smallest form (``topk.balanced``). ``total`` is
+    the sum of what every worker sent; ``capacity_factor`` sizes an owner's slots
+    (``costmodel.owner_slots``)."""
+
+    def exchange(parts):
+        comm, num = balanced.Comm.over(axis_name), jax.lax.axis_size(axis_name)
+        return owner_sum(parts, density, num, selector, capacity_factor, comm)
+
+    return exchange
+
+
+def oktopk_exchange(
+    density: float,
+    axis_name: str,
+    selector: Selector = selectors.AUTO,
+    capacity_factor: float | None = None,
+):
+    """``parts -> (total, kept, deferred)`` of oktopk: topk_balanced's all-to-all to
+    hashed owners, then the global top-k of the owners' sums (``topk.balanced``'s radix
+    search), and only those back to every worker. ``total`` is the k entries of largest
+    magnitude of the sum of what every worker selected; each worker keeps in its
+    residual what it selected of the rest."""
+
+    def exchange(parts):
+        comm, num = balanced.Comm.over(axis_name), jax.lax.axis_size(axis_name)
+        return owner_sum(parts, density, num, selector, capacity_factor, comm, global_k=True)
+
+    return exchange
+
+
+def owner_sum(
+    parts,
+    density: float,
+    workers: int,
+    selector: Selector,
+    factor: float | None,
+    comm: balanced.Comm,
+    global_k: bool = False,
+):
+    """topk_balanced (``global_k``: oktopk) on ``parts`` with the collectives of
+    ``comm``: ``(total, kept, deferred)``."""
+    d = sum(p.shape[0] for p in parts)
+    k = selectors.num_selected(density, d)
+    values, indices, kept = selectors.select_parts(selector, parts, k)
+    h = balanced.OwnerHash(d, workers)
+    slots = costmodel.owner_slots(k, workers, factor)
+    routed = balanced.route(h, values, indices, slots)
+    shard = balanced.reduce_at_owners(h, routed.sends, comm)  # float32[s]: this owner's sum
+    if global_k:  # the k largest of all owners' sums, at most the slots of one owner's
+        chosen = balanced.global_top(shard, k, comm, arrived=workers * slots)
+        back_slots = min(h.width, slots)
+    else:  # every nonzero: the union of the selections
+        chosen, back_slots = shard != 0, costmodel.union_slots(k, d, workers, factor)
+    form = costmodel.result_form(h.width, back_slots)
+    back = balanced.send_back(h, shard, chosen, form, back_slots, comm)
+    # what stays: the unselected, and each pair of this worker's that did not arrive in
+    # the result (no slot on the way, not chosen at its owner, no slot on the way back)
+    arrived = routed.fits & (jnp.take(back.total, indices) != 0)
+    kept = selectors.add_to_parts(kept, jnp.where(arrived, 0.0, values), indices)
+    return back.total, kept, routed.deferred + back.deferred
+
+
 # ------------------------------------------------------------------ local work
 
 
@@ -154,6 +231,20 @@ def a2a_local(size: int, density: float, workers: int) -> Callable:
     return jax.jit(work)
 
 
+def balanced_local(size: int, density: float, workers: int) -> Callable:
+    """topk_balanced's local work: selection, routing, the owner's sum, the way back's
+    packing and unpacking (its collectives stood in for: ``balanced.Comm.stand_in``)."""
+    comm = balanced.Comm.stand_in(workers)
+    return jax.jit(lambda x: owner_sum([x], density, workers, selectors.AUTO, None, comm)[:2])
+
+
+def oktopk_local(size: int, density: float, workers: int) -> Callable:
+    """oktopk's local work: as ``balanced_local``, and the global top-k's histograms."""
+    comm = balanced.Comm.stand_in(workers)
+    work = lambda x: owner_sum([x], density, workers, selectors.AUTO, None, comm, True)  # noqa: E731
+    return jax.jit(lambda x: work(x)[:2])
+
+
 # ------------------------------------------------------------------ the registry
 
 DENSE = Exchange("dense", dense_exchange, costmodel.dense_cost, menu=True)
@@ -167,9 +258,29 @@ ALLGATHER = Exchange(
 )
 A2A = Exchange("topk_a2a", a2a_exchange, costmodel.a2a_cost, a2a_local, menu=True)
 GTOPK = Exchange("gtopk", gtopk_exchange, costmodel.gtopk_cost)
+BALANCED = Exchange(
+    "topk_balanced",
+    balanced_exchange,
+    costmodel.balanced_cost,
+    balanced_local,
+    menu=True,
+    defers=True,
+    options=("capacity_factor",),
+)
+OKTOPK = Exchange(
+    "oktopk",
+    oktopk_exchange,
+    costmodel.oktopk_cost,
+    oktopk_local,
+    menu=True,
+    defers=True,
+    options=("capacity_factor",),
+)
 
 #: The exchanges by name: the library's, and any registered (``register``).
-EXCHANGES: dict[str, Exchange] = {x.name: x for x in (DENSE, ALLGATHER, A2A, GTOPK)}
+EXCHANGES: dict[str, Exchange] = {
+    x.name: x for x in (DENSE, ALLGATHER, A2A, GTOPK, BALANCED, OKTOPK)
+}
 
 
 def register(exchange: Exchange) -> Exchange:
@@ -226,6 +337,8 @@ def choose(
     Example:
         >>> link = Link(alpha=50e-6, beta=1 / 1.25e9)   # 10 Gbit/s
         >>> choose(25_000_000, 0.01, 32, link)
+        'oktopk'
+        >>> choose(25_000_000, 0.01, 32, link, ("dense", "topk_allgather", "topk_a2a"))
         'topk_allgather'
     """
     names = menu() if choices is None else choices
