@@ -188,6 +188,8 @@ BAD_INPUT = [
     (["--bucket-mb", "inf"], "--bucket-mb must be > 0 (finite), got inf"),
     (["--bucket-mb", "nan"], "--bucket-mb must be > 0 (finite), got nan"),
     (["--density", "2"], "--density must be in (0, 1]"),
+    (["--strategy", "oktopk", "--capacity-factor", "0.5"], "--capacity-factor must be 0 or >= 1"),
+    (["--strategy", "topk_balanced", "--capacity-factor", "nan"], "--capacity-factor must be 0"),
     (["--seed", "-1"], "--seed must be in [0, 2**32 - 1], got -1"),
     (["--seed", str(2**32)], "--seed must be in [0, 2**32 - 1]"),
     (["--sampled-softmax", "-3"], "--sampled-softmax must be >= 0, got -3"),
@@ -341,3 +343,23 @@ def test_rowwise_run_survives_capacity_growth(monkeypatch):
         RunConfig(**{**config.__dict__, "strategy": "dense"}), progress=False
     )
     np.testing.assert_allclose(result["losses"], dense["losses"], rtol=1e-5)
+
+
+def test_compare_models_each_step_on_a_stated_link():
+    """The modelled columns: the measured step plus the compiled collectives through the
+    cost model at 1 and 10 Gbit/s (6 messages of a 4-worker all-reduce), labelled."""
+    from experiments import compare
+
+    ring = {"kind": "all-reduce", "name": "ar", "group_size": 4, "result_bytes": 4e6}
+    dense = {"strategy": "dense_pmap", "losses": [1.0], "step_time_s": 0.01}
+    dense |= {"comm_bytes_per_step": 6e6, "peak_memory_bytes": None}
+    dense["collectives"] = [{**ring, "bytes_sent": 6e6}]
+    sparse = {**dense, "strategy": "oktopk", "comm_bytes_per_step": 6e4}
+    sparse["collectives"] = [{**ring, "bytes_sent": 6e4}]
+    rows = compare.summarize([dense, sparse])
+    for label, link in compare.MODEL_LINKS.items():
+        base, fewer = (0.01 + 6 * link.alpha + b * link.beta for b in (6e6, 6e4))
+        assert rows[0][f"modelled_step_ms_{label}"] == pytest.approx(base * 1e3)
+        assert rows[1][f"modelled_speedup_{label}"] == pytest.approx(base / fewer)
+    assert rows[1]["modelled_speedup_1G"] > rows[1]["modelled_speedup_10G"] > 1
+    assert "MODELLED" in compare.format_table(rows)
