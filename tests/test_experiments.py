@@ -213,6 +213,12 @@ def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
             r["bytes"] * 8 / (r["gbit"] * 1e9) * (1 - r["gbit"] / 1000)
         )
         assert r["predicted_comm_s"] == pytest.approx(r["bytes"] * 8 / (r["gbit"] * 1e9))
+        # modelled: the step at the free rate + the prediction (here 10 ms + bytes / rate,
+        # the fake's step, to within what 1000 Gbit/s still costs)
+        free = 0.01 + r["bytes"] * 8 / 1e12
+        assert r["modelled_step_s"] == pytest.approx(free + r["predicted_comm_s"])
+    assert "modelled_step_s" not in rows[-1]  # the free rate's own rows
+    assert (tmp_path / "bandwidth_modelled.png").stat().st_size > 0
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
 
 

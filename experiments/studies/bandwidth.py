@@ -8,8 +8,11 @@ Each worker has a link of its own of each bandwidth (``cluster --per-worker``). 
 small host the fast links are bounded by the CPU that moves the bytes (gloo over TCP),
 so a run also reports the practically unthrottled ``--free-bandwidth`` as the ceiling;
 a strategy's step time there, subtracted from its step time at each rate, is its
-measured communication, printed beside the cost model's prediction (``--alpha-us``).
-Writes ``bandwidth.json``, ``bandwidth.csv`` and ``bandwidth.png`` into ``--out-dir``.
+measured communication, printed beside the cost model's prediction (``--alpha-us``),
+and each measured step is plotted against its modelled one (the step at the free rate
+plus the predicted communication: what ``compare`` prints for simulated devices).
+Writes ``bandwidth.json``, ``bandwidth.csv``, ``bandwidth.png`` and
+``bandwidth_modelled.png`` into ``--out-dir``.
 Arguments after ``--`` go to every ``experiments.train`` run. Needs root (see cluster).
 """
 
@@ -48,6 +51,35 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def add_modelled_steps(rows: list[dict], free: str) -> None:
+    """Sets ``modelled_step_s`` = the step time at the ``free`` rate + the cost model's
+    ``predicted_comm_s``, on the rows of the same strategy at the other rates."""
+    ok = [r for r in rows if "error" not in r]
+    base = {r["strategy"]: r["step_s"] for r in ok if r["bandwidth"] == free}
+    for r in ok:
+        if r["strategy"] in base and r["bandwidth"] != free:
+            r["modelled_step_s"] = base[r["strategy"]] + r["predicted_comm_s"]
+
+
+def plot_modelled(rows: list[dict], path: Path) -> None:
+    """Measured against modelled step time, one point per strategy and rate."""
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(5, 5))
+    points = [r for r in rows if "modelled_step_s" in r]
+    for strategy in dict.fromkeys(r["strategy"] for r in points):
+        mine = [r for r in points if r["strategy"] == strategy]
+        ax.scatter(
+            [r["modelled_step_s"] for r in mine], [r["step_s"] for r in mine], label=strategy
+        )
+    if points:
+        ends = [min(r["step_s"] for r in points) * 0.8, max(r["step_s"] for r in points) * 1.2]
+        ax.plot(ends, ends, color="gray", lw=0.5, label="measured = modelled")
+    ax.set(xscale="log", yscale="log", xlabel="modelled step (s)", ylabel="measured step (s)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     own, train_args = harness.split_argv(argv)
     args = parse_args(own)
@@ -72,13 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     harness.add_speedups(rows, ("bandwidth",))
     if args.free_bandwidth:
         harness.add_measured_comm(rows, {"bandwidth": args.free_bandwidth})
+        add_modelled_steps(rows, args.free_bandwidth)
     harness.save_rows(rows, out, "bandwidth", {"nproc": args.nproc})
     plot(rows, out / "bandwidth.png")
+    plot_modelled(rows, out / "bandwidth_modelled.png")
     print(harness.report(rows, ("bandwidth",)))
     for r in (r for r in rows if "comm_s" in r and r["bandwidth"] != args.free_bandwidth):
         print(
             f"{r['bandwidth']:>8} {r['strategy']:>15}  comm {r['comm_s'] * 1e3:9.1f} ms, "
-            f"predicted {r['predicted_comm_s'] * 1e3:9.1f} ms"
+            f"predicted {r['predicted_comm_s'] * 1e3:9.1f} ms; step {r['step_s'] * 1e3:9.1f} "
+            f"ms, modelled {r['modelled_step_s'] * 1e3:9.1f} ms"
         )
     print(f"results in {out}/bandwidth.json, bandwidth.csv, bandwidth.png")
     return 0 if all("error" not in r for r in rows) else 1
