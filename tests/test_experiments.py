@@ -3,6 +3,7 @@ simulated devices (no network, no root) that check files, plots and exactness.""
 
 import csv
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -65,6 +66,11 @@ def test_moving_average_and_time_to_target():
     summary = convergence.summarize(curves, "dense_pmap")  # target: dense's final loss 1.0
     assert [r["time_to_target_s"] for r in summary] == [2.0, 2.0]
     assert convergence.summarize(curves, "dense_pmap", target=2.5)[1]["time_to_target_s"] == 1.0
+    assert convergence.reach_text(1.0, 2.5) == "reaches 2.5 at 1.00 s"
+    assert convergence.reach_text(None, 0.5) == "reaches 0.5 at never"
+    # without dense_pmap and without --target-loss there is nothing to reach
+    assert convergence.summarize({"s": rows}, "dense_pmap")[0]["time_to_target_s"] is None
+    assert convergence.reach_text(None, None).startswith("no target: give --target-loss")
 
 
 def test_measured_crossover():
@@ -270,3 +276,17 @@ def test_density_sweep_stops_clearly_without_calibration(tmp_path, monkeypatch, 
     monkeypatch.setattr(harness, "run_config", failing_run)
     assert density.main(["--densities", "0.1", "--out-dir", str(tmp_path)]) == 2
     assert "calibration" in capsys.readouterr().err
+
+
+def test_a_failed_run_reports_its_ranks_error(tmp_path, monkeypatch):
+    # The launcher streams each rank's output, its error included, to standard output;
+    # standard error holds only the launcher's own line.
+    script = (
+        "import sys; print('[rank 1] error: --flag is wrong'); "
+        "print('launch: rank 1 exited with code 2', file=sys.stderr); sys.exit(2)"
+    )
+    monkeypatch.setattr(harness, "command", lambda *a: [sys.executable, "-c", script])
+    with pytest.raises(RuntimeError) as failed:
+        harness.run_config(["--steps", "1"], tmp_path / "r.json")
+    assert "--flag is wrong" in str(failed.value)
+    assert "exited with code 2" in str(failed.value)

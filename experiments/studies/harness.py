@@ -97,14 +97,21 @@ def run_config(
     """Runs one ``experiments.train`` configuration; returns its JSON result.
 
     Raises:
-      RuntimeError: with the command and the end of its error output, if it failed.
+      RuntimeError: with the command and the end of its output, if it failed (the
+        launcher streams each rank's error to its standard output, so both count).
     """
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     cmd = command(train_args, out, nproc, bandwidth)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{failure_tail(proc.stdout, proc.stderr)}")
     return json.loads(Path(out).read_text())
+
+
+def failure_tail(stdout: str, stderr: str, lines: int = 12) -> str:
+    """The last ``lines`` lines of a failed run's output: its standard output (where a
+    launched job's ranks write, their errors included) then its standard error."""
+    return "\n".join([*stdout.splitlines()[-lines:], *stderr.splitlines()[-lines:]])
 
 
 def grid(jobs: Iterable[tuple], measure: Callable[..., dict], desc: str) -> list[dict]:
