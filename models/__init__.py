@@ -31,6 +31,12 @@ def config_fields(name: str) -> set[str]:
     return {f.name for f in dataclasses.fields(MODELS[name][0])}
 
 
+def has_synthetic_heldout(name: str) -> bool:
+    """Whether model ``name``'s synthetic data has held-out splits (no ``--data-dir``
+    needed to evaluate it)."""
+    return getattr(MODELS[name][0], "SYNTHETIC_HELDOUT", False)
+
+
 DATA_FIELDS = ("text_file", "data_dir")  # refused, not ignored, by a model without them
 
 

@@ -36,6 +36,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import flax.linen as linen
 import jax
@@ -61,6 +62,8 @@ class DLRMConfig:
     batch: int = 128  # global batch (samples per step)
     data_dir: str = ""  # a folder with a Criteo TSV train.txt instead of synthetic data
     seed: int = 0  # data and init seed
+
+    SYNTHETIC_HELDOUT: ClassVar[bool] = True  # its synthetic data has held-out splits
 
 
 def table_sizes(cfg: DLRMConfig) -> list[int]:

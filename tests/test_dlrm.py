@@ -102,6 +102,18 @@ def test_dlrm_trains_on_a_criteo_file_from_the_command_line(tmp_path):
     assert result["config"]["tables"] == "64,48,24,16" and result["samples_per_s"] > 0
 
 
+def test_dlrm_evaluates_its_synthetic_heldout_data_every_few_steps(tmp_path):
+    # DLRM's synthetic data has held-out splits, so --eval-every needs no --data-dir.
+    out = tmp_path / "r.json"
+    args = ["--model", "dlrm", "--strategy", "embrace", "--devices", "2", "--steps", "4"]
+    args += ["--tables", "64,48", "--dim", "8", "--batch", "16", "--eval-every", "2"]
+    assert main([*args, "--eval-batches", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [e["step"] for e in result["eval"]] == [1, 3]
+    assert all(e["split"] == "valid" and e["loss"] > 0 for e in result["eval"])
+    assert result["eval"][-1]["loss"] == pytest.approx(result["heldout"]["valid"]["loss"])
+
+
 def test_multi_hot_with_a_criteo_file_is_refused(tmp_path):
     """A Criteo line has one id per feature: a bag size for it would be ignored."""
     write_criteo(tmp_path / "train.txt", 40)

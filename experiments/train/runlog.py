@@ -31,6 +31,7 @@ import jax
 
 from experiments.train.config import RunConfig
 from experiments.train.validate import is_primary, writable_folder
+from models import has_synthetic_heldout
 from models.heldout import evaluate, heldout_splits
 from models.workload import Workload
 from sparsecomm_jax import checkpoint
@@ -102,9 +103,10 @@ def check_run_io(config: RunConfig) -> None:
         if getattr(config, name) < 0:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be >= 0, got {getattr(config, name)}")
-    if config.eval_every and not config.data_dir:
+    if config.eval_every and not (config.data_dir or has_synthetic_heldout(config.model)):
         raise ValueError(
-            "--eval-every needs held-out data: give --data-dir (WikiText, PTB or CIFAR-10)"
+            f"--eval-every needs held-out data: --model {config.model}'s synthetic data has "
+            "none; give --data-dir (WikiText, PTB, CIFAR-10 or Criteo)"
         )
     if config.data_dir and config.text_file:
         raise ValueError("give --data-dir or --text-file, not both")
