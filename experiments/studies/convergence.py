@@ -79,6 +79,13 @@ def summarize(
     ]
 
 
+def reach_text(reach: float | None, target: float | str | None) -> str:
+    """When a run reached ``target``, in words (``None``: there was no target)."""
+    if target is None:
+        return f"no target: give --target-loss, or run {harness.BASELINE} too"
+    return f"reaches {target} at {'never' if reach is None else f'{reach:.2f} s'}"
+
+
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
     plt = harness.pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
@@ -107,16 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = harness.grid([(s,) for s in args.strategies.split(",")], run, "convergence runs")
     curves = {r["strategy"]: r["curve"] for r in runs if "error" not in r}
     summary = summarize(curves, harness.BASELINE, args.target_loss)
-    target = args.target_loss or f"{harness.BASELINE}'s final loss"
+    target = args.target_loss
+    if target is None and harness.BASELINE in curves:
+        target = f"{harness.BASELINE}'s final loss"
     rows = [row for c in curves.values() for row in c]
     harness.save_rows(rows, out, "convergence", {"summary": summary, "bandwidth": bandwidth})
     plot(curves, out / "convergence.png")
     for s in summary:
-        reach = s["time_to_target_s"]
         print(
             f"{s['strategy']:>15} final loss {s['final_smooth_loss']:.4f}  wall "
-            f"{s['wall_s']:8.2f} s  reaches {target} at "
-            f"{'never' if reach is None else f'{reach:.2f} s'}"
+            f"{s['wall_s']:8.2f} s  {reach_text(s['time_to_target_s'], target)}"
         )
     print(f"results in {out}/convergence.json, convergence.csv, convergence.png")
     return 0 if len(curves) == len(runs) else 1
