@@ -63,18 +63,26 @@ def add_modelled_steps(rows: list[dict], free: str) -> None:
 
 def plot_modelled(rows: list[dict], path: Path) -> None:
     """Measured against modelled step time, one point per strategy and rate."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     points = [r for r in rows if "modelled_step_s" in r]
     for strategy in dict.fromkeys(r["strategy"] for r in points):
         mine = [r for r in points if r["strategy"] == strategy]
         ax.scatter(
-            [r["modelled_step_s"] for r in mine], [r["step_s"] for r in mine], label=strategy
+            [r["modelled_step_s"] * 1e3 for r in mine],
+            [r["step_s"] * 1e3 for r in mine],
+            label=strategy,
         )
     if points:
-        ends = [min(r["step_s"] for r in points) * 0.8, max(r["step_s"] for r in points) * 1.2]
+        ends = [min(r["step_s"] for r in points) * 800, max(r["step_s"] for r in points) * 1200]
         ax.plot(ends, ends, color="gray", lw=0.5, label="measured = modelled")
-    ax.set(xscale="log", yscale="log", xlabel="modelled step (s)", ylabel="measured step (s)")
+    ax.set(xscale="log", yscale="log", xlabel="modelled step (ms)", ylabel="measured step (ms)")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
