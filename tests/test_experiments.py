@@ -67,10 +67,24 @@ def test_moving_average_and_time_to_target():
     assert [r["time_to_target_s"] for r in summary] == [2.0, 2.0]
     assert convergence.summarize(curves, "dense_pmap", target=2.5)[1]["time_to_target_s"] == 1.0
     assert convergence.reach_text(1.0, 2.5) == "reaches 2.5 at 1.00 s"
-    assert convergence.reach_text(None, 0.5) == "reaches 0.5 at never"
+    assert convergence.reach_text(None, 0.5) == "never reaches 0.5"
     # without dense_pmap and without --target-loss there is nothing to reach
     assert convergence.summarize({"s": rows}, "dense_pmap")[0]["time_to_target_s"] is None
     assert convergence.reach_text(None, None).startswith("no target: give --target-loss")
+
+
+def test_convergence_without_a_baseline_or_target_says_so(tmp_path, monkeypatch, capsys):
+    def fake_run(train_args, out, nproc=1, bandwidth=""):
+        strategy = train_args[train_args.index("--strategy") + 1]
+        return {"strategy": strategy, "losses": [3.0, 2.0], "step_times_s": [0.1, 0.1]}
+
+    monkeypatch.setattr(harness, "run_config", fake_run)
+    argv = ["--local", "--strategies", "embrace", "--out-dir", str(tmp_path)]
+    assert convergence.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "no target: give --target-loss" in printed and "never" not in printed
+    assert convergence.main([*argv, "--target-loss", "2.5"]) == 0
+    assert "reaches 2.5 at 0.20 s" in capsys.readouterr().out
 
 
 def test_measured_crossover():
@@ -290,3 +304,19 @@ def test_a_failed_run_reports_its_ranks_error(tmp_path, monkeypatch):
         harness.run_config(["--steps", "1"], tmp_path / "r.json")
     assert "--flag is wrong" in str(failed.value)
     assert "exited with code 2" in str(failed.value)
+
+
+def test_a_failed_run_keeps_the_first_error_under_the_other_ranks_tracebacks():
+    out = ["[rank 0] step 0", "[rank 1] ValueError: --tables is wrong"]
+    out += [f"[rank 0] gloo: connection closed, frame {i}" for i in range(40)]
+    text = harness.failure_tail("\n".join(out), "launch: rank 1 exited with code 2")
+    assert "--tables is wrong" in text and "frame 39" in text and "frame 5\n" not in text
+    assert text.endswith("exited with code 2")
+    assert len(harness.failure_tail("x" * 10_000, "", limit=100)) < 110
+
+
+def test_the_modelled_plot_says_so_when_nothing_was_modelled(tmp_path):
+    # --free-bandwidth '' leaves no step to add the modelled communication to
+    rows = [{"strategy": "dense_pmap", "bandwidth": "1gbit", "step_s": 0.2}]
+    bandwidth.plot_modelled(rows, tmp_path / "m.png")
+    assert (tmp_path / "m.png").stat().st_size > 0

@@ -108,10 +108,16 @@ def run_config(
     return json.loads(Path(out).read_text())
 
 
-def failure_tail(stdout: str, stderr: str, lines: int = 12) -> str:
-    """The last ``lines`` lines of a failed run's output: its standard output (where a
-    launched job's ranks write, their errors included) then its standard error."""
-    return "\n".join([*stdout.splitlines()[-lines:], *stderr.splitlines()[-lines:]])
+def failure_tail(stdout: str, stderr: str, lines: int = 12, limit: int = 4000) -> str:
+    """What explains a failed run: the first lines of its standard output that name an
+    error (a launched job's ranks write there, and the rank that failed first is often
+    followed by the others' lost-connection tracebacks), then the last ``lines`` lines
+    of its standard output and of its standard error, at most ``limit`` characters."""
+    out = stdout.split("\n")
+    tail = out[-lines:]
+    first = [line for line in out[:-lines] if "error" in line.lower()][:3]
+    text = "\n".join([*first, *(["..."] if first else []), *tail, *stderr.split("\n")[-lines:]])
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def grid(jobs: Iterable[tuple], measure: Callable[..., dict], desc: str) -> list[dict]:
