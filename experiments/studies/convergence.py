@@ -82,8 +82,8 @@ def summarize(
 def reach_text(reach: float | None, target: float | str | None) -> str:
     """When a run reached ``target``, in words (``None``: there was no target)."""
     if target is None:
-        return f"no target: give --target-loss, or run {harness.BASELINE} too"
-    return f"reaches {target} at {'never' if reach is None else f'{reach:.2f} s'}"
+        return f"no target: give --target-loss, or a {harness.BASELINE} run that finishes"
+    return f"never reaches {target}" if reach is None else f"reaches {target} at {reach:.2f} s"
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
