@@ -68,22 +68,30 @@ def plot_modelled(rows: list[dict], path: Path) -> None:
     plt = harness.pyplot()
     fig, ax = plt.subplots(figsize=(5, 5))
     points = [r for r in rows if "modelled_step_s" in r]
-    for strategy in dict.fromkeys(r["strategy"] for r in points):
-        mine = [r for r in points if r["strategy"] == strategy]
-        ax.scatter(
-            [r["modelled_step_s"] * 1e3 for r in mine],
-            [r["step_s"] * 1e3 for r in mine],
-            label=strategy,
-        )
-    if points:
+    rates = list(dict.fromkeys(r["bandwidth"] for r in points))
+    markers = dict(zip(rates, "osD^v<>", strict=False))  # one shape a rate
+    for i, strategy in enumerate(dict.fromkeys(r["strategy"] for r in points)):
+        for rate in rates:
+            mine = [r for r in points if r["strategy"] == strategy and r["bandwidth"] == rate]
+            ax.scatter(
+                [r["modelled_step_s"] * 1e3 for r in mine],
+                [r["step_s"] * 1e3 for r in mine],
+                color=f"C{i}",
+                marker=markers.get(rate, "o"),
+                label=f"{strategy}, {rate}",
+            )
+    if not points:  # the free rate was left out (--free-bandwidth ''): nothing modelled
+        ax.text(0.5, 0.5, "nothing modelled: no run at --free-bandwidth", ha="center")
+        ax.set_axis_off()
+    else:
         ends = [min(r["step_s"] for r in points) * 800, max(r["step_s"] for r in points) * 1200]
         ax.plot(ends, ends, color="gray", lw=0.5, label="measured = modelled")
-    ax.set(xscale="log", yscale="log", xlabel="modelled step (ms)", ylabel="measured step (ms)")
-    for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
-        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        axis.set_major_formatter(ScalarFormatter())
-        axis.set_minor_formatter(NullFormatter())
-    ax.legend(fontsize=7)
+        ax.set(xscale="log", yscale="log", xlabel="modelled step (ms)", ylabel="measured step (ms)")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2 and 5 of each decade
+            axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(ScalarFormatter())
+            axis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
