@@ -284,7 +284,7 @@ class RunConfig:
     eval_every: int = _field(
         0,
         "held-out loss and perplexity/accuracy every N steps and at "
-        "the end (0 = only at the end); needs --data-dir",
+        "the end (0 = only at the end); needs --data-dir, or dlrm's synthetic splits",
         at_least(0),
     )
     eval_batches: int = _field(
