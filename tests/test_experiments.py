@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 from experiments import train as train_cli
-from experiments.studies import bandwidth, convergence, density, harness, scaling
+from experiments.studies import bandwidth, convergence, density, harness, paper_scale, scaling
 
 
 def test_rates_and_arguments():
@@ -320,3 +320,16 @@ def test_the_modelled_plot_says_so_when_nothing_was_modelled(tmp_path):
     rows = [{"strategy": "dense_pmap", "bandwidth": "1gbit", "step_s": 0.2}]
     bandwidth.plot_modelled(rows, tmp_path / "m.png")
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_paper_scale_projects_the_balanced_exchanges_beside_the_others():
+    rows = paper_scale.project()["topka2a_32gpu"]
+    assert len(rows) == 3 * 4 * 3  # rates x models x densities
+    for r in rows:
+        assert {"topk_balanced", "oktopk"} <= set(r)
+        assert r["oktopk_vs_allgather"] == pytest.approx(r["topk_allgather"] / r["oktopk"])
+    # at 1% on 32 workers Ok-Topk's volume (< 6k(P-1)/P) is far under an all-gather's,
+    # which shows where bytes dominate (10 Gbit/s); at 100 Gbit/s its ~280 messages'
+    # latency can outweigh them on the smallest model
+    slow_1pc = [r for r in rows if r["density"] == 0.01 and r["gbit"] == 10]
+    assert all(r["oktopk"] < r["topk_allgather"] / 2 for r in slow_1pc)

@@ -1,6 +1,7 @@
-"""TopKA2A vs TopK-AllGather vs dense (and adaptive) over density, on the emulated
-cluster: measured step and communication times, the cost model's prediction, and the
-measured crossover against 1/(2(P-1)).
+"""TopKA2A vs TopK-AllGather vs the balanced sparse all-reduces (``topk_balanced``,
+``oktopk``) vs dense (and adaptive) over density, on the emulated cluster: measured
+step and communication times, the cost model's prediction, and the measured crossover
+of TopKA2A against 1/(2(P-1)).
 
     python -m experiments.studies.density --nproc 4 --bandwidth 100mbit \\
         --densities 0.01,0.05,0.1,0.2,0.3,0.5 -- --model resnet --width 32 --blocks 2
@@ -23,7 +24,7 @@ from pathlib import Path
 from experiments.studies import harness
 from sparsecomm_jax.comm import costmodel
 
-STRATEGIES = ("topk_allgather", "topk_a2a", "adaptive")
+STRATEGIES = ("topk_allgather", "topk_a2a", "topk_balanced", "oktopk", "adaptive")
 
 
 def measured_crossover(rows: list[dict], key: str = "step_s") -> float | None:
