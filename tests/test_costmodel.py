@@ -25,7 +25,7 @@ def _compiled(name, density, size, workers=N):
 
     fn = jax.jit(
         jax.shard_map(
-            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=True
         )
     )
     x = jax.ShapeDtypeStruct((workers, size), np.float32, sharding=NamedSharding(mesh, P("data")))

@@ -45,7 +45,7 @@ def program_bytes(kind: str, density: float, size: int, workers: int) -> float:
 
     fn = jax.jit(
         jax.shard_map(
-            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=False
+            body, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"), check_vma=True
         )
     )
     shape = jax.ShapeDtypeStruct(

@@ -11,7 +11,7 @@ strategy       messages                  bytes per worker
 dense          2(P-1)                    2(P-1)/P * 4d
 topk_allgather 2(P-1)                    2(P-1) * 4k
 topk_a2a       3(P-1)                    (P-1)/P * 4(2Ps + Pc)
-gtopk          2 log2 P                  2 log2(P) * 4k
+gtopk          2 log2 P + 2(P-1)         2 log2(P) * 4k + (P-1) * 8 ceil(k/P)
 topk_balanced  2(P-1)                    (P-1) * 4(2C + W)
 oktopk         9(P-1)                    (P-1) * 4(2C + W' + 1) + the histograms
 ============== ========================= ==============================
@@ -135,9 +135,16 @@ def a2a_cost(size: int, density: float, workers: int) -> tuple[float, float]:
 
 
 def gtopk_cost(size: int, density: float, workers: int) -> tuple[float, float]:
-    """gTop-k: log2 P rounds, each a permute of k values and k indices."""
+    """gTop-k: log2 P rounds, each a permute of k values and k indices; then, as
+    compiled under ``check_vma`` (shard_map's default), the merged list every worker
+    holds is typed replicated by a tiled all-gather of its values and indices, ceil(k/P)
+    of each from every worker (``topk.collectives.gtopk_lists``)."""
     p, k = workers, _k(size, density)
-    return (2 * math.log2(p), 2 * math.log2(p) * 4 * k) if p > 1 else (0, 0.0)
+    if p == 1:
+        return 0, 0.0
+    rounds = 2 * math.log2(p), 2 * math.log2(p) * 4 * k
+    replicate = 2 * (p - 1), (p - 1) * 2 * 4 * math.ceil(k / p)
+    return rounds[0] + replicate[0], rounds[1] + replicate[1]
 
 
 def a2a_bytes(size: int, density: float, workers: int) -> float:
