@@ -15,7 +15,17 @@ SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
 
 
 @pytest.mark.parametrize(
-    "strategy", ["topk_allgather", "topk_a2a", "gtopk", "embrace+topk_a2a", "embrace_rowwise+gtopk"]
+    "strategy",
+    [
+        "topk_allgather",
+        "topk_a2a",
+        "gtopk",
+        "topk_balanced",
+        "oktopk",
+        "embrace+topk_a2a",
+        "embrace_rowwise+gtopk",
+        "embrace+oktopk",
+    ],
 )
 def test_density_one_is_dense(strategy):
     w = get_workload("lstm_lm", sampled_softmax=16, **SMALL)
@@ -27,6 +37,19 @@ def test_density_one_is_dense(strategy):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     residual = jax.tree.leaves(ts.state.agg_state)
     assert residual and all(r.shape[0] == 8 for r in residual)  # one slice per worker
+
+
+def test_topk_balanced_trains_as_topk_allgather():
+    """Both return the exact sum of what every worker selected: at 1% the same steps,
+    through the user's path (make_train_step, place_for_step). A pair deferred past an
+    owner's slots would change topk_balanced's mean, and so its steps."""
+    w = get_workload("lstm_lm", sampled_softmax=16, **SMALL)
+    params = w.init(jax.random.key(1))
+    ref, ref_params, _ = strategy_run(w, optax.sgd(0.5), params, 4, "topk_allgather", density=0.01)
+    got, got_params, _ = strategy_run(w, optax.sgd(0.5), params, 4, "topk_balanced", density=0.01)
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_embrace_plus_topk_exchanges_tables_by_all_to_all():
