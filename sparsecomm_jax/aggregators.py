@@ -114,23 +114,23 @@ def dense_allreduce(axis_name: str = "data") -> Aggregator:
     return Aggregator(init=lambda params: EmptyState(), update=update)
 
 
-def flat_allreduce(axis_name: str = "data", comm_dtype: str = "float32") -> Aggregator:
+def flat_allreduce(axis_name: str = "data", comm_dtype: str | wire.Codec = "float32") -> Aggregator:
     """Mean of the gradients as one flat buffer: an all-to-all of 1/P slices, a float32
     sum, an all-gather of the sums (``comm.wire.psum``).
 
-    The bytes of the ring all-reduce in ``comm_dtype`` (``"bfloat16"``: half of them,
-    summed in float32 at each receiver), as two collectives of one operand each: over
-    gloo (CPU) an all-reduce of many leaves runs one ring per leaf, each paying the
-    link's round trips.
+    The bytes of the ring all-reduce in ``comm_dtype`` (``"bfloat16"``: half of them;
+    FP8: a quarter, plus a float32 scale per ``comm.wire.BLOCK`` entries), summed in
+    float32 at each receiver, as two collectives of one operand each: over gloo (CPU) an
+    all-reduce of many leaves runs one ring per leaf, each paying the link's round trips.
 
     Args:
       axis_name: the data-parallel mesh axis.
-      comm_dtype: the dtype on the wire, a key of ``comm.wire.WIRE_DTYPES``.
+      comm_dtype: the codec on the wire, or its name (a key of ``comm.wire.CODECS``).
 
     Returns:
       An ``Aggregator`` with empty state.
     """
-    dtype = wire.wire_dtype(comm_dtype)
+    dtype = comm_dtype if isinstance(comm_dtype, wire.Codec) else wire.codec(comm_dtype)
 
     def update_carrying(grads, state, extra):
         check_per_worker(grads, axis_name)

@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import access, row
 from sparsecomm_jax.embedding import layouts as registry
@@ -204,10 +205,16 @@ def _choice(stats: TableStats, layout: Layout, price: Price) -> Choice:
 
 
 def layout_cost(
-    stats: TableStats, layout: str | Layout, workers: int, link: Link, optimizer_slots: int = 1
+    stats: TableStats,
+    layout: str | Layout,
+    workers: int,
+    link: Link,
+    optimizer_slots: int = 1,
+    wire: comm_wire.Wire = comm_wire.DEFAULT,
 ) -> Choice:
     """What ``layout`` costs one worker per step for this table alone
-    (``Layout.pricing.table``; a sharded layout at the table's padded size).
+    (``Layout.pricing.table``; a sharded layout at the table's padded size; its rows
+    in ``wire``'s codecs).
 
     Raises:
       ValueError: an unknown layout, or one the planner cannot price.
@@ -215,7 +222,7 @@ def layout_cost(
     layout = registry.get(layout)
     if layout.pricing is None:
         raise ValueError(f"layout {layout.name!r} has no pricing: the planner cannot price it")
-    return _choice(stats, layout, layout.pricing.table(stats, workers, link, optimizer_slots))
+    return _choice(stats, layout, layout.pricing.table(stats, workers, link, optimizer_slots, wire))
 
 
 def group_seconds(used: Iterable[str | Layout], workers: int, link: Link) -> float:
@@ -237,6 +244,7 @@ def plan_tables(
     memory_bytes: float | None = None,
     optimizer_slots: int = 1,
     layouts: Sequence[str | Layout] | None = None,
+    wire: comm_wire.Wire = comm_wire.DEFAULT,
 ) -> Plan:
     """Each table's layout, minimising the modelled step time within ``memory_bytes``
     of tables (and their optimizer state) per worker.
@@ -249,6 +257,7 @@ def plan_tables(
       optimizer_slots: optimizer state per parameter entry (SGD 0, Adagrad 1, Adam 2).
       layouts: the layouts to choose from (``None``: every one the planner can price,
         ``priced()``).
+      wire: the codecs rows and their gradients travel in (``comm.wire.parse``).
 
     Returns:
       The ``Plan`` of least modelled time (the first of ``candidate_plans``).
@@ -256,7 +265,8 @@ def plan_tables(
     Raises:
       ValueError: no assignment fits ``memory_bytes``.
     """
-    return candidate_plans(stats, workers, link, memory_bytes, optimizer_slots, layouts)[0]
+    plans = candidate_plans(stats, workers, link, memory_bytes, optimizer_slots, layouts, wire=wire)
+    return plans[0]
 
 
 def candidate_plans(
@@ -267,6 +277,7 @@ def candidate_plans(
     optimizer_slots: int = 1,
     layouts: Sequence[str | Layout] | None = None,
     within: float = 10.0,
+    wire: comm_wire.Wire = comm_wire.DEFAULT,
 ) -> list[Plan]:
     """The plans worth timing (``choose_measured``), least modelled time first: the best
     modelled plan of each set of sharded exchanges (none, column, row, table-wise and
@@ -288,6 +299,7 @@ def candidate_plans(
       layouts: the layouts to choose from (``None``: ``priced()``).
       within: candidates modelled slower than this many times the best are left out
         (a 1M-row table data parallel is not worth a compile).
+      wire: the codecs rows and their gradients travel in.
 
     Returns:
       One ``Plan`` or more.
@@ -309,9 +321,11 @@ def candidate_plans(
     allowed += [([x], (x,) if x.sharded else ()) for x in chosen]  # one layout alone
     found: dict[str, Plan] = {}
     for names, group in allowed:
-        plan = _plan_within(stats, workers, link, optimizer_slots, names)
+        plan = _plan_within(stats, workers, link, optimizer_slots, wire, names)
         if plan is not None:
-            plan = _fit_memory(plan, stats, workers, link, optimizer_slots, group, memory_bytes)
+            plan = _fit_memory(
+                plan, stats, workers, link, optimizer_slots, wire, group, memory_bytes
+            )
         if plan is None:
             continue
         key = json.dumps(plan.layouts().names(), sort_keys=True)
@@ -362,23 +376,23 @@ def choose_measured(
     return candidates[best], seconds
 
 
-def _plan_within(stats, workers, link, slots, allowed: list[Layout]) -> Plan | None:
+def _plan_within(stats, workers, link, slots, wire, allowed: list[Layout]) -> Plan | None:
     if not allowed:
         return None
     choices = []
     for s in stats:
         options = [
-            _choice(s, x, x.pricing.table(s, workers, link, slots))
+            _choice(s, x, x.pricing.table(s, workers, link, slots, wire))
             for x in allowed
             if x.pricing.serves(s)
         ]
         if not options:  # a softmax table, table-wise only
             return None
         choices.append(min(options, key=lambda c: c.seconds))
-    return _total(choices, stats, workers, link, slots)
+    return _total(choices, stats, workers, link, slots, wire)
 
 
-def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -> Plan:
+def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int, wire) -> Plan:
     """The plan of ``choices``, the tables of layouts priced together (table-wise
     packs) priced by ``Pricing.together``."""
     choices = list(choices)
@@ -387,7 +401,7 @@ def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -
         if layout.pricing.together is None:
             continue
         mine = [k for k, c in enumerate(choices) if c.layout == layout.name]
-        prices = layout.pricing.together([stats[k] for k in mine], workers, link, slots)
+        prices = layout.pricing.together([stats[k] for k in mine], workers, link, slots, wire)
         for k, price in zip(mine, prices, strict=True):
             choices[k] = _choice(stats[k], layout, price)
     used = {c.layout for c in choices}
@@ -395,26 +409,26 @@ def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int) -
     return Plan(tuple(choices), seconds, sum(c.memory for c in choices), workers)
 
 
-def _fit_memory(plan, stats, workers, link, slots, group, memory_bytes) -> Plan | None:
+def _fit_memory(plan, stats, workers, link, slots, wire, group, memory_bytes) -> Plan | None:
     """Moves tables to a sharded layout of ``group``, the most memory saved per second
     added first, until the plan fits (``None`` when it cannot)."""
     if memory_bytes is None or plan.memory <= memory_bytes:
         return plan
     choices = list(plan.choices)
-    while _total(choices, stats, workers, link, slots).memory > memory_bytes:
+    while _total(choices, stats, workers, link, slots, wire).memory > memory_bytes:
         moves = []
         for i, (c, s) in enumerate(zip(choices, stats, strict=True)):
             if registry.get(c.layout).sharded:
                 continue
             for x in (x for x in group if x.pricing.serves(s)):
-                new = _choice(s, x, x.pricing.table(s, workers, link, slots))
+                new = _choice(s, x, x.pricing.table(s, workers, link, slots, wire))
                 saved = c.memory - new.memory
                 moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))
         if not moves:
             return None
         _, i, new = max(moves, key=lambda m: m[0])
         choices[i] = new
-    return _total(choices, stats, workers, link, slots)
+    return _total(choices, stats, workers, link, slots, wire)
 
 
 def describe(plan: Mapping[str, Any]) -> str:

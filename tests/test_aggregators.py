@@ -362,7 +362,7 @@ def test_flat_allreduce_carries_every_workers_scalars_exactly(comm_dtype):
         return mean["g"][None], every[None]
 
     def plain(x, e):  # the mean by wire.psum: the all-to-all and all-gather, no extra
-        return wire.psum(x[0], "data", wire.wire_dtype(comm_dtype), scatter=True)[None] / N
+        return wire.psum(x[0], "data", wire.codec(comm_dtype), scatter=True)[None] / N
 
     specs = dict(mesh=mesh, in_specs=(P("data"),) * 2)  # check_vma on, as by default
     fn = jax.jit(jax.shard_map(carrying, out_specs=(P("data"),) * 2, **specs))

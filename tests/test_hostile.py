@@ -337,6 +337,34 @@ def test_a_criteo_file_too_small_to_hold_out_a_batch(tmp_path, capsys):
     assert "held out, has 4, fewer than one --batch of 8" in one_line(capsys)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--comm-dtype", "fp8"], "--comm-dtype 'fp8' is unknown; choose one of"),
+        (["--comm-dtype", "forward=e4m3"], "gives forward 'e4m3'; choose one of"),
+        (["--comm-dtype", "sideways=bfloat16"], "names 'sideways'; directions are"),
+        (["--comm-dtype", "dense=bfloat16,dense=float32"], "gives 'dense' twice"),
+        (
+            ["--comm-dtype", "float8_e4m3fn", "--strategy", "embrace_2d"],
+            "--comm-dtype float8_e4m3fn is not available for embrace_2d",
+        ),
+        (
+            ["--comm-dtype", "dense=float8_e5m2", "--strategy", "embrace+topk_a2a"],
+            "narrows the dense mean, which embrace+topk_a2a sends by top-k in float32",
+        ),
+        (
+            ["--comm-dtype", "float8_e4m3fn", "--strategy", "topk_allgather"],
+            "--comm-dtype float8_e4m3fn is not available for topk_allgather",
+        ),
+    ],
+)
+def test_a_wire_that_cannot_be_is_one_line(capsys, flags, message):
+    """Unknown codecs and directions, a direction twice, FP8 where the strategy cannot
+    carry it: exit 2, one line naming --comm-dtype, before anything runs."""
+    assert main([*TINY, "--strategy", "embrace", "--optimizer", "sgd", *flags]) == 2
+    assert message in one_line(capsys)
+
+
 def test_a_deeply_nested_plan_is_one_line(capsys):
     plan = "[" * 100_000 + "]" * 100_000
     assert main([*TINY, "--strategy", "embrace", "--plan", plan]) == 2
@@ -375,6 +403,7 @@ def test_the_command_line_process_exits_2_with_one_line_and_no_traceback(tmp_pat
     cases = [
         [*CRITEO, "--batch", "4", "--data-dir", str(tmp_path)],
         [*TINY, "--strategy", "embrace", "--plan", "[" * 50_000],
+        [*TINY, "--strategy", "embrace", "--comm-dtype", "forward=float8_e4m3fn,forward=float32"],
     ]
     for args in cases:
         done = subprocess.run(

@@ -18,6 +18,7 @@ from experiments.train.checkpoints import resumed_config
 from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import checkpoint, planner
+from sparsecomm_jax.comm import wire
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import access, layouts, tablewise
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
@@ -338,3 +339,23 @@ def test_a_table_read_by_a_full_softmax_is_never_table_wise():
         planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table"])
     tight = planner.plan_tables(mid, 4, SLOW, memory_bytes=4.5e5, layouts=["dense", "table", "row"])
     assert names(tight)["t0"] == "row" and tight.memory <= 4.5e5
+
+
+def test_the_planner_prices_the_chosen_wire():
+    """Each layout's bytes with FP8 rows (a float32 scale a row) and a bfloat16 dense
+    mean, from the float32 formula's terms: ids 4 bytes, rows out and back in their
+    codecs."""
+    s = planner.TableStats("t", 10_000, 64, 512, 300, 90)
+    link, p = Link(0.0, 1.0), 4
+    spec = wire.parse("forward=float8_e4m3fn,backward=float8_e5m2,dense=bfloat16")
+
+    def nbytes(layout, chosen=spec):
+        return planner.layout_cost(s, layout, p, link, 0, wire=chosen).bytes
+
+    assert nbytes("row") == (p - 1) * 90 * (4 + 2 * (64 + 4))
+    assert nbytes("column") == (p - 1) * 300 * (4 + 2 * (64 // p + 4))
+    assert nbytes("replicated") == (p - 1) * 512 * (64 + 4 + 4)
+    assert nbytes("dense") == nbytes("dense", wire.DEFAULT) / 2
+    assert nbytes("row", wire.DEFAULT) == (p - 1) * 90 * (4 + 2 * 64 * 4)
+    plan = planner.plan_tables([s], p, Link.from_bandwidth(0.1), wire=spec)
+    assert plan.choices[0].bytes == nbytes(plan.choices[0].layout)

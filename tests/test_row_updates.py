@@ -16,7 +16,7 @@ from experiments.train import main, train_and_evaluate, validate
 from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import row_optimizers, runtime
-from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.comm import costmodel, hlo, wire
 from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_eighth
 from sparsecomm_jax.step import placement
 
@@ -134,9 +134,18 @@ def test_lazy_adam_matches_single_device_reference(strategy, per, schedule):
     np.testing.assert_array_equal(got["embed"]["embedding"][untouched], before[untouched])
 
 
-@pytest.mark.parametrize("strategy", ["embrace", "embrace_2d"])
-def test_nonfinite_rows_skip_the_step(strategy):
-    """Only the table's gradient rows hold NaN at step 1: the check looks at the rows."""
+@pytest.mark.parametrize(
+    "strategy, comm_dtype",
+    [
+        ("embrace", "float32"),
+        ("embrace_2d", "float32"),
+        ("embrace", "float8_e4m3fn"),
+        ("embrace_rowwise", "forward=float8_e5m2,backward=float8_e4m3fn"),
+    ],
+)
+def test_nonfinite_rows_skip_the_step(strategy, comm_dtype):
+    """Only the table's gradient rows hold NaN at step 1: the check looks at the rows
+    (in FP8 a row's NaN makes its scale NaN: the whole row arrives NaN)."""
     w = get_workload("lstm_lm", seed=4, **SMALL, sampled_softmax=16)
 
     def batch_at(step):
@@ -159,6 +168,7 @@ def test_nonfinite_rows_skip_the_step(strategy):
         replicated_keys=w.replicated_keys,
         embedding_paths=w.embedding_paths,
         table_update="rows",
+        comm_dtype=comm_dtype,
     )
     state, _ = ts.step(ts.state, place(ts, bad, 0, 2))
     before = jax.tree.map(np.asarray, ts.host_params(state))
@@ -168,9 +178,9 @@ def test_nonfinite_rows_skip_the_step(strategy):
         np.testing.assert_array_equal(a, b)
 
 
-def _row_bytes(strategy, comm_dtype):
+def _row_bytes(strategy, comm_dtype, dim=16):
     w = get_workload(
-        "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32, sampled_softmax=16
+        "lstm_lm", seed=5, vocab=512, dim=dim, hidden=16, seq_len=8, batch=32, sampled_softmax=16
     )
     ts = sc.make_train_step(
         w.loss,
@@ -195,6 +205,60 @@ def test_bfloat16_wire_halves_the_bytes():
     bf16, colls = _row_bytes("embrace", "bfloat16")
     assert bf16 == pytest.approx(f32 / 2, rel=0.02)
     assert not [c for c in colls if c.shapes[0][0] == "f32" and c.kind != "all-reduce"]
+
+
+def test_each_exchange_travels_in_its_own_codec_to_the_byte():
+    """forward FP8 (a float32 scale per row of D/P), backward bfloat16, dense mean FP8
+    (a scale per block): each collective's compiled bytes from float32's by the codec's
+    formulas (``wire.row_bytes``; ``costmodel.flat_mean_cost``, whose two halves are
+    the all-to-all and the all-gather); ids untouched."""
+    spec = "forward=float8_e4m3fn,backward=bfloat16,dense=float8_e5m2"
+    _, f32 = _row_bytes("embrace", "float32", dim=64)
+    _, narrow = _row_bytes("embrace", spec, dim=64)
+    width, num = 64 // 8, 8
+    a2a = [c.bytes_sent for c in f32 if c.kind == "all-to-all"]
+    rows = [b for b in a2a if a2a.count(b) == 2]  # forward and back: the same rows
+    (dense_a2a,) = [b for b in a2a if a2a.count(b) == 1]
+    (dense_ag,) = [c for c in f32 if c.kind == "all-gather" and c.shapes[0][0] == "f32"]
+    assert len(rows) == 2
+    row_count = rows[0] // (4 * width)  # (P-1) x slots
+    size = dense_a2a * num // (4 * (num - 1))  # d (a multiple of P here)
+    extra = dense_ag.bytes_sent // (4 * (num - 1)) - size // num  # the step's scalars
+    share = wire.flat_bytes(wire.padded(size, num, wire.E5M2) // num, wire.E5M2)
+    want = [
+        row_count * wire.row_bytes(width, wire.E4M3),
+        row_count * wire.row_bytes(width, wire.BFLOAT16),
+        (num - 1) * share,
+        (num - 1) * (share + 4 * extra),
+    ]
+    assert sum(want[2:]) == costmodel.flat_mean_cost(size, num, wire.E5M2, extra)[1]
+    ids = [c.bytes_sent for c in narrow if c.shapes[0][0] == "s32"]
+    assert ids == [c.bytes_sent for c in f32 if c.shapes[0][0] == "s32"]
+    assert sorted(c.bytes_sent for c in narrow if c.shapes[0][0] != "s32") == sorted(want)
+
+
+@pytest.mark.parametrize(
+    "strategy, spec",
+    [
+        ("embrace", "float8_e4m3fn"),
+        ("embrace_rowwise", "forward=float8_e4m3fn,backward=float8_e5m2,dense=bfloat16"),
+        ("sparse_allgather", "float8_e5m2"),
+        ("embrace+topk_a2a", "forward=float8_e4m3fn,backward=float8_e4m3fn"),
+    ],
+)
+def test_fp8_training_follows_float32(strategy, spec):
+    """Steps with FP8 rows stay close to the same strategy's float32 steps (one device's
+    reference for the lossless ones): FP8 rounds each value to 3 or 2 mantissa bits of
+    its row's scale, and every sum is float32. A top-k strategy narrows its rows only."""
+    w = get_workload("lstm_lm", seed=7, **SMALL, sampled_softmax=16)
+    params = w.init(jax.random.key(7))
+    kw = dict(table_update="rows", density=0.5)
+    ref, ref_params, _ = strategy_run(w, optax.sgd(0.5), params, 4, strategy, **kw)
+    got, got_params, ts = strategy_run(
+        w, optax.sgd(0.5), params, 4, strategy, comm_dtype=spec, **kw
+    )
+    assert got == pytest.approx(ref, rel=0.02) and got != ref  # rounded, not float32
+    assert_trees_close(got_params, ref_params, rtol=0.1, atol=0.02)
 
 
 def test_embrace_sends_each_distinct_row_once():
@@ -237,7 +301,7 @@ def test_bad_input_fails_before_compiling():
     w = get_workload("lstm_lm", **SMALL)
     args = (w.loss, optax.sgd(0.1), runtime.data_mesh(8), w.init(jax.random.key(0)))
     kw = dict(embedding_paths=w.embedding_paths)
-    with pytest.raises(ValueError, match="unknown comm_dtype 'float8'"):
+    with pytest.raises(ValueError, match="comm_dtype='float8' is unknown"):
         sc.make_train_step(*args, "embrace", comm_dtype="float8", **kw)
     with pytest.raises(ValueError, match="table_update='rows' needs a strategy among"):
         sc.make_train_step(*args, "dense", table_update="rows", **kw)
@@ -245,16 +309,19 @@ def test_bad_input_fails_before_compiling():
         sc.make_train_step(*args, "embrace", comm_dtype="bfloat16", table_update="dense", **kw)
     with pytest.raises(ValueError, match="comm_dtype='bfloat16' is not available for embrace_2d"):
         sc.make_train_step(*args, "embrace_2d", comm_dtype="bfloat16", table_update="rows", **kw)
+    spec = "forward=float8_e4m3fn,dense=bfloat16"
+    with pytest.raises(ValueError, match="which embrace\\+topk_a2a sends by top-k in float32"):
+        sc.make_train_step(*args, "embrace+topk_a2a", comm_dtype=spec, **kw)
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (dict(comm_dtype="float8"), "unknown --comm-dtype 'float8'"),
+        (dict(comm_dtype="float8"), "--comm-dtype 'float8' is unknown"),
         (dict(optimizer="momentum", table_update="rows"), "momentum has no row-sparse"),
         (dict(optimizer="lazy_adam", strategy="dense"), "lazy_adam is a row-sparse"),
         (dict(comm_dtype="bfloat16", optimizer="adam"), "needs the row-sparse table update"),
-        (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "no top-k"),
+        (dict(comm_dtype="bfloat16", strategy="embrace+topk_a2a"), "sends by top-k in float32"),
         (dict(table_update="rows", strategy="dense"), "needs a strategy among"),
         (dict(comm_dtype="bfloat16", strategy="embrace_2d"), "not available for embrace_2d"),
     ],
@@ -268,7 +335,7 @@ def test_cli_rejects_before_jax_starts(flags, message):
 def test_cli_error_is_one_line(capsys):
     assert main(["--strategy", "embrace", "--comm-dtype", "fp8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "argument --comm-dtype: invalid choice: 'fp8'" in err and "\n" not in err
+    assert "--comm-dtype 'fp8' is unknown" in err and "\n" not in err
 
 
 def test_row_states_resume_from_a_checkpoint(tmp_path):

@@ -1,6 +1,6 @@
 """Table gradients through each layout (``embedding.gradients``) against dense autodiff on
 one device; the bfloat16 wire: close to float32 and half the bytes of the compiled
-collectives."""
+collectives; FP8 rows close to float32."""
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ def _inputs(seed):
     return params, {"ids": ids, "neg": rng.integers(0, V, size=5).astype(np.int32)}
 
 
-def _row_step(layout_name, dtype, loss=_loss):
+def _row_step(layout_name, comm_dtype, loss=_loss):
     """shard_map: the mean table gradient, scattered back into a dense shard."""
     mesh = runtime.data_mesh(N)
     layout, mask = LAYOUTS[layout_name], {"t": True, "w": False}
@@ -51,7 +51,7 @@ def _row_step(layout_name, dtype, loss=_loss):
 
     def body(params, batch):
         _, grads, pairs, _ = gradients.table_gradients(
-            loss, params, batch, tables, mask, SLOTS, "data", dtype
+            loss, params, batch, tables, mask, SLOTS, "data", wire.parse(comm_dtype)
         )
         dense = update.dense_gradient(pairs[0], params["t"], N)  # the mean, as a shard
         return dense, grads["w"][None]  # per worker: no all-reduce in the program
@@ -77,7 +77,7 @@ def _reference(params, batch):
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 def test_row_grads_equal_dense_gradient(layout_name):
     params, batch = _inputs(seed=len(layout_name))
-    fn, mesh, spec = _row_step(layout_name, jnp.float32)
+    fn, mesh, spec = _row_step(layout_name, "float32")
     placed = (
         {"t": runtime.put_global(params["t"], mesh, spec), "w": params["w"]},
         {"ids": runtime.put_global(batch["ids"], mesh, P("data")), "neg": batch["neg"]},
@@ -86,12 +86,15 @@ def test_row_grads_equal_dense_gradient(layout_name):
     ref = _reference(params, batch)
     np.testing.assert_allclose(runtime.to_host(table), ref["t"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(w).mean(axis=0), ref["w"], rtol=1e-5, atol=1e-6)
-    fn16 = _row_step(layout_name, jnp.bfloat16)[0]
+    fn16 = _row_step(layout_name, "bfloat16")[0]
     table16, _ = fn16(*placed)
     np.testing.assert_allclose(runtime.to_host(table16), ref["t"], rtol=0.05, atol=2e-3)
+    table8, _ = _row_step(layout_name, "forward=float8_e4m3fn,backward=float8_e5m2")[0](*placed)
+    scale = np.abs(ref["t"]).max()  # FP8: within half an ulp of each row's scale, summed
+    np.testing.assert_allclose(runtime.to_host(table8), ref["t"], rtol=0.15, atol=0.02 * scale)
     # without attend (its table gather stays float32) every row exchange halves
-    f32 = _float_bytes(_row_step(layout_name, jnp.float32, _sampled_loss)[0], placed)
-    bf16 = _float_bytes(_row_step(layout_name, jnp.bfloat16, _sampled_loss)[0], placed)
+    f32 = _float_bytes(_row_step(layout_name, "float32", _sampled_loss)[0], placed)
+    bf16 = _float_bytes(_row_step(layout_name, "bfloat16", _sampled_loss)[0], placed)
     assert bf16 == pytest.approx(f32 / 2, rel=0.05)
 
 
@@ -133,5 +136,5 @@ def test_flat_mean_is_pmean_with_half_the_bytes():
 
 
 def test_unknown_comm_dtype():
-    with pytest.raises(ValueError, match="unknown comm_dtype 'float16'; choose one of"):
-        wire.wire_dtype("float16")
+    with pytest.raises(ValueError, match="comm_dtype='float16' is unknown; choose one of"):
+        wire.codec("float16")

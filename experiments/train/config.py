@@ -24,9 +24,9 @@ from typing import Any
 from models import MODELS, config_fields
 from sparsecomm_jax import optimizers, parse_strategy, strategy_names
 from sparsecomm_jax.aggregators import AGGREGATORS
-from sparsecomm_jax.comm.wire import WIRE_DTYPES
+from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding.layouts import TablePlan
-from sparsecomm_jax.errors import few
+from sparsecomm_jax.errors import ArgumentError, few
 from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density
 
@@ -72,6 +72,15 @@ def bucket_size(v: str) -> str | None:
 def capacity_factor_range(v: float) -> str | None:
     """0 (sized by the spread) or a finite factor >= 1."""
     return None if v == 0 or (math.isfinite(v) and v >= 1) else f"must be 0 or >= 1, got {v}"
+
+
+def wire_spec(v: str) -> str | None:
+    """A codec's name, or ``direction=codec`` pairs (``comm.wire.parse``)."""
+    try:
+        wire.parse(v)
+    except ArgumentError as e:
+        return f"{v!r} {e.problem}"
+    return None
 
 
 def density_range(v: float) -> str | None:
@@ -123,9 +132,12 @@ class RunConfig:
     )
     comm_dtype: str = _field(
         "float32",
-        "dtype on the wire of the embedding rows and the "
-        "dense all-reduce (bfloat16 halves the bytes; sums in float32)",
-        choices=sorted(WIRE_DTYPES),
+        "precision on the wire, summed in float32: one codec for every exchange "
+        f"({', '.join(sorted(wire.CODECS))}; bfloat16 halves the bytes, FP8 quarters them "
+        "with a float32 scale a row), or each exchange's own, e.g. "
+        "forward=float8_e4m3fn,backward=bfloat16,dense=bfloat16 (the rows of the lookups, "
+        "their gradients, the dense layers' mean; unnamed ones float32)",
+        wire_spec,
     )
     lr: float = _field(1e-3, "learning rate (finite, > 0)", finite_at_least(0, strict=True))
     batch: int = _field(

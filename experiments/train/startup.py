@@ -32,7 +32,7 @@ import numpy as np
 from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import optimizers, place_for_step, planner, runtime
-from sparsecomm_jax.comm import costmodel, fusion
+from sparsecomm_jax.comm import costmodel, fusion, wire
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.topk import local_cost
 
@@ -219,7 +219,8 @@ def choose_plan(
     )
     memory = config.plan_memory_mb * 2**20 or None
     slots = optimizers.get(config.optimizer).slots
-    candidates = planner.candidate_plans(stats, config.devices, plan_link(config), memory, slots)
+    link, codecs = plan_link(config), wire.parse(config.comm_dtype)
+    candidates = planner.candidate_plans(stats, config.devices, link, memory, slots, wire=codecs)
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:

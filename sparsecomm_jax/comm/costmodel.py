@@ -58,7 +58,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
-from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.comm import hlo, wire
 
 _MESSAGES = {
     "all-reduce": lambda p: 2 * (p - 1),
@@ -120,6 +120,29 @@ def dense_cost(size: int, density: float, workers: int) -> tuple[float, float]:
     """``(messages, bytes per worker)`` of the ring all-reduce of ``size`` float32."""
     p = workers
     return (2 * (p - 1), 2 * (p - 1) / p * 4 * size) if p > 1 else (0, 0.0)
+
+
+def flat_mean_cost(
+    size: int, workers: int, codec: wire.Codec = wire.FLOAT32, extra: int = 0
+) -> tuple[float, float]:
+    """``(messages, bytes per worker)`` of the dense mean a table strategy sends as one
+    flat buffer (``aggregators.flat_allreduce``): ``size`` entries padded to ``d'``
+    (``wire.padded``: a multiple of P blocks), an all-to-all of the P-1 slices of d'/P
+    entries it does not own, and an all-gather of its slice's sums with ``extra``
+    float32 scalars (the step's loss and flags) as raw bits: ``(P-1)/P B(d') + (P-1)
+    (B(d'/P) + 4 extra)`` bytes, B the codec's bytes (``wire.flat_bytes``: FP8 one byte a
+    value and a float32 scale per ``wire.BLOCK``).
+
+    Example:
+        >>> flat_mean_cost(1024, 4, wire.E4M3)  # 2 blocks a worker: 3 x 264 out, 3 x 264 back
+        (6, 1584.0)
+    """
+    p = workers
+    if p == 1:
+        return 0, 0.0
+    d = wire.padded(size, p, codec)
+    share = wire.flat_bytes(d // p, codec)
+    return 2 * (p - 1), float((p - 1) * share + (p - 1) * (share + 4 * extra))
 
 
 def allgather_cost(size: int, density: float, workers: int) -> tuple[float, float]:

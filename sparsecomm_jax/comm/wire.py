@@ -1,114 +1,344 @@
-"""The dtype on the wire: collectives that send float32 or bfloat16 and sum in float32.
+"""The precision on the wire: collectives that send float32, bfloat16 or FP8 and sum
+in float32.
 
 An exchange of rows (embedding lookups, their gradients) or of the dense layers'
-gradients can travel in a narrower dtype: ``bfloat16`` halves the bytes. Values are cast
-to the wire dtype just before the collective and back to float32 on arrival, and every
-sum is taken in float32 at the receiver. A bfloat16 payload travels as its uint16 bits,
-so no backend widens the collective back to float32.
+gradients can travel narrower than float32: ``bfloat16`` halves the bytes, FP8
+(``float8_e4m3fn``, ``float8_e5m2``) quarters them. Values are encoded just before the
+collective and decoded to float32 on arrival, and every sum is taken in float32 at the
+receiver. A narrow payload travels as its bits (uint16, uint8), so no backend widens the
+collective (XLA on CPU widens an f8 all-to-all to f16, a bf16 one to f32).
+
+FP8 holds 3 (e4m3) or 2 (e5m2) bits of mantissa and a short range, so each row travels
+with one float32 scale, ``amax / FP8 max``, as 4 more bytes of the row (a ``Codec`` with
+``scaled``): every value of the row is divided by it before rounding and multiplied
+back on arrival. A flat buffer (the dense layers' mean) has one scale per ``BLOCK``
+entries. A row with a non-finite value arrives as NaN throughout, so the step's finite
+check sees it.
+
+Each of a step's three exchanges takes its own codec (``Wire``): the rows of the
+forward lookups, the row gradients on the way back, and the dense layers' mean.
 
 Example:
-    >>> import jax.numpy as jnp
     >>> from sparsecomm_jax.comm import wire
-    >>> wire.wire_dtype("bfloat16") == jnp.bfloat16
-    True
+    >>> w = wire.parse("forward=float8_e4m3fn,backward=bfloat16")
+    >>> w.forward.name, w.backward.name, w.dense.name
+    ('float8_e4m3fn', 'bfloat16', 'float32')
+    >>> wire.row_bytes(64, w.forward)  # 64 one-byte values and their float32 scale
+    68
 
 References:
     Mudigere et al., "High-performance, Distributed Training of Large-scale DLRMs", 2021
-    (quantized embedding communication).
+    (quantized embedding communication); Micikevicius et al., "FP8 Formats for Deep
+    Learning", 2022 (the e4m3 and e5m2 formats).
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsecomm_jax.comm import fusion
+from sparsecomm_jax.errors import ArgumentError
 
 F32 = jnp.float32
-WIRE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+SCALE_BYTES = 4  # one float32 scale per row (or per block) of a scaled codec
+BLOCK = 128  # entries of a flat buffer that share one scale
 
 
-def wire_dtype(name: str):
-    """The dtype called ``name`` in ``WIRE_DTYPES``; one-line ``ValueError`` otherwise."""
-    if name not in WIRE_DTYPES:
-        raise ValueError(f"unknown comm_dtype {name!r}; choose one of {sorted(WIRE_DTYPES)}")
-    return WIRE_DTYPES[name]
+class Codec(NamedTuple):
+    """One precision on the wire.
 
-
-def send(x, wire):
-    """``x`` as it travels: float32, or the ``wire`` bits as uint16 (data movement only)."""
-    if wire == F32:
-        return x.astype(F32)
-    return jax.lax.bitcast_convert_type(x.astype(wire), jnp.uint16)
-
-
-def receive(x, wire):
-    """What ``send`` sent, back in float32."""
-    return x if wire == F32 else jax.lax.bitcast_convert_type(x, wire).astype(F32)
-
-
-def a2a(x, axis: str, wire=F32):
-    """``all_to_all`` over the leading axis in ``wire``, back in float32.
-
-    Per worker (P=2): before w0 ``[a0, a1]``, w1 ``[b0, b1]``; after w0 ``[a0, b0]``,
-    w1 ``[a1, b1]`` (block j of every worker goes to worker j).
+    Attributes:
+      name: how ``--comm-dtype`` says it (``"float8_e4m3fn"``).
+      dtype: what each value is rounded to.
+      bits: the dtype the collective moves (float32 itself, or unsigned bits).
+      scaled: each row travels with a float32 scale (FP8's short range).
     """
-    return receive(jax.lax.all_to_all(send(x, wire), axis, 0, 0), wire)
+
+    name: str
+    dtype: Any
+    bits: Any
+    scaled: bool = False
+
+    @property
+    def narrow(self) -> bool:
+        """Whether it sends fewer bytes than float32 (and rounds)."""
+        return self.name != "float32"
 
 
-def gather(x, axis: str, wire=F32, dim: int = 0, to: str = "varying"):
-    """Tiled ``all_gather`` along ``dim`` in ``wire``, back in float32 (``to``:
-    ``"invarying"`` types the result replicated, for ``check_vma``).
+FLOAT32 = Codec("float32", jnp.float32, jnp.float32)
+BFLOAT16 = Codec("bfloat16", jnp.bfloat16, jnp.uint16)
+E4M3 = Codec("float8_e4m3fn", jnp.float8_e4m3fn, jnp.uint8, scaled=True)
+E5M2 = Codec("float8_e5m2", jnp.float8_e5m2, jnp.uint8, scaled=True)
+#: Every codec by name.
+CODECS: dict[str, Codec] = {c.name: c for c in (FLOAT32, BFLOAT16, E4M3, E5M2)}
+#: The exchanges of a step whose precision is chosen apart, in ``Wire``'s order.
+DIRECTIONS = ("forward", "backward", "dense")
 
-    Per worker (P=2, dim 0): before w0 ``[a]``, w1 ``[b]``; after both ``[a, b]``.
+
+class Wire(NamedTuple):
+    """The codec of each exchange of a step.
+
+    Attributes:
+      forward: the rows of the forward lookups.
+      backward: the row gradients on the way back to their owners.
+      dense: the dense layers' mean (and a dense table's gradient).
     """
-    gathered = jax.lax.all_gather(send(x, wire), axis, axis=dim, tiled=True, to=to)
-    return receive(gathered, wire)
+
+    forward: Codec = FLOAT32
+    backward: Codec = FLOAT32
+    dense: Codec = FLOAT32
+
+    @property
+    def name(self) -> str:
+        """One codec's name when all three agree, else ``forward=...,backward=...,dense=...``."""
+        if len(set(self)) == 1:
+            return self.forward.name
+        return ",".join(f"{d}={c.name}" for d, c in zip(DIRECTIONS, self, strict=True))
+
+    @property
+    def narrow(self) -> bool:
+        """Whether any exchange travels narrower than float32."""
+        return any(c.narrow for c in self)
 
 
-def psum(x, axis: str, wire=F32, scatter: bool = False):
-    """``psum`` of ``x``. In a narrow ``wire`` (or with ``scatter``) it is an all-to-all
+#: float32 on every exchange: the default, lossless.
+DEFAULT = Wire()
+
+
+def codec(name: str) -> Codec:
+    """The codec called ``name``; an ``ArgumentError`` naming ``comm_dtype`` otherwise."""
+    if name not in CODECS:
+        raise ArgumentError("comm_dtype", name, f"is unknown; choose one of {sorted(CODECS)}")
+    return CODECS[name]
+
+
+def parse(spec: str | Wire) -> Wire:
+    """A ``Wire`` from ``"bfloat16"`` (all three exchanges) or from
+    ``"forward=float8_e4m3fn,backward=bfloat16"`` (the directions not named stay
+    float32).
+
+    Example:
+        >>> parse("bfloat16").name
+        'bfloat16'
+        >>> parse("dense=float8_e5m2").name
+        'forward=float32,backward=float32,dense=float8_e5m2'
+
+    Raises:
+      ArgumentError: an unknown codec or direction, a direction given twice.
+    """
+    if isinstance(spec, Wire):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ArgumentError("comm_dtype", spec, f"must name a codec among {sorted(CODECS)}")
+    if "=" not in spec:
+        return Wire(*[codec(spec)] * 3)
+    chosen: dict[str, Codec] = {}
+    for part in spec.split(","):
+        direction, _, name = part.partition("=")
+        if direction not in DIRECTIONS:
+            raise ArgumentError(
+                "comm_dtype", spec, f"names {direction!r}; directions are {list(DIRECTIONS)}"
+            )
+        if direction in chosen:
+            raise ArgumentError("comm_dtype", spec, f"gives {direction!r} twice")
+        if name not in CODECS:
+            raise ArgumentError(
+                "comm_dtype", spec, f"gives {direction} {name!r}; choose one of {sorted(CODECS)}"
+            )
+        chosen[direction] = CODECS[name]
+    return Wire(**chosen)
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def row_bytes(width: int, c: Codec) -> int:
+    """Bytes on the wire of one row of ``width`` values (its scale included)."""
+    return width * np.dtype(c.bits).itemsize + (SCALE_BYTES if c.scaled else 0)
+
+
+def block(size: int, c: Codec) -> int:
+    """The entries that share a scale in a flat slice of ``size`` entries: ``BLOCK``,
+    or the whole slice when it is shorter (a small buffer pays one scale, not a
+    block of padding)."""
+    return min(size, BLOCK) if c.scaled else max(size, 1)
+
+
+def flat_bytes(size: int, c: Codec) -> int:
+    """Bytes on the wire of a flat slice of ``size`` entries (a multiple of
+    ``block(size, c)``): one scale per block for a scaled codec."""
+    if not c.scaled:
+        return row_bytes(size, c)
+    b = block(size, c)
+    return size // b * row_bytes(b, c)
+
+
+def _fp8_max(c: Codec) -> float:
+    return float(jnp.finfo(c.dtype).max)
+
+
+def encode(x, c: Codec):
+    """float ``x[..., w]`` as the bits the collective moves: ``[..., w]`` for an
+    unscaled codec; uint8 ``[..., w + 4]`` for a scaled one, the row's values divided by
+    its scale ``amax / max`` and its float32 scale's 4 bytes after them."""
+    x = x.astype(F32)
+    if c.bits == F32:
+        return x
+    if not c.scaled:
+        return jax.lax.bitcast_convert_type(x.astype(c.dtype), c.bits)
+    fmax = _fp8_max(c)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # NaN or inf: the row is lost
+    scale = jnp.where(amax == 0, 1.0, amax * F32(1 / fmax))  # float[..., 1]
+    values = jnp.clip(x / scale, -fmax, fmax).astype(c.dtype)
+    scale_bits = jax.lax.bitcast_convert_type(scale, c.bits).reshape(*x.shape[:-1], SCALE_BYTES)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(values, c.bits), scale_bits], -1)
+
+
+def decode(bits, c: Codec):
+    """``encode`` undone: float32 ``[..., w]``."""
+    if c.bits == F32:
+        return bits
+    if not c.scaled:
+        return jax.lax.bitcast_convert_type(bits, c.dtype).astype(F32)
+    values = jax.lax.bitcast_convert_type(bits[..., :-SCALE_BYTES], c.dtype).astype(F32)
+    scale = jax.lax.bitcast_convert_type(bits[..., -SCALE_BYTES:], F32)  # float[...]
+    return values * scale[..., None]
+
+
+def encode_flat(x, c: Codec):
+    """float ``x[..., n]`` (n a multiple of ``block(n, c)``) encoded in blocks:
+    bits[..., m]."""
+    blocks = x.reshape(*x.shape[:-1], -1, block(x.shape[-1], c))
+    return encode(blocks, c).reshape(*x.shape[:-1], -1)
+
+
+def decode_flat(bits, c: Codec, size: int):
+    """``encode_flat`` of ``size`` entries undone: float32 ``[..., size]``."""
+    width = row_bytes(block(size, c), c) // np.dtype(c.bits).itemsize
+    blocks = bits.reshape(*bits.shape[:-1], -1, width)
+    return decode(blocks, c).reshape(*bits.shape[:-1], size)
+
+
+# --------------------------------------------------------------- collectives
+
+
+def a2a_rows(blocks: list, axis: str, c: Codec = FLOAT32) -> list:
+    """``all_to_all`` of several blocks of rows in one collective, each row encoded by
+    ``c`` (its own scale for FP8), back in float32.
+
+    Per worker (P=2, one block of one row): before w0 ``[[a0], [a1]]``, w1
+    ``[[b0], [b1]]``; after w0 ``[[a0], [b0]]``, w1 ``[[a1], [b1]]`` (slice j of every
+    worker goes to worker j).
+
+    Args:
+      blocks: per block float[P, r, w] (slice j of its leading axis goes to worker j;
+        the widths may differ).
+      axis: the mesh axis.
+      c: the codec.
+
+    Returns:
+      per block float32[P, r, w]: slice j from worker j.
+    """
+    num = jax.lax.axis_size(axis)
+    sent = [encode(b, c).reshape(num, -1) for b in blocks]  # bits[P, r * w']
+    got = jax.lax.all_to_all(jnp.concatenate(sent, 1), axis, 0, 0)
+    ends = np.cumsum([0, *(s.shape[1] for s in sent)])
+    return [
+        decode(got[:, a:e].reshape(b.shape[0], b.shape[1], -1), c)
+        for b, a, e in zip(blocks, ends[:-1], ends[1:], strict=True)
+    ]
+
+
+def gather_rows(blocks: list, axis: str, c: Codec = FLOAT32, to: str = "varying") -> list:
+    """Every worker's blocks of rows in one ``all_gather``, encoded by ``c``, back in
+    float32 (``to="invarying"`` types the result replicated, for ``check_vma``).
+
+    Per worker (P=2): before w0 ``[a]``, w1 ``[b]``; after both ``[[a], [b]]``.
+
+    Args:
+      blocks: per block float[r, w].
+      axis: the mesh axis.
+      c: the codec.
+      to: ``all_gather``'s ``to``.
+
+    Returns:
+      per block float32[P, r, w]: worker j's block at j.
+    """
+    sent = [encode(b, c).reshape(-1) for b in blocks]  # bits[r * w']
+    every = jax.lax.all_gather(jnp.concatenate(sent), axis, to=to)  # bits[P, sum]
+    ends = np.cumsum([0, *(s.shape[0] for s in sent)])
+    return [
+        decode(every[:, a:e].reshape(every.shape[0], b.shape[0], -1), c)
+        for b, a, e in zip(blocks, ends[:-1], ends[1:], strict=True)
+    ]
+
+
+def psum(x, axis: str, c: Codec = FLOAT32, scatter: bool = False):
+    """``psum`` of ``x``. In a narrow codec (or with ``scatter``) it is an all-to-all
     (each worker gets every worker's copy of one 1/P slice), a float32 sum, and an
-    all-gather of the sums: the bytes of a ring all-reduce in ``wire``, summed in
+    all-gather of the sums: the bytes of a ring all-reduce in the codec, summed in
     float32, in two collectives of one operand each.
 
     Per worker (P=2): before w0 ``[1, 2]``, w1 ``[3, 4]``; after both ``[4, 6]``.
     """
-    if wire == F32 and not scatter:
+    if not c.narrow and not scatter:
         return jax.lax.psum(x, axis)
-    mine = _my_slice_summed(x, axis, wire)  # float[d/P]
-    return gather(mine, axis, wire, to="invarying")[: x.size].reshape(x.shape)
+    mine = _my_slice_summed(x, axis, c)  # float[d'/P]
+    return gather_carrying(mine, jnp.zeros(0, F32), axis, c)[0][: x.size].reshape(x.shape)
 
 
-def _my_slice_summed(x, axis: str, wire):
-    """``x`` flattened and padded to a multiple of P; this worker's 1/P slice summed
-    over the workers (an all-to-all in ``wire``, the sum in float32): float[d/P]."""
+def padded(size: int, workers: int, c: Codec) -> int:
+    """The length a flat buffer of ``size`` entries is padded to before ``psum``'s
+    all-to-all: P slices, each of whole blocks (``block``).
+
+    Example:
+        >>> padded(80, 8, E4M3), padded(1000, 4, E4M3), padded(1000, 4, FLOAT32)
+        (80, 1024, 1000)
+    """
+    if not c.scaled:
+        return fusion.padded_size(size, workers)
+    share = -(-size // workers)
+    if share > BLOCK:
+        share = -(-share // BLOCK) * BLOCK
+    return workers * share
+
+
+def _my_slice_summed(x, axis: str, c: Codec):
+    """``x`` flattened and padded (``padded``); this worker's 1/P slice summed over the
+    workers (an all-to-all in the codec, the sum in float32): float[d'/P]."""
     num, flat = jax.lax.axis_size(axis), x.reshape(-1)  # x: float[d]
-    flat = jnp.pad(flat, (0, fusion.padded_size(flat.shape[0], num) - flat.shape[0]))
-    return a2a(flat.reshape(num, -1), axis, wire).sum(axis=0)
+    size = padded(flat.shape[0], num, c)
+    flat = jnp.pad(flat.astype(F32), (0, size - flat.shape[0]))
+    sent = encode_flat(flat.reshape(num, -1), c)  # bits[P, m]
+    got = jax.lax.all_to_all(sent, axis, 0, 0)  # bits[P, m]: every worker's copy of my slice
+    return decode_flat(got, c, size // num).sum(axis=0)
 
 
-def as_wire_bits(x, wire):
-    """float32 ``x`` as bits in the type ``send`` puts on the wire (float32 itself, or
-    two uint16 per value): moved by a collective, not summed, they arrive exactly."""
+def as_wire_bits(x, c: Codec):
+    """float32 ``x`` as bits of the type the codec moves (float32 itself, or two uint16
+    or four uint8 per value): moved by a collective, not summed, they arrive exactly."""
     x = x.astype(F32)
-    if wire == F32:
+    if c.bits == F32:
         return x
-    return jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1)  # uint16[2k]
+    return jax.lax.bitcast_convert_type(x, c.bits).reshape(-1)  # bits[k * 4 / size]
 
 
-def from_wire_bits(bits, wire):
+def from_wire_bits(bits, c: Codec):
     """``as_wire_bits`` undone along the last axis: float32[..., k]."""
-    if wire == F32:
+    if c.bits == F32:
         return bits
-    pairs = bits.reshape(*bits.shape[:-1], -1, 2)
-    return jax.lax.bitcast_convert_type(pairs, F32)
+    per = SCALE_BYTES // np.dtype(c.bits).itemsize
+    return jax.lax.bitcast_convert_type(bits.reshape(*bits.shape[:-1], -1, per), F32)
 
 
-def psum_carrying(x, extra, axis: str, wire=F32):
-    """``psum(x, axis, wire, scatter=True)``, and every worker's float32 ``extra``
+def psum_carrying(x, extra, axis: str, c: Codec = FLOAT32):
+    """``psum(x, axis, c, scatter=True)``, and every worker's float32 ``extra``
     (a few scalars: a loss, flags) carried as raw bits at the end of each worker's
-    share of the all-gather: no collective of their own, exact in any ``wire``.
+    share of the all-gather: no collective of their own, exact in any codec.
 
     Per worker (P=2): before w0 ``x=[1, 2], extra=[a]``, w1 ``x=[3, 4], extra=[b]``;
     after both ``([4, 6], [[a], [b]])``.
@@ -116,15 +346,16 @@ def psum_carrying(x, extra, axis: str, wire=F32):
     Returns:
       ``(sum shaped like x, float32[P, k] every worker's extra in worker order)``.
     """
-    mine = _my_slice_summed(x, axis, wire)  # float[d/P]
-    sums, every = gather_carrying(mine, extra, axis, wire)  # float[P*d/P], float[P, k]
+    mine = _my_slice_summed(x, axis, c)  # float[d'/P]
+    sums, every = gather_carrying(mine, extra, axis, c)  # float[d'], float[P, k]
     return sums[: x.size].reshape(x.shape), every
 
 
-def gather_carrying(x, extra, axis: str, wire=F32):
-    """Tiled all-gather of float[n] ``x`` in ``wire`` (back in float32, typed
-    replicated), with every worker's float32 ``extra`` as raw bits at the end of its
-    share: the scalars of a step travel in a collective it makes anyway.
+def gather_carrying(x, extra, axis: str, c: Codec = FLOAT32):
+    """Tiled all-gather of float[n] ``x`` in the codec (n a multiple of ``block(n, c)``;
+    back in float32, typed replicated), with every worker's float32 ``extra`` as raw
+    bits at the end of its share: the scalars of a step travel in a collective it makes
+    anyway.
 
     Per worker (P=2): before w0 ``x=[1], extra=[a]``, w1 ``x=[2], extra=[b]``; after
     both ``([1, 2], [[a], [b]])``.
@@ -132,8 +363,9 @@ def gather_carrying(x, extra, axis: str, wire=F32):
     Returns:
       ``(float32[P*n], float32[P, k])``.
     """
-    bits = as_wire_bits(extra, wire)  # [k] or uint16[2k]
-    share = jnp.concatenate([send(x, wire), bits])  # [n + bits]
-    every = jax.lax.all_gather(share, axis, to="invarying")  # [P, n + bits]
-    n = x.shape[0]
-    return receive(every[:, :n], wire).reshape(-1), from_wire_bits(every[:, n:], wire)
+    sent = encode_flat(x, c)  # bits[m]
+    share = jnp.concatenate([sent, as_wire_bits(extra, c)])  # bits[m + extra's bits]
+    every = jax.lax.all_gather(share, axis, to="invarying")  # bits[P, m + ...]
+    m = sent.shape[0]
+    values = decode_flat(every[:, :m], c, x.shape[0]).reshape(-1)
+    return values, from_wire_bits(every[:, m:], c)

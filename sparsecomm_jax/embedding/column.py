@@ -47,6 +47,7 @@ from sparsecomm_jax.embedding.layout import (
     Price,
     Pricing,
     TableStats,
+    both_ways,
     distinct_per_worker,
     grow_by_eighth,
 )
@@ -109,7 +110,9 @@ def _every(plans: dict, travels: set, axis: str, num: int) -> dict[int, jax.Arra
     return every
 
 
-def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
+def fetch(
+    shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+) -> Fetched:
     """Rows of every read of a step through one exchange of distinct rows.
 
     Use inside ``shard_map``. Each worker finds its own distinct ids of each table (one
@@ -121,7 +124,7 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
       capacity: table index -> C, slots for the distinct ids one worker reads of the
         table (``CAPACITY``); ids beyond it get NaN rows (never silently wrong).
       axis: the mesh axis.
-      wire: the dtype rows travel in.
+      wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
 
     Returns:
       A ``Fetched``: its ``back(grads)`` gives, per table, this worker's columns of every
@@ -133,15 +136,12 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
     travels = {r.table for r in reads if r.kind == LOOKUP}
     every = _every(plans, travels, axis, num)  # table -> int[P, C]
     cols = [
-        jnp.take(shards[i], every[i], axis=0, mode="fill", fill_value=0).reshape(num, -1)
-        for i in order
-    ]  # float[P, C * D/P]: my columns of each worker's distinct rows
-    got = comm_wire.a2a(jnp.concatenate(cols, axis=1), axis, wire)  # [P, sum C * D/P]
-    table_rows, missed, off = {}, {}, 0
-    for i in order:
+        jnp.take(shards[i], every[i], axis=0, mode="fill", fill_value=0) for i in order
+    ]  # per table float[P, C, D/P]: my columns of each worker's distinct rows
+    got = comm_wire.a2a_rows(cols, axis, wire.forward)  # per table [P, C, D/P]
+    table_rows, missed = {}, {}
+    for i, block in zip(order, got, strict=True):
         (uniq, slot), width = plans[i], shards[i].shape[1]
-        block = got[:, off : off + uniq.shape[0] * width].reshape(num, -1, width)
-        off += uniq.shape[0] * width
         full = jnp.swapaxes(block, 0, 1).reshape(uniq.shape[0], num * width)  # [C, D]
         found = slot < uniq.shape[0]  # bool[m]
         rows = jnp.take(full, slot, axis=0, mode="fill", fill_value=0)  # float[m, D]
@@ -184,15 +184,12 @@ def _backward(shards, reads: list[Read], plans: dict, axis: str, wire):
             )  # float[m, D]
             cap = every.shape[1]  # slots >= C (ids beyond the capacity): dropped
             summed = jnp.zeros((cap, full_width), F32).at[slot].add(g, mode="drop")
-            blocks.append(column_blocks(summed, num).reshape(num, -1))  # [P, C*D/P]
-        got = comm_wire.a2a(jnp.concatenate(blocks, axis=1), axis, wire)
-        out, off = [], 0
-        for i, (every, _) in plans.items():
-            size = every.shape[1] * shards[i].shape[1]
-            rows = got[:, off : off + size].reshape(-1, shards[i].shape[1])  # [P*C, D/P]
-            off += size
-            out.append((i, (every.reshape(-1), rows)))
-        return out
+            blocks.append(column_blocks(summed, num))  # float[P, C, D/P]
+        got = comm_wire.a2a_rows(blocks, axis, wire.backward)  # per table [P, C, D/P]
+        return [
+            (i, (every.reshape(-1), rows.reshape(-1, rows.shape[-1])))  # [P*C], [P*C, D/P]
+            for (i, (every, _)), rows in zip(plans.items(), got, strict=True)
+        ]
 
     return back
 
@@ -248,11 +245,14 @@ def attend(shard, h, axis: str):
     return h @ jax.lax.all_gather(shard, axis, axis=1, tiled=True).T
 
 
-def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+def price(
+    stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
+) -> Price:
     """One table column-wise, for one worker per step: its C = ``stats.distinct`` ids
     to every owner (4 bytes each) and C rows of D/P columns each way, ``(P-1) C (4 +
-    2 D b / P)`` bytes (D padded to a multiple of P); memory its columns, 1/P of the
-    table and its optimizer state.
+    2 D b / P)`` bytes (D padded to a multiple of P; ``b`` the bytes of a value in the
+    ``wire``'s codecs, plus a scale per row of D/P for FP8); memory its columns, 1/P of
+    the table and its optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
@@ -260,7 +260,7 @@ def price(stats: TableStats, workers: int, link, slots: int) -> Price:
         600.0
     """
     p, padded = workers, -(-stats.dim // workers) * workers
-    nbytes = (p - 1) * stats.distinct * (4 + 2 * padded * FLOAT / p)
+    nbytes = (p - 1) * stats.distinct * (4 + both_ways(padded // p, wire))
     memory = stats.vocab * padded / p * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 

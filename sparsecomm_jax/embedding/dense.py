@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.layout import FLOAT, Layout, Price, Pricing, TableStats
 
 # Seconds per table entry of a dense table's update on the host (gradient, optimizer,
@@ -25,7 +26,9 @@ from sparsecomm_jax.embedding.layout import FLOAT, Layout, Price, Pricing, Table
 UPDATE_S = 0.8e-9
 
 
-def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+def price(
+    stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
+) -> Price:
     """One dense table, for one worker per step: the ring all-reduce of its V x D
     gradient, ``2 (P-1)/P V D b`` bytes, and its dense update; memory the whole table
     and its optimizer state. Its messages are the dense layers' all-reduce's, paid
@@ -37,7 +40,8 @@ def price(stats: TableStats, workers: int, link, slots: int) -> Price:
         48000.0
     """
     entries = stats.vocab * stats.dim
-    nbytes = 2 * (workers - 1) / workers * entries * FLOAT
+    sent = comm_wire.flat_bytes(comm_wire.padded(entries, workers, wire.dense), wire.dense)
+    nbytes = 2 * (workers - 1) / workers * sent
     memory = entries * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta + entries * UPDATE_S, memory)
 

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.comm.vma import vary
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.access import ATTEND
@@ -70,7 +71,14 @@ def pad_last(x, width: int):
 
 
 def table_gradients(
-    loss_fn, params, batch, tables, mask, capacity: dict[int, int], axis: str, wire=F32
+    loss_fn,
+    params,
+    batch,
+    tables,
+    mask,
+    capacity: dict[int, int],
+    axis: str,
+    wire=comm_wire.DEFAULT,
 ):
     """Loss, gradient of the non-table leaves, and each table's gradient as pairs.
 
@@ -86,7 +94,7 @@ def table_gradients(
       mask: bool per leaf of ``params``: is it a table?
       capacity: table index -> slots of its layout's static buffers.
       axis: the mesh axis.
-      wire: the dtype rows travel in.
+      wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
 
     Returns:
       ``(loss, grads, pairs, missed)``: this worker's loss; ``grads`` shaped like

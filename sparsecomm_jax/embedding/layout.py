@@ -40,17 +40,24 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.access import HostReads, Read
 
 Pairs = tuple[jax.Array, jax.Array]  # (ids int[m], rows float[m, width]) at the owner
 FLOAT = 4  # bytes of a float32 entry on the wire and in memory
+
+
+def both_ways(width: int, wire: comm_wire.Wire) -> int:
+    """Bytes on the wire of one row of ``width`` values out (``wire.forward``) and its
+    gradient back (``wire.backward``), scales included."""
+    return comm_wire.row_bytes(width, wire.forward) + comm_wire.row_bytes(width, wire.backward)
 
 
 class TableStats(NamedTuple):
@@ -96,21 +103,22 @@ class Pricing(NamedTuple):
     """What the planner knows of a layout.
 
     Attributes:
-      table: ``table(stats, P, link, optimizer_slots) -> Price``: one table alone
-        (``link`` a ``comm.costmodel.Link``; ``optimizer_slots`` optimizer state per
-        parameter entry).
+      table: ``table(stats, P, link, optimizer_slots, wire=comm.wire.DEFAULT) ->
+        Price``: one table alone (``link`` a ``comm.costmodel.Link``;
+        ``optimizer_slots`` optimizer state per parameter entry; ``wire`` the codecs
+        its rows and their gradients travel in).
       messages: ``messages(P) -> int``: the messages per step of the exchange the
         layout's tables share (paid once, whatever number of tables it holds).
-      together: ``together(stats, P, link, optimizer_slots) -> [Price, ...]``: the
+      together: ``together(stats, P, link, optimizer_slots, wire) -> [Price, ...]``: the
         tables priced as they are placed together (table-wise packs: each owner's load
         sets the exchange's buckets), one ``Price`` each; ``None``: each on its own.
       serves: ``serves(stats) -> bool``: whether the layout can serve the table's reads
         (the table-wise layout serves no full softmax).
     """
 
-    table: Callable[[TableStats, int, Any, int], Price]
+    table: Callable[..., Price]
     messages: Callable[[int], int] = lambda workers: 0
-    together: Callable[[Sequence[TableStats], int, Any, int], list[Price]] | None = None
+    together: Callable[..., list[Price]] | None = None
     serves: Callable[[TableStats], bool] = lambda stats: True
 
 

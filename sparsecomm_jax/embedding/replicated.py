@@ -32,7 +32,9 @@ from sparsecomm_jax.embedding.layout import FLOAT, Fetched, Layout, Price, Prici
 F32 = jnp.float32
 
 
-def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
+def fetch(
+    shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+) -> Fetched:
     """Local rows; the way back all-gathers every worker's pairs (typed replicated), the
     pairs of every read of every replicated table in one all-gather of ids and one of
     gradient rows.
@@ -45,26 +47,24 @@ def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F
     def back(grads):
         if not reads:
             return []
-        num = jax.lax.axis_size(axis)
         sizes = [r.ids.size for r in reads]
-        widths = [g.shape[-1] for g in grads]
         flat_ids = jnp.concatenate([r.ids.reshape(-1) for r in reads])  # int[sum n]
         all_ids = jax.lax.all_gather(flat_ids, axis, to="invarying")  # int[P, sum n]
-        flat_rows = jnp.concatenate([g.reshape(-1).astype(F32) for g in grads])
-        all_rows = comm_wire.gather(flat_rows[None], axis, wire, to="invarying")  # [P, L]
+        rows = [g.reshape(n, -1) for g, n in zip(grads, sizes, strict=True)]  # [n, D]
+        every = comm_wire.gather_rows(rows, axis, wire.backward, to="invarying")  # [P, n, D]
         id_ends = np.cumsum([0, *sizes])
-        row_ends = np.cumsum([0, *(n * w for n, w in zip(sizes, widths, strict=True))])
         out = []
         for k, read in enumerate(reads):  # each read's pairs, worker after worker
             ids = all_ids[:, id_ends[k] : id_ends[k + 1]].reshape(-1)  # int[P*n]
-            block = all_rows[:, row_ends[k] : row_ends[k + 1]]  # float[P, n*D]
-            out.append((read.table, (ids, block.reshape(num * sizes[k], widths[k]))))
+            out.append((read.table, (ids, every[k].reshape(-1, every[k].shape[-1]))))
         return out  # the same on every worker
 
     return Fetched(rows, back)
 
 
-def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+def price(
+    stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
+) -> Price:
     """One replicated table, for one worker per step: its (id, gradient row) pair of
     every read to every other worker, ``(P-1) n (D b + 4)`` bytes (n = ``stats.reads``);
     memory the whole table and its optimizer state.
@@ -74,7 +74,8 @@ def price(stats: TableStats, workers: int, link, slots: int) -> Price:
         >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
         6912.0
     """
-    nbytes = float((workers - 1) * stats.reads * (stats.dim * FLOAT + 4))
+    back = comm_wire.row_bytes(stats.dim, wire.backward)  # D b, its scale for FP8
+    nbytes = float((workers - 1) * stats.reads * (back + 4))
     memory = stats.vocab * stats.dim * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 

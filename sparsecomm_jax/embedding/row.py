@@ -46,6 +46,7 @@ from sparsecomm_jax.embedding.layout import (
     Price,
     Pricing,
     TableStats,
+    both_ways,
     next_power_of_two,
 )
 
@@ -123,7 +124,7 @@ def bucket_plan(ids, vocab: int, num_workers: int, capacity: int):
 # ------------------------------------------------------- 2. fetch rows, 3. send back
 
 
-def fetch_one(shard, ids, axis: str, capacity: int, wire=F32):
+def fetch_one(shard, ids, axis: str, capacity: int, wire=comm_wire.DEFAULT):
     """Rows of a row-sharded table for this worker's ``ids`` and the way back.
 
     Per worker (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; C=2)::
@@ -139,7 +140,7 @@ def fetch_one(shard, ids, axis: str, capacity: int, wire=F32):
       ids: int[...] this worker's ids.
       axis: the mesh axis.
       capacity: C, slots per (worker, owner) bucket (``bucket_slots``).
-      wire: the dtype rows travel in.
+      wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
 
     Returns:
       ``(rows float[*ids.shape, D], back)``: ``back(g)`` -> (ids in my shard int[P*C],
@@ -149,7 +150,7 @@ def fetch_one(shard, ids, axis: str, capacity: int, wire=F32):
     return rows, lambda g: back([g])[0]
 
 
-def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F32):
+def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=comm_wire.DEFAULT):
     """``fetch_one`` for several reads (of one or several tables) through one exchange:
     the buckets of every read side by side in one all-to-all of ids, the rows found in
     one all-to-all back, and the gradients in one all-to-all on the way back.
@@ -160,7 +161,7 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
       ids: per read, int[...] this worker's ids.
       capacities: per read, C (slots per (worker, owner) bucket).
       axis: the mesh axis.
-      wire: the dtype rows travel in.
+      wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
 
     Returns:
       ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(grads)`` -> per
@@ -180,28 +181,25 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=F
         for t, a in zip(shards, _split(asked, starts), strict=True)
     ]  # per read int[P, C]
     found = [
-        jnp.take(t, loc, axis=0, mode="fill", fill_value=0).reshape(num, -1)
+        jnp.take(t, loc, axis=0, mode="fill", fill_value=0)
         for t, loc in zip(shards, local, strict=True)
-    ]  # per read float[P, C * D]
+    ]  # per read float[P, C, D]
     widths = [t.shape[1] for t in shards]
-    ends = np.cumsum([0, *(c * w for c, w in zip(caps, widths, strict=True))])
-    got = comm_wire.a2a(jnp.concatenate(found, 1), axis, wire)  # float[P, sum C * D]
+    got = comm_wire.a2a_rows(found, axis, wire.forward)  # per read float[P, C, D]
     rows = [  # each in its table's dtype (tables of several dtypes travel together)
         jnp.take(block.reshape(num * c, w), pos, axis=0).reshape(*i.shape, w).astype(t.dtype)
-        for block, c, w, (_, pos), i, t in zip(
-            _split(got, ends), caps, widths, plans, ids, shards, strict=True
-        )
+        for block, c, w, (_, pos), i, t in zip(got, caps, widths, plans, ids, shards, strict=True)
     ]
 
     def back(grads):  # duplicates summed before the reverse exchange
         sums = [
-            jnp.zeros((num * c, w), F32).at[pos].add(g.reshape(-1, w)).reshape(num, c * w)
+            jnp.zeros((num * c, w), F32).at[pos].add(g.reshape(-1, w)).reshape(num, c, w)
             for g, c, w, (_, pos) in zip(grads, caps, widths, plans, strict=True)
         ]
-        back_got = comm_wire.a2a(jnp.concatenate(sums, 1), axis, wire)  # [P, sum C * D]
+        back_got = comm_wire.a2a_rows(sums, axis, wire.backward)  # per read [P, C, D]
         return [
             (loc.reshape(-1), block.reshape(-1, w))
-            for loc, block, w in zip(local, _split(back_got, ends), widths, strict=True)
+            for loc, block, w in zip(local, back_got, widths, strict=True)
         ]
 
     missed = [jnp.any(pos == num * c) for (_, pos), c in zip(plans, caps, strict=True)]
@@ -213,7 +211,7 @@ def _split(x, bounds) -> list:
     return [x[:, int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def fetch_shared_one(shard, ids, axis: str, wire=F32):
+def fetch_shared_one(shard, ids, axis: str, wire=comm_wire.DEFAULT):
     """Rows for ids every worker holds identically: owners fill theirs, one sum; the
     gradient is every worker's, summed (one sum)."""
     rows_per = shard.shape[0]
@@ -221,16 +219,18 @@ def fetch_shared_one(shard, ids, axis: str, wire=F32):
     owned = (local >= 0) & (local < rows_per)
     at = jnp.where(owned, local, rows_per)
     mine = jnp.take(shard, at, axis=0, mode="fill", fill_value=0)
-    rows = comm_wire.psum(mine, axis, wire)  # one owner per id
+    rows = comm_wire.psum(mine, axis, wire.forward)  # one owner per id
 
     def back(g):
-        total = comm_wire.psum(g, axis, wire)
+        total = comm_wire.psum(g, axis, wire.backward)
         return at.reshape(-1), total.reshape(ids.size, -1)
 
     return rows, back
 
 
-def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32) -> Fetched:
+def fetch(
+    shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+) -> Fetched:
     """Every read of the row-wise tables: the lookups of every table through one exchange
     (``fetch_many``), each shared read through its own sum."""
     look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
@@ -268,11 +268,13 @@ def attend(shard, h, axis: str):
     return h @ jax.lax.all_gather(shard, axis, axis=0, tiled=True).T
 
 
-def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+def price(
+    stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
+) -> Price:
     """One table row-wise, for one worker per step: buckets of C = ``stats.bucket``
     ids to every owner (4 bytes each) and C whole rows each way, ``(P-1) C (4 + 2 D b)``
-    bytes; memory its rows, 1/P of the table (V padded to a multiple of P) and their
-    optimizer state.
+    bytes (``b`` as the ``wire`` sends a value, plus a scale per row for FP8); memory
+    its rows, 1/P of the table (V padded to a multiple of P) and their optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
@@ -280,7 +282,7 @@ def price(stats: TableStats, workers: int, link, slots: int) -> Price:
         816.0
     """
     p, padded = workers, -(-stats.vocab // workers) * workers
-    nbytes = float((p - 1) * stats.bucket * (4 + 2 * stats.dim * FLOAT))
+    nbytes = float((p - 1) * stats.bucket * (4 + both_ways(stats.dim, wire)))
     memory = padded / p * stats.dim * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 

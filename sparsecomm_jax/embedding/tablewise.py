@@ -54,6 +54,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding import row
 from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
 from sparsecomm_jax.embedding.layout import (
@@ -65,6 +66,7 @@ from sparsecomm_jax.embedding.layout import (
     Pricing,
     Storage,
     TableStats,
+    both_ways,
     next_power_of_two,
 )
 from sparsecomm_jax.embedding.tables import Table, replace_leaves
@@ -291,7 +293,9 @@ def _fetch(packing: Packing):
             read.kind, pack, jnp.where(inside, packing.packed_ids(read.table, ids), nowhere)
         )
 
-    def fetch(shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=F32):
+    def fetch(
+        shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+    ):
         """The reads as reads of their packs through the row-wise layout's fetch
         (``row.fetch``), the lookups of each pack merged into one read (one bucket plan
         per pack, every pack in one exchange), each shared read as it is. The gradients
@@ -361,17 +365,25 @@ def bind(tables, num_workers: int) -> tuple:
 # ------------------------------------------------------------------ pricing
 
 
-def price(stats: TableStats, workers: int, link, slots: int) -> Price:
+def price(
+    stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
+) -> Price:
     """One table's share of an even split over the owners, while the planner compares
     its layouts: ``(P-1) C/P (4 + 2 D b)`` bytes (C = ``stats.distinct``), memory 1/P
     of the table and its optimizer state. ``price_together`` prices the packs as
     ``assign`` places them."""
-    nbytes = (workers - 1) * stats.distinct / workers * (4 + 2 * stats.dim * FLOAT)
+    nbytes = (workers - 1) * stats.distinct / workers * (4 + both_ways(stats.dim, wire))
     memory = stats.vocab * stats.dim * FLOAT * (1 + slots) / workers
     return Price(nbytes, nbytes * link.beta, memory)
 
 
-def price_together(stats: list[TableStats], workers: int, link, slots: int) -> list[Price]:
+def price_together(
+    stats: list[TableStats],
+    workers: int,
+    link,
+    slots: int,
+    wire: comm_wire.Wire = comm_wire.DEFAULT,
+) -> list[Price]:
     """The table-wise tables priced as they are placed (``assign``): per pack, the bytes
     of an exchange whose buckets hold C = the most distinct ids one worker asks of one
     owner (the owner's tables' ``distinct`` summed), and R rows per worker; each table
@@ -392,7 +404,7 @@ def price_together(stats: list[TableStats], workers: int, link, slots: int) -> l
         per_owner = [0] * workers
         for i in members:
             per_owner[packing.slots[i].owner] += stats[i].distinct
-        nbytes = (workers - 1) * max(per_owner) * (4 + 2 * packing.dims[pack] * FLOAT)
+        nbytes = (workers - 1) * max(per_owner) * (4 + both_ways(packing.dims[pack], wire))
         memory = rows * packing.dims[pack] * FLOAT * (1 + slots)
         distinct = sum(stats[i].distinct for i in members) or 1
         vocab = sum(stats[i].vocab for i in members)

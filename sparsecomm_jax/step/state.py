@@ -142,8 +142,8 @@ class StepContext(NamedTuple):
       nonfinite: ``"skip"`` (keep the state, NaN loss), ``"error"`` (the same; callers
         stop), ``"off"`` (no check).
       table_update: ``embedding.update.DENSE`` or ``ROWS``.
-      wire: the dtype embedding rows (and the dense layers' mean, with a table
-        strategy) travel in.
+      wire: the codecs of the step's exchanges (``comm.wire.Wire``): rows forward,
+        row gradients back, the dense layers' mean (with a table strategy).
       overlap: whether a program's collectives can run beside its compute on ``mesh``
         (``priority.collectives_overlap``: not on XLA:CPU); without it ``embrace_2d``
         runs as ``embrace`` (``registry.Strategy.serial``).

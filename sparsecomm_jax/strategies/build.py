@@ -66,7 +66,7 @@ def make_train_step(
     density: float = DEFAULT_DENSITY,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
-    comm_dtype: str = "float32",
+    comm_dtype: str | wire.Wire = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
     collectives_overlap: bool | None = None,
     **aggregator_options: Any,
@@ -117,8 +117,13 @@ def make_train_step(
         only, O(tokens x D); Adam and momentum then move only the rows a step reads, as
         PyTorch's ``SparseAdam``; see ``embedding.row_optimizers``), or a
         ``TableUpdate`` value. ``ts.table_update`` names the one chosen.
-      comm_dtype: ``"bfloat16"`` sends rows, row gradients, shared negatives and the
-        dense all-reduce in bfloat16, summed in float32 (needs ``table_update="rows"``).
+      comm_dtype: the precision on the wire (``comm.wire``): one codec for every
+        exchange (``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``: FP8 with a
+        float32 scale per row), or each exchange's own,
+        ``"forward=float8_e4m3fn,backward=bfloat16,dense=bfloat16"`` (the rows of the
+        lookups, their gradients, the dense layers' mean; unnamed ones float32), or a
+        ``comm.wire.Wire``. Every sum is taken in float32. A narrow wire needs
+        ``table_update="rows"``; a top-k aggregator keeps ``dense`` float32.
       table_layouts: a layout per table, ``{table path: layout}`` (a path like
         ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
         a layout ``"column"``, ``"row"``, ``"replicated"``, ``"table"``, a ``Layout``
@@ -186,7 +191,7 @@ def make_context(
     density: float = DEFAULT_DENSITY,
     nonfinite: str = "skip",
     table_update: str | TableUpdate = "auto",
-    comm_dtype: str = "float32",
+    comm_dtype: str | wire.Wire = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
     collectives_overlap: bool | None = None,
     **aggregator_options: Any,
@@ -197,9 +202,10 @@ def make_context(
     num = runtime.mesh_axis_size(mesh, axis_name)
     check_options(name, num, capacity, nonfinite)
     named = table_mask(params, embedding_paths)
-    table_update = choose_table_update(table_update, name, optimizer, params, named, comm_dtype)
-    check_table_update(name, table_update, comm_dtype)
-    aggregator = make_aggregator(name, axis_name, density, comm_dtype, **aggregator_options)
+    chosen = wire.parse(comm_dtype)
+    table_update = choose_table_update(table_update, name, optimizer, params, named, chosen)
+    check_table_update(name, table_update, chosen)
+    aggregator = make_aggregator(name, axis_name, density, chosen, **aggregator_options)
     id_tables = find_tables(params, named, DENSE)
     layout = name.strategy.layout
     mask = jax.tree.map(lambda _: False, named) if layout.data_parallel else named
@@ -233,7 +239,7 @@ def make_context(
         aggregator=aggregator,
         nonfinite=nonfinite,
         table_update=table_update,
-        wire=wire.wire_dtype(comm_dtype),
+        wire=chosen,
         overlap=(
             priority.collectives_overlap(mesh)
             if collectives_overlap is None

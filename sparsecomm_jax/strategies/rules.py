@@ -78,9 +78,11 @@ def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
         raise ArgumentError("nonfinite", nonfinite, f"must be one of {list(NONFINITE)}")
 
 
-def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype: str) -> None:
-    """The rules of the table update and the wire dtype (one place for all callers)."""
-    wire.wire_dtype(comm_dtype)  # a known name
+def check_table_update(
+    name: StrategyName, table_update: TableUpdate, comm_dtype: str | wire.Wire
+) -> None:
+    """The rules of the table update and the wire (one place for all callers)."""
+    chosen = wire.parse(comm_dtype)  # known codecs and directions
     strategy = name.strategy
     if table_update is update.ROWS and not strategy.row_updates:
         rows = [s.name for s in STRATEGIES.values() if s.row_updates]
@@ -90,21 +92,28 @@ def check_table_update(name: StrategyName, table_update: TableUpdate, comm_dtype
             f"needs a strategy among {rows}; $strategy updates no table row-sparsely",
             strategy=str(name),
         )
-    if comm_dtype == "float32":
+    if not chosen.narrow:
         return
-    if table_update is not update.ROWS or aggregators.AGGREGATORS[name.aggregator].sparse:
+    if not (strategy.row_updates and strategy.narrow_wire):  # no rows, or chunks
         raise ArgumentError(
             "comm_dtype",
-            comm_dtype,
-            "needs the row-sparse table update ($table_update) and the dense all-reduce (no top-k)",
+            chosen.name,
+            f"is not available for {name}; use $comm_dtype",
+            comm_dtype="float32",
+        )
+    if table_update is not update.ROWS:
+        raise ArgumentError(
+            "comm_dtype",
+            chosen.name,
+            "needs the row-sparse table update ($table_update)",
             table_update="rows",
         )
-    if not strategy.narrow_wire:
+    if chosen.dense.narrow and aggregators.AGGREGATORS[name.aggregator].sparse:
         raise ArgumentError(
             "comm_dtype",
-            comm_dtype,
-            f"is not available for {strategy.name}; use $comm_dtype",
-            comm_dtype="float32",
+            chosen.name,
+            f"narrows the dense mean, which {name} sends by top-k in float32: "
+            "narrow forward and backward only, or use the dense all-reduce (no top-k)",
         )
 
 
@@ -216,7 +225,7 @@ def choose_table_update(
     optimizer,
     params,
     tables: PyTree,
-    comm_dtype: str,
+    comm_dtype: str | wire.Wire,
 ) -> TableUpdate:
     """The ``TableUpdate`` of ``requested``: ``"auto"`` is ``ROWS`` where the strategy
     updates rows and the row-sparse update equals the dense one for ``optimizer`` on
@@ -227,16 +236,19 @@ def choose_table_update(
         return update.get(requested)
     if not name.strategy.row_updates or not any(jax.tree.leaves(tables)):
         return update.DENSE
-    if comm_dtype != "float32" or row_optimizers.is_lazy(optimizer, params):
+    if wire.parse(comm_dtype).narrow or row_optimizers.is_lazy(optimizer, params):
         return update.ROWS
     exact = row_optimizers.untouched_rows_stay(optimizer, params, tables)
     return update.ROWS if exact else update.DENSE
 
 
-def make_aggregator(name: StrategyName, axis_name: str, density: float, comm_dtype: str, **options):
+def make_aggregator(
+    name: StrategyName, axis_name: str, density: float, comm_dtype: str | wire.Wire, **options
+):
     """The aggregator of the dense layers: the named one; a table strategy's ``dense``
-    mean travels as one flat buffer in ``comm_dtype`` (``aggregators.flat_allreduce``)."""
+    mean travels as one flat buffer in the wire's ``dense`` codec
+    (``aggregators.flat_allreduce``)."""
     kind = aggregators.AGGREGATORS[name.aggregator]
     if kind.flat and not name.strategy.layout.data_parallel:
-        return aggregators.flat_allreduce(axis_name, comm_dtype)
+        return aggregators.flat_allreduce(axis_name, wire.parse(comm_dtype).dense)
     return kind(density, axis_name, **options)
