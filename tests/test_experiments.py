@@ -1,7 +1,9 @@
 """The sweep experiments: their helpers on small inputs, and two end-to-end runs on
 simulated devices (no network, no root) that check files, plots and exactness."""
 
+import contextlib
 import csv
+import io
 import json
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from conftest import REPO
 
 from experiments import train as train_cli
 from experiments.studies import bandwidth, convergence, density, harness, paper_scale, scaling
+from experiments.studies import wire as wire_study
 
 
 def test_rates_and_arguments():
@@ -333,3 +336,35 @@ def test_paper_scale_projects_the_balanced_exchanges_beside_the_others():
     # latency can outweigh them on the smallest model
     slow_1pc = [r for r in rows if r["density"] == 0.01 and r["gbit"] == 10]
     assert all(r["oktopk"] < r["topk_allgather"] / 2 for r in slow_1pc)
+
+
+def test_the_wire_study_judges_each_spec_against_float32(tmp_path, monkeypatch):
+    """Each strategy and spec trained in process on tiny DLRM tables: FP8 sends about a
+    quarter of float32's bytes at a held-out loss close to float32's; a spec the strategy
+    refuses is a row with its error, and the others still run."""
+
+    def run_config(train_args, out, nproc=1, bandwidth=""):  # in process, its error kept
+        cmd, err = harness.command(train_args, out, nproc, bandwidth), io.StringIO()
+        with contextlib.redirect_stderr(err):
+            failed = train_cli.main(cmd[3:])
+        if failed:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{err.getvalue()}")
+        return json.loads(Path(out).read_text())
+
+    monkeypatch.setattr(harness, "run_config", run_config)
+    tiny = ["--tables", "64,48", "--dim", "8", "--bottom", "16", "--top", "16", "--batch", "16"]
+    argv = ["--steps", "6", "--models", "dlrm", "--devices", "2", "--out-dir", str(tmp_path)]
+    argv += ["--strategies", "embrace,embrace+topk_a2a"]
+    argv += ["--specs", "float32;float8_e4m3fn", "--", *tiny, "--eval-batches", "2"]
+    assert _run_in_repo(monkeypatch, wire_study.main, argv) == 0
+    rows = {
+        (r["strategy"], r["spec"]): r
+        for r in json.loads((tmp_path / "wire.json").read_text())["rows"]
+    }
+    assert "narrows the dense mean" in rows["embrace+topk_a2a", "float8_e4m3fn"]["error"]
+    f32, fp8 = rows["embrace", "float32"], rows["embrace", "float8_e4m3fn"]
+    assert 0.2 < fp8["bytes"] / f32["bytes"] < 0.45  # rows of 4 values pay a 4-byte scale
+    assert fp8["loss"] == pytest.approx(f32["loss"], rel=0.02) and fp8["loss"] != f32["loss"]
+    assert rows["embrace+topk_a2a", "float32"]["loss"] > 0
+    table = wire_study.table(list(rows.values()), 0.01, "embrace")
+    assert "| float8_e4m3fn |" in table and "failed" in table
