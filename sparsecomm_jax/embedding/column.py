@@ -260,7 +260,7 @@ def price(
         600.0
     """
     p, padded = workers, -(-stats.dim // workers) * workers
-    nbytes = (p - 1) * stats.distinct * (4 + both_ways(padded // p, wire))
+    nbytes = float((p - 1) * stats.distinct * (4 + both_ways(padded // p, wire)))
     memory = stats.vocab * padded / p * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 
