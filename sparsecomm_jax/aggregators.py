@@ -114,7 +114,9 @@ def dense_allreduce(axis_name: str = "data") -> Aggregator:
     return Aggregator(init=lambda params: EmptyState(), update=update)
 
 
-def flat_allreduce(axis_name: str = "data", comm_dtype: str | wire.Codec = "float32") -> Aggregator:
+def flat_allreduce(
+    axis_name: str = "data", comm_dtype: str | wire.Codec | wire.Wire = "float32"
+) -> Aggregator:
     """Mean of the gradients as one flat buffer: an all-to-all of 1/P slices, a float32
     sum, an all-gather of the sums (``comm.wire.psum``).
 
@@ -125,12 +127,13 @@ def flat_allreduce(axis_name: str = "data", comm_dtype: str | wire.Codec = "floa
 
     Args:
       axis_name: the data-parallel mesh axis.
-      comm_dtype: the codec on the wire, or its name (a key of ``comm.wire.CODECS``).
+      comm_dtype: the codec on the wire, its name (a key of ``comm.wire.CODECS``), or
+        a ``comm.wire.Wire`` or spec whose ``dense`` codec is taken.
 
     Returns:
       An ``Aggregator`` with empty state.
     """
-    dtype = comm_dtype if isinstance(comm_dtype, wire.Codec) else wire.codec(comm_dtype)
+    dtype = comm_dtype if isinstance(comm_dtype, wire.Codec) else wire.parse(comm_dtype).dense
 
     def update_carrying(grads, state, extra):
         check_per_worker(grads, axis_name)

@@ -18,7 +18,7 @@ from experiments.train.checkpoints import resumed_config
 from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import checkpoint, planner
-from sparsecomm_jax.comm import wire
+from sparsecomm_jax.comm import costmodel, wire
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import access, layouts, tablewise
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
@@ -356,6 +356,10 @@ def test_the_planner_prices_the_chosen_wire():
     assert nbytes("column") == (p - 1) * 300 * (4 + 2 * (64 // p + 4))
     assert nbytes("replicated") == (p - 1) * 512 * (64 + 4 + 4)
     assert nbytes("dense") == nbytes("dense", wire.DEFAULT) / 2
+    small = planner.TableStats("s", 300, 1, 64, 30, 9)  # 300 entries: slices under a block
+    fp8 = wire.parse("float8_e4m3fn")
+    priced = planner.layout_cost(small, "dense", p, link, 0, wire=fp8).bytes
+    assert priced == costmodel.flat_mean_cost(300, p, wire.E4M3)[1] > 300 * 2 * (p - 1) / p
     assert nbytes("row", wire.DEFAULT) == (p - 1) * 90 * (4 + 2 * 64 * 4)
     plan = planner.plan_tables([s], p, Link.from_bandwidth(0.1), wire=spec)
     assert plan.choices[0].bytes == nbytes(plan.choices[0].layout)

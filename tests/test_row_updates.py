@@ -225,16 +225,34 @@ def test_each_exchange_travels_in_its_own_codec_to_the_byte():
     size = dense_a2a * num // (4 * (num - 1))  # d (a multiple of P here)
     extra = dense_ag.bytes_sent // (4 * (num - 1)) - size // num  # the step's scalars
     share = wire.flat_bytes(wire.padded(size, num, wire.E5M2) // num, wire.E5M2)
-    want = [
-        row_count * wire.row_bytes(width, wire.E4M3),
-        row_count * wire.row_bytes(width, wire.BFLOAT16),
-        (num - 1) * share,
-        (num - 1) * (share + 4 * extra),
+    want = [  # rows out, the dense mean's all-to-all, gradients back, its all-gather
+        ("all-to-all", "u8", row_count * wire.row_bytes(width, wire.E4M3)),
+        ("all-to-all", "u8", (num - 1) * share),
+        ("all-to-all", "u16", row_count * wire.row_bytes(width, wire.BFLOAT16)),
+        ("all-gather", "u8", (num - 1) * (share + 4 * extra)),
     ]
-    assert sum(want[2:]) == costmodel.flat_mean_cost(size, num, wire.E5M2, extra)[1]
+    assert want[1][2] + want[3][2] == costmodel.flat_mean_cost(size, num, wire.E5M2, extra)[1]
     ids = [c.bytes_sent for c in narrow if c.shapes[0][0] == "s32"]
     assert ids == [c.bytes_sent for c in f32 if c.shapes[0][0] == "s32"]
-    assert sorted(c.bytes_sent for c in narrow if c.shapes[0][0] != "s32") == sorted(want)
+    got = [(c.kind, c.shapes[0][0], c.bytes_sent) for c in narrow if c.shapes[0][0] != "s32"]
+    assert sorted(got) == sorted(want)  # which direction is which: the test below
+
+
+def test_forward_rounds_the_rows_the_loss_sees_and_backward_the_update():
+    """A narrow ``forward`` changes the first step's loss (the rows it is computed
+    from); a narrow ``backward`` leaves it equal to float32's bit for bit and changes
+    only what the update applies (the second step's loss)."""
+    w = get_workload("lstm_lm", seed=3, **SMALL, sampled_softmax=16)
+    params = w.init(jax.random.key(3))
+
+    def losses(spec):
+        kw = dict(table_update="rows", comm_dtype=spec)
+        return strategy_run(w, optax.sgd(0.5), params, 2, "embrace_rowwise", **kw)[0]
+
+    f32 = losses("float32")
+    forward, backward = losses("forward=float8_e4m3fn"), losses("backward=float8_e4m3fn")
+    assert forward[0] != f32[0] and forward[0] == pytest.approx(f32[0], rel=0.02)
+    assert backward[0] == f32[0] and backward[1] != f32[1]
 
 
 @pytest.mark.parametrize(

@@ -27,15 +27,19 @@ def _quantized(x, c):
         return x.astype(ml_dtypes.bfloat16).astype(np.float32)
     fmax = np.float32(ml_dtypes.finfo(NUMPY[c.name]).max)
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
-    scale = np.where(amax == 0, np.float32(1), amax * np.float32(1 / fmax)).astype(np.float32)
+    scale = np.maximum(amax * np.float32(1 / fmax), np.finfo(np.float32).tiny)
     q = np.clip(x / scale, -fmax, fmax).astype(NUMPY[c.name]).astype(np.float32)
     return q * scale
 
 
 def _rows(rng, shape):
-    """Rows of very different magnitudes (1e-3 to 1e4), one of zeros."""
+    """Rows of very different magnitudes (1e-3 to 1e4), one of zeros, one of values in
+    (1e-37, 4e-36), normal floats whose amax / 448 would be subnormal (the scale is
+    float32's smallest normal there; subnormal inputs the CPU flushes to zero)."""
     x = rng.normal(size=shape) * 10.0 ** rng.uniform(-3, 4, size=(*shape[:-1], 1))
     x[(0,) * (len(shape) - 1)] = 0
+    tiny = rng.uniform(1e-37, 4e-36, size=shape[-1]) * rng.choice([-1, 1], size=shape[-1])
+    x[(-1,) * (len(shape) - 1)] = tiny
     return x.astype(np.float32)
 
 
@@ -50,8 +54,10 @@ def test_a_row_arrives_as_numpy_rounds_it(c):
     if c.scaled:  # every row keeps its own precision, whatever its magnitude
         rel = 2.0 ** -(4 if c is wire.E4M3 else 3)  # half an ulp of 3 or 2 mantissa bits
         big = np.abs(x) >= np.max(np.abs(x), axis=-1, keepdims=True) / 64  # not subnormal
+        big[-1] = False  # the row of 1e-37: its scale is float32's smallest normal
         assert np.all(np.abs(got - x)[big] <= rel * np.abs(x)[big])
         np.testing.assert_array_equal(got[0], 0)
+        assert np.isfinite(got).all() and np.abs(got[-1]).max() > 0  # no 0 x inf
 
 
 @pytest.mark.parametrize("c", FP8, ids=lambda c: c.name)

@@ -129,7 +129,7 @@ def flat_mean_cost(
     flat buffer (``aggregators.flat_allreduce``): ``size`` entries padded to ``d'``
     (``wire.padded``: a multiple of P blocks), an all-to-all of the P-1 slices of d'/P
     entries it does not own, and an all-gather of its slice's sums with ``extra``
-    float32 scalars (the step's loss and flags) as raw bits: ``(P-1)/P B(d') + (P-1)
+    float32 scalars (the step's loss and flags) as raw bits: ``(P-1) B(d'/P) + (P-1)
     (B(d'/P) + 4 extra)`` bytes, B the codec's bytes (``wire.flat_bytes``: FP8 one byte a
     value and a float32 scale per ``wire.BLOCK``).
 

@@ -9,11 +9,12 @@ receiver. A narrow payload travels as its bits (uint16, uint8), so no backend wi
 collective (XLA on CPU widens an f8 all-to-all to f16, a bf16 one to f32).
 
 FP8 holds 3 (e4m3) or 2 (e5m2) bits of mantissa and a short range, so each row travels
-with one float32 scale, ``amax / FP8 max``, as 4 more bytes of the row (a ``Codec`` with
-``scaled``): every value of the row is divided by it before rounding and multiplied
-back on arrival. A flat buffer (the dense layers' mean) has one scale per ``BLOCK``
-entries. A row with a non-finite value arrives as NaN throughout, so the step's finite
-check sees it.
+with one float32 scale, ``amax / FP8 max`` (at least float32's smallest normal), as 4
+more bytes of the row (a ``Codec`` with ``scaled``): every value of the row is divided
+by it before rounding and multiplied back on arrival. Values far below the row's
+largest (under about 2^-15 of it in e4m3) fall into FP8's subnormals or to zero. A flat
+buffer (the dense layers' mean) has one scale per ``BLOCK`` entries. A row with a
+non-finite value arrives as NaN throughout, so the step's finite check sees it.
 
 Each of a step's three exchanges takes its own codec (``Wire``): the rows of the
 forward lookups, the row gradients on the way back, and the dense layers' mean.
@@ -184,7 +185,7 @@ def _fp8_max(c: Codec) -> float:
 def encode(x, c: Codec):
     """float ``x[..., w]`` as the bits the collective moves: ``[..., w]`` for an
     unscaled codec; uint8 ``[..., w + 4]`` for a scaled one, the row's values divided by
-    its scale ``amax / max`` and its float32 scale's 4 bytes after them."""
+    its scale ``max(amax / max, float32 tiny)`` and the scale's 4 bytes after them."""
     x = x.astype(F32)
     if c.bits == F32:
         return x
@@ -192,7 +193,9 @@ def encode(x, c: Codec):
         return jax.lax.bitcast_convert_type(x.astype(c.dtype), c.bits)
     fmax = _fp8_max(c)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)  # NaN or inf: the row is lost
-    scale = jnp.where(amax == 0, 1.0, amax * F32(1 / fmax))  # float[..., 1]
+    # float[..., 1]: never below float32's smallest normal (a zero row, a row of values
+    # under 448 x 1e-38 would flush it to zero and decode 0 x inf); NaN stays NaN
+    scale = jnp.maximum(amax * F32(1 / fmax), jnp.finfo(F32).tiny)
     values = jnp.clip(x / scale, -fmax, fmax).astype(c.dtype)
     scale_bits = jax.lax.bitcast_convert_type(scale, c.bits).reshape(*x.shape[:-1], SCALE_BYTES)
     return jnp.concatenate([jax.lax.bitcast_convert_type(values, c.bits), scale_bits], -1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from sparsecomm_jax.comm import costmodel
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.layout import FLOAT, Layout, Price, Pricing, TableStats
 
@@ -30,7 +31,8 @@ def price(
     stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
 ) -> Price:
     """One dense table, for one worker per step: the ring all-reduce of its V x D
-    gradient, ``2 (P-1)/P V D b`` bytes, and its dense update; memory the whole table
+    gradient, ``2 (P-1)/P V D b`` bytes (``comm.costmodel.flat_mean_cost`` in the
+    ``wire``'s dense codec), and its dense update; memory the whole table
     and its optimizer state. Its messages are the dense layers' all-reduce's, paid
     anyway.
 
@@ -40,8 +42,7 @@ def price(
         48000.0
     """
     entries = stats.vocab * stats.dim
-    sent = comm_wire.flat_bytes(comm_wire.padded(entries, workers, wire.dense), wire.dense)
-    nbytes = 2 * (workers - 1) / workers * sent
+    nbytes = costmodel.flat_mean_cost(entries, workers, wire.dense)[1]
     memory = entries * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta + entries * UPDATE_S, memory)
 

@@ -192,7 +192,8 @@ class Layout(NamedTuple):
       fetch: ``fetch(shards, reads, capacity, axis, wire) -> Fetched`` inside
         ``shard_map``: ``shards`` table index -> this worker's shard, ``reads`` the
         ``access.Read`` records of these tables (no ``ATTEND``), ``capacity`` table
-        index -> slots (from ``capacity``), ``wire`` the dtype rows travel in.
+        index -> slots (from ``capacity``), ``wire`` a ``comm.wire.Wire``: rows travel
+        in ``wire.forward``, their gradients in ``wire.backward``.
       attend: ``attend(shard, h, axis) -> h @ table.T`` (a full softmax).
       sum_dense: ``sum_dense(g, axis)``: the dense ``attend`` gradient of a shard, summed
         over the workers.
