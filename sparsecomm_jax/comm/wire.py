@@ -248,12 +248,8 @@ def a2a_rows(blocks: list, axis: str, c: Codec = FLOAT32) -> list:
     """
     num = jax.lax.axis_size(axis)
     sent = [encode(b, c).reshape(num, -1) for b in blocks]  # bits[P, r * w']
-    got = jax.lax.all_to_all(jnp.concatenate(sent, 1), axis, 0, 0)
-    ends = np.cumsum([0, *(s.shape[1] for s in sent)])
-    return [
-        decode(got[:, a:e].reshape(b.shape[0], b.shape[1], -1), c)
-        for b, a, e in zip(blocks, ends[:-1], ends[1:], strict=True)
-    ]
+    got = jax.lax.all_to_all(jnp.concatenate(sent, 1), axis, 0, 0)  # bits[P, sum]
+    return _decoded_blocks(got, blocks, sent, c)
 
 
 def gather_rows(blocks: list, axis: str, c: Codec = FLOAT32, to: str = "varying") -> list:
@@ -273,9 +269,16 @@ def gather_rows(blocks: list, axis: str, c: Codec = FLOAT32, to: str = "varying"
     """
     sent = [encode(b, c).reshape(-1) for b in blocks]  # bits[r * w']
     every = jax.lax.all_gather(jnp.concatenate(sent), axis, to=to)  # bits[P, sum]
-    ends = np.cumsum([0, *(s.shape[0] for s in sent)])
+    return _decoded_blocks(every, blocks, sent, c)
+
+
+def _decoded_blocks(got, blocks: list, sent: list, c: Codec) -> list:
+    """``got``, bits[P, sum] of the encoded blocks ``sent`` side by side (as one
+    collective delivered them), split back into its blocks of rows and decoded: per
+    block float32[P, r, w], r the rows of ``blocks``' block."""
+    ends = np.cumsum([0, *(s.shape[-1] for s in sent)])
     return [
-        decode(every[:, a:e].reshape(every.shape[0], b.shape[0], -1), c)
+        decode(got[:, a:e].reshape(got.shape[0], b.shape[-2], -1), c)
         for b, a, e in zip(blocks, ends[:-1], ends[1:], strict=True)
     ]
 
@@ -302,11 +305,9 @@ def padded(size: int, workers: int, c: Codec) -> int:
         >>> padded(80, 8, E4M3), padded(1000, 4, E4M3), padded(1000, 4, FLOAT32)
         (80, 1024, 1000)
     """
-    if not c.scaled:
-        return fusion.padded_size(size, workers)
-    share = -(-size // workers)
-    if share > BLOCK:
-        share = -(-share // BLOCK) * BLOCK
+    share = fusion.padded_size(size, workers) // workers
+    if c.scaled and share > BLOCK:
+        share = fusion.padded_size(share, BLOCK)
     return workers * share
 
 
