@@ -89,6 +89,35 @@ def test_a_second_checkpointer_in_one_process_and_a_lock_on_a_new_folder(tmp_pat
     lock.release()
 
 
+@pytest.mark.parametrize(
+    "strategy, devices, message",
+    [
+        # the pipelined step stores column-wise tables unpadded: D = 8 needs a count
+        # that divides it
+        (
+            "embrace_2d",
+            "3",
+            "table params/sparse_0/embedding has D (columns) = 8, not divisible by the 3 workers",
+        ),
+        # error feedback keeps one residual per worker
+        ("embrace+topk_a2a", "4", "residuals of error feedback for 2 workers; this step has 4"),
+    ],
+)
+def test_a_resume_that_cannot_be_on_the_new_count_is_one_line(
+    tmp_path, capsys, strategy, devices, message
+):
+    """A resume onto a count where the run's tables or state cannot be placed: one line
+    that names the count (and the table), exit 2, the checkpoints kept."""
+    args = ["--model", "dlrm", "--tables", "64,48", "--dim", "8", "--batch", "24"]
+    args += ["--strategy", strategy, "--checkpoint-dir", str(tmp_path)]
+    assert main([*args, "--devices", "2", "--steps", "2"]) == 0
+    saved = checkpoint.saved_steps(str(tmp_path))
+    capsys.readouterr()
+    assert main([*args, "--devices", devices, "--steps", "3", "--resume"]) == 2
+    assert message in one_line(capsys)
+    assert checkpoint.saved_steps(str(tmp_path)) == saved and 2 in saved
+
+
 def test_a_restored_fresh_state_runs_in_the_users_own_step(tmp_path):
     """A state JAX placed itself (``model.init``, ``optax.init``) restored through
     ``abstract`` of itself runs in the user's ``jit(shard_map)`` step as the saved one

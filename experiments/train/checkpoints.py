@@ -140,46 +140,6 @@ def _check_owner(config: RunConfig) -> None:
             f"{', '.join(diff)}; these change the trajectory: use the "
             "checkpoint's values or another --checkpoint-dir"
         )
-    _check_table_wise(config, record)
-
-
-def _packed(plan: str | TablePlan | None) -> set[str] | None:
-    """The tables a plan lays out by a layout that packs tables together (``Layout.packs``,
-    table-wise); ``None``: a plan that does not say (``auto`` with none recorded)."""
-    if plan == "":
-        return set()  # the strategy's layout for every table
-    if not isinstance(plan, TablePlan):
-        return None
-    return {table for table, layout in plan.items() if layout.packs}
-
-
-def _check_table_wise(config: RunConfig, record: dict[str, Any]) -> None:
-    """A resume may change ``--plan`` (the layouts give the same trajectory) but not
-    which tables are packed together (table-wise): the checkpoint holds them as its own
-    plan packed them (restoring them under another plan could read one table's rows as
-    another's, silently where the shapes agree)."""
-    recorded = recorded_plan((record.get("config") or {}).get("plan"))
-    theirs, ours = _packed(recorded), _packed(config.plan)
-    if theirs is None or ours is None or theirs == ours:
-        return
-
-    def said(plan: str | TablePlan, tables: set[str]) -> str:
-        how = f"--plan '{_json(plan)}'" if plan else "no --plan (the strategy's layouts)"
-        return f"{how}, {sorted(tables) if tables else 'no table'} table-wise"
-
-    fix = f"pass --plan '{_json(recorded)}'" if recorded else "leave --plan out"
-    raise ValueError(
-        f"--resume: the checkpoints in {config.checkpoint_dir} were saved under "
-        f"{said(recorded, theirs)}; this run has {said(config.plan, ours)}. Table-wise "
-        f"tables are stored packed together, so these checkpoints restore only as they "
-        f"were saved: {fix} (the other tables' layouts may change where their stored "
-        "shapes agree: sizes that divide by the device count)"
-    )
-
-
-def _json(plan: str | TablePlan) -> str:
-    """A plan as ``--plan`` takes it."""
-    return json.dumps(plan.to_json()) if isinstance(plan, TablePlan) else plan
 
 
 def claim_checkpoint_dir(config: RunConfig) -> checkpoint.DirectoryLock | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from typing import Any
 
@@ -189,11 +190,15 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             _, log = run_overlapped(config, ts, workload, show)
             return {**result(config, workload, log, 0, rank), "overlap": True}
         config = decide_in_flight(config)  # auto: by the busiest host's processes and cores
+        began = time.perf_counter()
         ckpt, state, start = start_state(config, ts, lock)
+        restore_s = time.perf_counter() - began
         hooks = runlog.RunHooks(config, workload, ts, rank, start)
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
         record = result(config, workload, log, start, rank)
         record["runs_as"] = ts.runs_as  # embrace_2d runs as embrace where nothing overlaps
+        if config.resume:  # reading the checkpoint, converted where its form differs
+            record["restore_s"] = round(restore_s, 3)
         record.update(hooks.finish(state))
         record["deferred_entries"] = deferred = deferred_entries(state)
         if deferred:

@@ -1,12 +1,17 @@
 """The train-state layer of checkpoints: a library step's state saved as global arrays
-and restored into the step it came from, its tables stored as the step stores them.
+and restored into any step of the same model, on any device count and in any layouts.
 
 ``Checkpointer`` is the ``store.Store`` of any pytree, plus ``save_state`` and
 ``restore_state`` for a ``TrainStep``'s state: parameters (sharded tables as global
 arrays), optimizer state and the aggregator's per-worker residuals (``portable``). Each
-checkpoint records how its tables are stored together (``TrainStep.stored_together``,
-the table-wise packs), and restores only into a step that stores them the same way: a
-pack restored into other layouts would read one table's rows as another's.
+checkpoint records the form its state is stored in (``TrainStep.form``: the device count
+and each table's layout). A step that stores its state otherwise (another count, other
+layouts, tables packed otherwise) reads the checkpoint in its own form and converts it
+through the model's shapes (``step.form``: resharding). Checkpoints written before
+forms were recorded hold how their tables are stored together
+(``TrainStep.stored_together``, the table-wise packs) and restore only into a step
+that stores them the same way: a pack read as other layouts would read one table's
+rows as another's.
 
 The data position and the random state need nothing more: every batch is a pure
 function of ``(seed, step)`` and parameters are initialised from the seed.
@@ -35,12 +40,18 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax.checkpoint.store import MismatchError, Store, _warn
+from sparsecomm_jax import runtime
+from sparsecomm_jax.checkpoint.store import MismatchError, Reading, Store, _warn
+from sparsecomm_jax.step import form
 from sparsecomm_jax.step.placement import first_replica
 from sparsecomm_jax.step.state import TrainState, TrainStep
 
+PyTree = Any
 STORED_TOGETHER = "stored_together"  # the identity field of how tables are stored
+FORM = "form"  # the identity field of the state's form (``StateForm.record``)
 
 
 def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
@@ -92,7 +103,7 @@ def stored_together_check(ours: tuple) -> Callable[[dict, Path], None]:
     not checked."""
 
     def check(identity: dict, folder: Path) -> None:
-        if STORED_TOGETHER not in identity:
+        if STORED_TOGETHER not in identity or FORM in identity:  # a form converts
             return
         theirs, mine = identity[STORED_TOGETHER], _as_json(ours)  # as the record reads back
         if theirs == mine:
@@ -113,6 +124,50 @@ def stored_together_check(ours: tuple) -> Callable[[dict, Path], None]:
     return check
 
 
+def reading(ts: TrainStep) -> Callable[[dict, Path], Reading | None]:
+    """``store.restore``'s ``read_as`` for ``ts``: a checkpoint that recorded another
+    form (other layouts, another device count) is read in its own shapes, replicated,
+    and converted through the model's shapes into ``ts``'s (``step.form``)."""
+
+    def read_as(identity: dict, folder: Path) -> Reading | None:
+        record = identity.get(FORM)
+        if ts.form is None or record is None or record == _as_json(ts.form.record()):
+            return None
+        ours = portable(ts, ts.state)
+        try:
+            saved = form.recorded(ts.form, record)
+            form.check_residuals(saved, ts.form, ours["agg_state"])
+        except ValueError as e:
+            raise MismatchError(f"checkpoint {folder}: {e}") from e
+        whole = NamedSharding(_mesh_of(ours), P())
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+            form.stored_shapes(saved, ours),
+        )
+
+        def convert(tree):
+            host = jax.tree.map(runtime.to_host, tree)
+            mine = form.to_stored(ts.form, form.to_model(saved, host))
+            return jax.tree.map(_placed_as, mine, ours)
+
+        return Reading(like, convert)
+
+    return read_as
+
+
+def _mesh_of(tree: PyTree):
+    """The mesh of the first leaf of ``tree`` placed on one (a step's state is)."""
+    for x in jax.tree.leaves(tree):
+        if isinstance(getattr(x, "sharding", None), NamedSharding):
+            return x.sharding.mesh
+    raise ValueError("no leaf of the state is placed on a mesh")
+
+
+def _placed_as(x: np.ndarray, like: jax.Array) -> jax.Array:
+    """Host array ``x``, identical on every process, placed as ``like`` is."""
+    return jax.make_array_from_callback(x.shape, like.sharding, lambda idx: x[idx])
+
+
 class Checkpointer(Store):
     """A ``store.Store`` that also saves and restores a library step's state (see the
     module doc); its arguments are the store's."""
@@ -121,6 +176,8 @@ class Checkpointer(Store):
         """``save`` of a library step's state (``portable``), with how its tables are
         stored (``TrainStep.stored_together``)."""
         identity = {STORED_TOGETHER: _as_json(ts.stored_together)}
+        if ts.form is not None:
+            identity[FORM] = _as_json(ts.form.record())
         return self.save(step, portable(ts, state), force, identity)
 
     def restore_state(
@@ -131,15 +188,15 @@ class Checkpointer(Store):
     ) -> tuple[TrainState, int]:
         """``restore`` of a library step's state, placed like ``ts.state``.
 
-        Replicated state restores onto any device count; sharded tables onto any count
-        that stores them at the same size (that divides their sharded dimension, or pads
-        it to the same multiple: ``layout.padded_shape``) under the same layout;
-        table-wise tables (packed by owner) onto the same count with the same tables
-        table-wise (``TrainStep.stored_together``; another is refused). Per-worker
-        residuals need the same count.
+        Any device count and any table layouts: a checkpoint stored in another form
+        (``TrainStep.form``) is converted (see the module doc). Per-worker residuals
+        need the count they were saved on (``MismatchError`` naming both). A
+        checkpoint that records no form (written before forms were) restores into the
+        stored shapes and table-wise packs it was saved with.
         """
         check = stored_together_check(ts.stored_together)
-        tree, s = self.restore(portable(ts, ts.state), step, on_skip, check, shape_hint)
+        like = portable(ts, ts.state)
+        tree, s = self.restore(like, step, on_skip, check, shape_hint, reading(ts))
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
         if ts.per_device_state:
             local = jax.local_device_count()

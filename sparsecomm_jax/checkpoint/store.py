@@ -34,7 +34,7 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,18 @@ class MismatchError(ValueError):
 
 class _Damaged(Exception):
     """A checkpoint that cannot be read completely: ``restore`` tries the one before."""
+
+
+class Reading(NamedTuple):
+    """How to read a checkpoint stored in another form than the caller's state.
+
+    Attributes:
+      like: what to restore into: the checkpoint's own shapes, with shardings.
+      convert: the restored tree -> the caller's form, placed as its state is.
+    """
+
+    like: PyTree
+    convert: Callable[[PyTree], PyTree]
 
 
 def abstract(tree: PyTree) -> PyTree:
@@ -437,7 +449,9 @@ class Store:
             return {}
         return record if isinstance(record, dict) else {}
 
-    def _restore_step(self, step: int, target: PyTree, check=None, hint=None) -> PyTree:
+    def _restore_step(
+        self, step: int, target: PyTree, check=None, hint=None, read_as=None
+    ) -> PyTree:
         folder = Path(self.directory) / str(step)
         _check_files(folder)
         try:
@@ -448,13 +462,19 @@ class Store:
             saved = None
         if not saved or not jax.tree.leaves(saved):
             raise _Damaged("its array metadata is missing")
-        _check_shapes(saved, target, f"checkpoint {folder}", hint)
+        reading = None
+        if read_as is not None:
+            self._check_identity(step, folder)
+            reading = read_as(self.identity(step), folder)
+        read = abstract(reading.like) if reading is not None else target
+        _check_shapes(saved, read, f"checkpoint {folder}", hint)
         self._check_identity(step, folder)
         if check is not None:
             check(self.identity(step), folder)
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(target)})
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(read)})
         tree = self._manager.restore(step, args=args)[STATE_ITEM]
-        return jax.tree.unflatten(jax.tree.structure(target), jax.tree.leaves(tree))
+        tree = jax.tree.unflatten(jax.tree.structure(read), jax.tree.leaves(tree))
+        return reading.convert(tree) if reading is not None else tree
 
     def restore(
         self,
@@ -463,6 +483,7 @@ class Store:
         on_skip: Callable[[int, str], None] = _warn,
         check: Callable[[dict, Path], None] | None = None,
         hint: Hint | None = None,
+        read_as: Callable[[dict, Path], Reading | None] | None = None,
     ) -> tuple[PyTree, int]:
         """The saved pytree, shaped, typed and sharded like ``like``, and its step.
 
@@ -480,6 +501,10 @@ class Store:
           check: ``check(identity, folder)``: raises ``MismatchError`` for a checkpoint
             whose recorded ``identity`` is not what the caller restores into.
           hint: ``hint(name, saved shape, our shape) -> text`` added to a shape mismatch.
+          read_as: ``read_as(identity, folder) -> Reading | None``: how to read a
+            checkpoint stored in another form than ``like`` (its own shapes, and the
+            conversion to ``like``'s); ``None``: read it as ``like`` is. Raises
+            ``MismatchError`` for one that cannot be converted.
 
         Returns:
           ``(tree, step)``.
@@ -500,7 +525,7 @@ class Store:
         target, failed = abstract(like), []
         for s in [step] if step is not None else steps:
             try:
-                tree = self._restore_step(s, target, check, hint)
+                tree = self._restore_step(s, target, check, hint, read_as)
             except MismatchError:
                 raise
             except Exception as e:  # damage: the next older checkpoint; the OS failing: raise

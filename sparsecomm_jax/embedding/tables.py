@@ -145,3 +145,11 @@ def replace_leaves(tree: PyTree, new: dict[int, Any]) -> PyTree:
     """``tree`` with leaf ``i`` replaced by ``new[i]`` (leaf order)."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef.unflatten([new.get(i, x) for i, x in enumerate(leaves)])
+
+
+def bind_tables(tables: tuple[Table, ...], num_workers: int) -> tuple[Table, ...]:
+    """``tables`` with each layout that places its tables by looking at all of them
+    bound to that placement on P workers (``Layout.bind``: table-wise owners)."""
+    for bind in {t.layout.bind for t in tables if t.layout.bind is not None}:
+        tables = bind(tables, num_workers)
+    return tuple(tables)

@@ -146,8 +146,9 @@ def _storage(packing: Packing) -> Storage:
         return num_workers * (packing.rows[pack] if pack == table.index else 1), table.dim
 
     def pack(leaves: dict[int, np.ndarray], num_workers: int) -> dict[int, np.ndarray]:
+        # a leaf lies like its table: rows and columns, or rows alone (a per-row count)
         out = {
-            i: np.zeros((num_workers, np.shape(x)[1]), np.asarray(x).dtype)
+            i: np.zeros((num_workers, *np.shape(x)[1:]), np.asarray(x).dtype)
             for i, x in leaves.items()
         }
         for p, rows in packing.rows.items():
@@ -157,7 +158,8 @@ def _storage(packing: Packing) -> Storage:
                     f"the table-wise tables of D = {packing.dims[p]} are stored together "
                     f"and must share a dtype, got {sorted(map(str, dtypes))}"
                 )
-            block = np.zeros((num_workers * rows, packing.dims[p]), dtypes.pop())
+            trailing = np.shape(leaves[p])[1:]
+            block = np.zeros((num_workers * rows, *trailing), dtypes.pop())
             for i in packing.members(p):
                 start = packing.packed_ids(i, 0)
                 block[start : start + np.shape(leaves[i])[0]] = leaves[i]

@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
-from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec, padded_shape
+from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
 from sparsecomm_jax.embedding.row_optimizers import map_params
-from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.errors import few
+from sparsecomm_jax.step.form import cut_leaves, store_leaves
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
@@ -438,33 +438,16 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each table padded with zero rows or columns to the shape it is
     stored in (``layout.padded_shape``: its split dimension a multiple of P), or packed
     with others by its layout's ``storage`` (table-wise)."""
-    for layout, tables in _stored_together(ctx):
-        leaves = jax.tree.leaves(params)
-        mine = {t.index: leaves[t.index] for t in tables}
-        params = replace_leaves(params, layout.storage.pack(mine, ctx.num_workers))
     leaves, treedef = jax.tree.flatten(params)
-    for t in ctx.tables:
-        if t.layout.storage is not None:
-            continue
-        rows, cols = padded_shape(t, ctx.num_workers)
-        if (rows, cols) != (t.vocab, t.dim):  # no copy of a table that divides
-            leaves[t.index] = np.pad(leaves[t.index], ((0, rows - t.vocab), (0, cols - t.dim)))
-    return treedef.unflatten(leaves)
+    stored = store_leaves(ctx.tables, ctx.num_workers, dict(enumerate(leaves)))
+    return treedef.unflatten([stored[i] for i in range(len(leaves))])
 
 
 def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each stored table cut back to its V x D (``pad_tables`` undone)."""
-    for layout, tables in _stored_together(ctx):
-        leaves = jax.tree.leaves(params)
-        stored = {t.index: leaves[t.index] for t in tables}
-        params = replace_leaves(
-            params, layout.storage.unpack(stored, {t.index: t.vocab for t in tables})
-        )
     leaves, treedef = jax.tree.flatten(params)
-    for t in ctx.tables:
-        if t.layout.storage is None:
-            leaves[t.index] = leaves[t.index][: t.vocab, : t.dim]
-    return treedef.unflatten(leaves)
+    model = cut_leaves(ctx.tables, dict(enumerate(leaves)))
+    return treedef.unflatten([model[i] for i in range(len(leaves))])
 
 
 def host_params_of(ctx: StepContext) -> Callable[[TrainState], PyTree]:

@@ -88,8 +88,8 @@ class TrainStep(NamedTuple):
         ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU).
       stored_together: the tables a layout stores together (``Layout.storage``, e.g.
         table-wise packs): per group ``(layout name, ((table name, V, D), ...), P)``. A
-        checkpoint records it and restores only into a step that stores its tables the
-        same way.
+        checkpoint records it beside ``form``; one written before forms were recorded
+        restores only into a step that stores its tables the same way.
       steps: ``steps(state, placed_steps) -> (state, losses)``: several steps in one
         program call, a ``lax.scan`` of ``step`` over the batches ``place_steps``
         stacked (``losses``: one per step, in order); the same arithmetic as calling
@@ -101,6 +101,9 @@ class TrainStep(NamedTuple):
         batch checked and sized as ``place_batch`` would, then placed stacked along a
         new leading axis with the capacity of the largest (refusing as ``steps`` does).
       scannable: whether ``steps`` and ``place_steps`` run (several steps a call).
+      form: how the state is stored (``step.form.StateForm``: the tables' layouts on P
+        workers), which a checkpoint records so that it restores onto another count
+        or layout; ``None``: stored as the model made it (``jax.pmap``'s replicas).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -117,6 +120,7 @@ class TrainStep(NamedTuple):
     steps: Callable[[TrainState, Any], tuple[TrainState, jax.Array]] | None = None
     place_steps: Callable[..., Any] | None = None
     scannable: bool = False
+    form: Any = None
 
 
 class StepContext(NamedTuple):

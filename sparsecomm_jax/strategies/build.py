@@ -31,6 +31,7 @@ from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.tables import (
     TablePaths,
+    bind_tables,
     find_tables,
     table_mask,
 )
@@ -214,8 +215,7 @@ def make_context(
         tables = tuple(t for t in tables if not t.layout.data_parallel)
         leaves, treedef = jax.tree.flatten(mask)
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
-    for bind in {t.layout.bind for t in tables if t.layout.bind is not None}:
-        tables = bind(tables, num)  # e.g. table-wise owners
+    tables = bind_tables(tables, num)  # e.g. table-wise owners
     for storage in {t.layout.storage for t in tables if t.layout.storage is not None}:
         if storage.check is not None:  # tables stored together: the optimizer must agree
             storage.check(optimizer, params, num)

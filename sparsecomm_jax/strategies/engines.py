@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 
 from sparsecomm_jax.step import placement
+from sparsecomm_jax.step.form import form_of
 from sparsecomm_jax.step.placement import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState, TrainStep
 from sparsecomm_jax.strategies.registry import Strategy
@@ -53,6 +54,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         capacity_slots=_capacity_slots(ctx, policies),
         runs_as=strategy.name,
         stored_together=placement.stored_together(ctx),
+        form=form_of(ctx),
     )
 
 
