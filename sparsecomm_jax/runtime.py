@@ -275,6 +275,27 @@ def host_loads(rows: np.ndarray) -> list[HostLoad]:
     return sorted(loads, key=lambda h: h.processes / h.cores, reverse=True)
 
 
+REPLICA_AXIS = "replica"  # the mesh axis of the replica groups (2-D sparse parallelism)
+
+
+def replica_mesh(mesh: Mesh, axis_name: str, replicas: int) -> Mesh:
+    """``mesh`` (one axis, ``axis_name``, of P devices) as ``replicas`` groups of P / R
+    consecutive devices: axes ``(REPLICA_AXIS, axis_name)``. Consecutive devices share a
+    host first, so a group's exchanges stay on its fastest links.
+
+    Example:
+        >>> dict(replica_mesh(data_mesh(8), "data", 2).shape)
+        {'replica': 2, 'data': 4}
+    """
+    if tuple(mesh.axis_names) != (axis_name,):
+        raise ValueError(
+            f"replica groups split a mesh of the one axis {axis_name!r}; got axes "
+            f"{tuple(mesh.axis_names)}"
+        )
+    devices = mesh.devices.reshape(replicas, -1)
+    return Mesh(devices, (REPLICA_AXIS, axis_name))
+
+
 def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
     """Size of ``axis_name`` in ``mesh``; a clear error when the axis is not there."""
     if axis_name not in mesh.shape:

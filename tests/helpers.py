@@ -1,7 +1,8 @@
-"""Shared test helpers: single-device reference training, tree comparison and the numpy
-reference of TopKA2A's selection."""
+"""Shared test helpers: single-device reference training, tree comparison, the numpy
+reference of TopKA2A's selection, and a small model of three tables."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -85,3 +86,28 @@ def record_loop_events(monkeypatch, loop) -> list:
     monkeypatch.setattr(loop, "_runner", runner)
     monkeypatch.setattr(loop, "loss_values", lambda loss: events.append("read") or real_read(loss))
     return events
+
+
+# ------------------------------------------------------- a small model of three tables
+
+THREE = {"a": 37, "b": 21, "c": 9}  # V of each table: none divides by 2, 3, 4 or 8
+THREE_DIM = 6
+THREE_BATCH = 24  # divides by 1, 2, 3, 4 and 8 devices
+
+
+def three_tables_loss(p, batch, emb):
+    """Each example reads a row of each table; their sum through ``w`` against ``y``."""
+    rows = sum(emb.lookup(p[k], batch[k]) for k in THREE)
+    return jnp.mean((rows @ p["w"] - batch["y"]) ** 2)
+
+
+def three_tables_params(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    params = {k: rng.normal(size=(v, THREE_DIM)).astype(np.float32) for k, v in THREE.items()}
+    return {**params, "w": rng.normal(size=(THREE_DIM, 1)).astype(np.float32)}
+
+
+def three_tables_batch(seed: int, step: int) -> dict:
+    rng = np.random.default_rng((seed, step))
+    ids = {k: rng.integers(0, v, (THREE_BATCH,)) for k, v in THREE.items()}
+    return {**ids, "y": rng.normal(size=(THREE_BATCH, 1)).astype(np.float32)}

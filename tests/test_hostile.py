@@ -118,6 +118,22 @@ def test_a_resume_that_cannot_be_on_the_new_count_is_one_line(
     assert checkpoint.saved_steps(str(tmp_path)) == saved and 2 in saved
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--replicas", "3"], "--replicas 3 must divide the 8 devices"),
+        (["--replicas", "0"], "--replicas"),
+        (["--replicas", "2", "--strategy", "dense"], "--replicas 2 needs a strategy among"),
+        (["--replicas", "2", "--strategy", "embrace+topk_a2a"], "not built for replica groups"),
+        (["--replicas", "2", "--plan", "auto"], "--plan auto is built for one group"),
+    ],
+)
+def test_replica_groups_that_cannot_be_are_one_line(capsys, flags, message):
+    args = ["--model", "dlrm", "--tables", "64,48", "--dim", "8", "--batch", "24"]
+    assert main([*args, "--devices", "8", "--strategy", "embrace", *flags]) == 2
+    assert message in one_line(capsys)
+
+
 def test_a_restored_fresh_state_runs_in_the_users_own_step(tmp_path):
     """A state JAX placed itself (``model.init``, ``optax.init``) restored through
     ``abstract`` of itself runs in the user's ``jit(shard_map)`` step as the saved one

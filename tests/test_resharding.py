@@ -7,11 +7,15 @@ import json
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import THREE as SIZES
+from helpers import THREE_DIM as DIM
 from helpers import assert_trees_close
+from helpers import three_tables_batch as batch_of
+from helpers import three_tables_loss as loss
+from helpers import three_tables_params as fresh_params
 
 import sparsecomm_jax as sc
 from experiments.train import main, train_and_evaluate
@@ -19,27 +23,6 @@ from experiments.train.config import RunConfig
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.embedding.row_optimizers import lazy_adam
 from sparsecomm_jax.step import form
-
-SIZES = {"a": 37, "b": 21, "c": 9}  # V of each table: none divides by 2, 3, 4 or 8
-DIM = 6
-BATCH = 24  # divides by every device count used here
-
-
-def loss(p, batch, emb):
-    rows = sum(emb.lookup(p[k], batch[k]) for k in SIZES)
-    return jnp.mean((rows @ p["w"] - batch["y"]) ** 2)
-
-
-def fresh_params(seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    params = {k: rng.normal(size=(v, DIM)).astype(np.float32) for k, v in SIZES.items()}
-    return {**params, "w": rng.normal(size=(DIM, 1)).astype(np.float32)}
-
-
-def batch_of(seed: int, step: int) -> dict:
-    rng = np.random.default_rng((seed, step))
-    ids = {k: rng.integers(0, v, (BATCH,)) for k, v in SIZES.items()}
-    return {**ids, "y": rng.normal(size=(BATCH, 1)).astype(np.float32)}
 
 
 def step_of(params, devices, layouts, optimizer, strategy="embrace", **kw):

@@ -110,6 +110,14 @@ class RunConfig:
         "devices, 8 for 0)",
         at_least(0),
     )
+    replicas: int = _field(
+        1,
+        "replica groups R (2-D sparse parallelism): the devices split into R groups of "
+        "devices/R; each table sharded within a group and replicated across the groups, "
+        "its lookups exchanged in the group, its row gradients summed across the groups "
+        "each step (exact); 1 = every table over every device",
+        at_least(1),
+    )
     steps: int = _field(20, "training steps (the run's total, resumed or not)", at_least(1))
     warmup: int = _field(
         2,
@@ -355,6 +363,7 @@ class RunConfig:
 NOT_TRAJECTORY = frozenset(
     {
         "devices",
+        "replicas",
         "steps",
         "warmup",
         "capacity",

@@ -20,7 +20,7 @@ from experiments.train.config import RunConfig, _choices
 
 # The sections of the page, each field of RunConfig in exactly one (a test checks).
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "The run": ("model", "strategy", "devices", "steps", "warmup", "seed"),
+    "The run": ("model", "strategy", "devices", "replicas", "steps", "warmup", "seed"),
     "Optimizer and tables": (
         "optimizer",
         "lr",

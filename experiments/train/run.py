@@ -137,6 +137,7 @@ def _make_train_step(config: RunConfig, workload, mesh, params, optimizer, commo
         comm_dtype=config.comm_dtype,
         table_layouts=config.plan if isinstance(config.plan, TablePlan) else None,
         collectives_overlap=COLLECTIVES_OVERLAP[config.collectives_overlap],
+        replicas=config.replicas,
         **common,
         **_aggregator_options(config),
     )
@@ -167,7 +168,10 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       FloatingPointError: the run diverged (see ``--nonfinite``, ``--max-skipped``).
       OSError: a checkpoint could not be written.
     """
-    validate(dataclasses.replace(config, devices=config.devices or 1))  # before JAX starts
+    # before JAX starts; --devices 0 (every device) is counted once it has, and checked
+    # then with --replicas
+    early = {} if config.devices else {"devices": 1, "replicas": 1}
+    validate(dataclasses.replace(config, **early))
     check_outputs(config)
     runlog.check_run_io(config)
     config = resumed_config(config)

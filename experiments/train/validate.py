@@ -25,7 +25,7 @@ from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
 from sparsecomm_jax.embedding import update
 from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
-from sparsecomm_jax.strategies.rules import check_table_update
+from sparsecomm_jax.strategies.rules import check_replicas, check_table_update
 
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
 # participating device: more simulated devices in one process deadlock, then abort.
@@ -100,6 +100,8 @@ def check_library_rules(config: RunConfig) -> None:
     try:
         name = parse_strategy(config.strategy)
         check_table_update(name, update.get(table_update_of(config)), config.comm_dtype)
+        if config.devices:  # 0: every device of the job, known once JAX starts
+            check_replicas(name, config.replicas, config.devices, "auto")
     except ArgumentError as e:
         raise in_flags(e) from None
 
@@ -117,6 +119,12 @@ def _check_combinations(config: RunConfig) -> None:
     if config.resume and config.overwrite:
         raise ValueError(
             "--resume continues the folder's run, --overwrite replaces it: pass one of them"
+        )
+    if config.replicas > 1 and (config.overlap or config.plan in ("auto", "model")):
+        flag = "--overlap" if config.overlap else f"--plan {config.plan}"
+        raise ValueError(
+            f"--replicas {config.replicas}: {flag} is built for one group of every device; "
+            "with replica groups give a plan by hand (--plan '{...}') or leave it out"
         )
     if config.overlap:
         _check_overlap(config)

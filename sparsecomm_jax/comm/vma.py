@@ -43,15 +43,23 @@ def varying_axes(x) -> frozenset:
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
-def vma_checked(axis_name: str) -> bool:
+Axes = str | tuple[str, ...]  # one mesh axis, or several (a 2-D mesh's batch axes)
+
+
+def _names(axis_name: Axes) -> frozenset:
+    return frozenset((axis_name,) if isinstance(axis_name, str) else axis_name)
+
+
+def vma_checked(axis_name: Axes) -> bool:
     """True inside a ``shard_map`` that types values as varying or replicated over
     ``axis_name`` (``check_vma=True``, the default); False under ``check_vma=False``
     and ``pmap``, where nothing is typed."""
-    return axis_name in varying_axes(jax.lax.axis_index(axis_name))
+    return _names(axis_name) <= varying_axes(jax.lax.axis_index(axis_name))
 
 
-def vary(tree: PyTree, axis_name: str = "data") -> PyTree:
-    """``tree`` typed as varying over ``axis_name`` (inside ``shard_map``).
+def vary(tree: PyTree, axis_name: Axes = "data") -> PyTree:
+    """``tree`` typed as varying over ``axis_name`` (inside ``shard_map``; a tuple:
+    over each of its axes).
 
     Under ``check_vma`` the gradient of a replicated (``P()``) input is summed over the
     workers by ``jax.grad`` itself. Differentiating with respect to ``vary(params)``
@@ -67,9 +75,8 @@ def vary(tree: PyTree, axis_name: str = "data") -> PyTree:
         return tree
 
     def cast(x):
-        if axis_name in varying_axes(x):
-            return x
-        return jax.lax.pcast(x, axis_name, to="varying")
+        missing = tuple(sorted(_names(axis_name) - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
 
@@ -110,14 +117,14 @@ def all_gather_replicated(x, axis_name: str):
     return jax.lax.all_gather(x, axis_name, tiled=True, to="invarying")
 
 
-def check_per_worker(grads: PyTree, axis_name: str) -> None:
+def check_per_worker(grads: PyTree, axis_name: Axes) -> None:
     """``ValueError`` when, inside a ``check_vma`` ``shard_map``, a gradient is typed
     replicated over ``axis_name``: ``jax.grad`` has then already summed it over the
     workers (the gradient of a ``P()`` input), and averaging it again would be wrong."""
     if not vma_checked(axis_name):
         return  # check_vma=False or pmap: nothing is typed
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        if axis_name not in varying_axes(g):
+        if not _names(axis_name) <= varying_axes(g):
             raise ValueError(
                 f"gradient {jax.tree_util.keystr(path)} is replicated over {axis_name!r}, so "
                 "jax.grad already summed it over the workers; differentiate with respect to "

@@ -6,6 +6,8 @@
 - ``layout``: the layout protocol (plan the ids, fetch rows, send row gradients back);
   one file per layout: ``column`` (EmbRace), ``row``, ``replicated``;
 - ``gradients``: the loss and the tables' gradients through their layouts;
+- ``replicas``: the row gradients summed across replica groups (2-D sparse
+  parallelism);
 - ``update``: ``TableUpdate`` values, ``DENSE`` and ``ROWS``;
 - ``row_optimizers``: the row view of any optax optimizer, ``lazy_adam``.
 

@@ -79,6 +79,7 @@ def table_gradients(
     capacity: dict[int, int],
     axis: str,
     wire=comm_wire.DEFAULT,
+    batch_axes: str | tuple[str, ...] | None = None,
 ):
     """Loss, gradient of the non-table leaves, and each table's gradient as pairs.
 
@@ -93,8 +94,10 @@ def table_gradients(
       tables: the ``tables.Table`` records (each with its layout).
       mask: bool per leaf of ``params``: is it a table?
       capacity: table index -> slots of its layout's static buffers.
-      axis: the mesh axis.
+      axis: the mesh axis the tables are sharded over.
       wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
+      batch_axes: the mesh axes the batch is split over (default ``axis``; a 2-D mesh:
+        the replica axis too), over which each worker's gradient is its own.
 
     Returns:
       ``(loss, grads, pairs, missed)``: this worker's loss; ``grads`` shaped like
@@ -114,7 +117,7 @@ def table_gradients(
         answered = access.answered_loss(loss_fn, mask, attend=attend_for(p))
         return answered(p, batch, rows)
 
-    varying = vary((params, rows_in), axis)  # each worker's own gradient
+    varying = vary((params, rows_in), batch_axes or axis)  # each worker's own gradient
     loss, (grads, g_rows) = jax.value_and_grad(loss_of_rows, argnums=(0, 1))(*varying)
     pairs: dict[int, list] = {t.index: [] for t in tables}
     for i, pair in back(g_rows):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax.embedding import update
+from sparsecomm_jax.embedding import replicas, update
 from sparsecomm_jax.embedding.row_optimizers import state_roles
 from sparsecomm_jax.embedding.update import RowView
 from sparsecomm_jax.step.state import StepContext, TrainState
@@ -84,7 +84,7 @@ def reduce_scalars(ctx: StepContext, loss, checked: PyTree, *flags):
     check = ctx.nonfinite != "off"
     bad = ~finite(update.row_values(checked)) if check else jnp.array(False)
     local = jnp.stack([loss, bad.astype(loss.dtype), *(jnp.asarray(f, loss.dtype) for f in flags)])
-    total = jax.lax.psum(local, ctx.axis_name)  # float[2 + flags]
+    total = jax.lax.psum(local, ctx.batch_axes)  # float[2 + flags]
     ok = (total[1] == 0) & jnp.isfinite(total[0]) if check else jnp.array(True)
     return (total[0] / ctx.num_workers, ok, *(total[2:] > 0))
 
@@ -177,12 +177,16 @@ def aggregate(ctx: StepContext, grads, agg_state):
 
 
 def table_grads(ctx: StepContext, pairs: dict[int, list], params) -> dict[int, Any]:
-    """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it."""
+    """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it; with
+    replica groups, the pairs are first summed across them (``replicas.sum_across``)."""
     leaves = jax.tree.leaves(params)
-    return {
-        t.index: ctx.table_update.gradient(pairs[t.index], leaves[t.index], ctx.num_workers)
-        for t in ctx.tables
-    }
+    out = {}
+    for t in ctx.tables:
+        mine, shard = pairs[t.index], leaves[t.index]
+        if ctx.replica_axis:
+            mine = replicas.sum_across(mine, shard.shape[0], ctx.replica_axis, ctx.replica_sync)
+        out[t.index] = ctx.table_update.gradient(mine, shard, ctx.num_workers)
+    return out
 
 
 # ------------------------------------------------------------------ the update
@@ -218,7 +222,7 @@ def gradient_specs(
     grads = update.grad_specs(ctx.table_update, ctx.tables, param_specs, ctx.axis_name)
     carry = () if carry_spec is None else carry_spec
     flags = tuple(P() for _ in ctx.tables) if missed else ()
-    return Gradients(P(), P(), grads, P(ctx.axis_name), carry, flags)
+    return Gradients(P(), P(), grads, P(ctx.batch_axes), carry, flags)
 
 
 def mark_missed(missed: tuple, loss):

@@ -77,7 +77,7 @@ def form_of(ctx: Any) -> StateForm:
     roles = state_roles(ctx.optimizer, shapes, ctx.params)
     paths = jax.tree_util.tree_leaves_with_path(ctx.params)
     leaves = tuple((table_name(path_keys(p)), tuple(np.shape(x))) for p, x in paths)
-    return StateForm(ctx.tables, ctx.num_workers, roles, leaves)
+    return StateForm(ctx.tables, ctx.group_size, roles, leaves)
 
 
 def recorded(ours: StateForm, record: Any) -> StateForm:

@@ -218,7 +218,7 @@ def placed_specs(batch: PlacedBatch, axis_name: str, replicated_keys: Sequence[s
 def put_batch(ctx: StepContext, batch: Batch) -> dict:
     """Checks a host batch and places it on ``ctx.mesh``."""
     check_host_batch(ctx, batch)
-    specs = batch_specs(batch, ctx.axis_name, ctx.replicated_keys)
+    specs = batch_specs(batch, ctx.batch_axes, ctx.replicated_keys)
     return {k: runtime.put_global(np.asarray(v), ctx.mesh, specs[k]) for k, v in batch.items()}
 
 
@@ -245,20 +245,41 @@ def capacity_fn(
     reads_of = access.host_reads(
         ctx.loss_fn, ctx.params, ctx.table_mask, ctx.replicated_keys, ctx.num_workers
     )
+    group = ctx.group_size
 
     def capacity(*batches: Batch) -> tuple[int, ...]:
         reads = [reads_of(b) for b in batches]
         unseen = access.param_dependent_tables(ctx.loss_fn, ctx.params, batches[0], ctx.table_mask)
         for policy, tables in policies:
-            needs = policy.need(reads, tables, ctx.num_workers)
+            needs: dict[int, int] = {}
+            for mine in replica_groups(reads, ctx.num_replicas):  # each group's exchange
+                for i, need in policy.need(mine, tables, group).items():
+                    needs[i] = max(needs.get(i, 0), need)
             for t in tables:
                 if t.index in unseen and policy.bound and t.index in reads[0]:
-                    needs[t.index] = policy.bound(reads[0], t, ctx.num_workers)
+                    needs[t.index] = policy.bound(reads[0], t, group)
                     _warn_unseen(t.name, needs[t.index])
             current.update(grow_capacities(current, needs, ctx.capacity, policy))
         return tuple(current[t.index] for t in ctx.tables)
 
     return capacity
+
+
+def replica_groups(reads: list[access.HostReads], replicas: int) -> list[list]:
+    """The reads of each replica group: the workers' lookups split into ``replicas``
+    consecutive groups (a 2-D mesh's groups, replica-major), the shared ids in each.
+    One group (a 1-D mesh) is ``[reads]`` itself."""
+    if replicas == 1:
+        return [reads]
+
+    def part(one: access.HostReads, r: int) -> access.HostReads:
+        out = {}
+        for i, (look, shared) in one.items():
+            size = len(look) // replicas
+            out[i] = (look[r * size : (r + 1) * size], shared)
+        return out
+
+    return [[part(one, r) for one in reads] for r in range(replicas)]
 
 
 def _warn_unseen(table: str, slots: int) -> None:
@@ -348,7 +369,7 @@ def steps_placer(
         need = ()  # sized only once every batch passed: a refused call grows nothing
         for batch in batches:
             need = capacity(batch) if capacity else ()
-        specs = batch_specs(batches[0], ctx.axis_name, ctx.replicated_keys)
+        specs = batch_specs(batches[0], ctx.batch_axes, ctx.replicated_keys)
         data = {
             k: runtime.put_global(np.stack([b[k] for b in batches]), ctx.mesh, P(None, *spec))
             for k, spec in specs.items()
@@ -439,7 +460,7 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     stored in (``layout.padded_shape``: its split dimension a multiple of P), or packed
     with others by its layout's ``storage`` (table-wise)."""
     leaves, treedef = jax.tree.flatten(params)
-    stored = store_leaves(ctx.tables, ctx.num_workers, dict(enumerate(leaves)))
+    stored = store_leaves(ctx.tables, ctx.group_size, dict(enumerate(leaves)))
     return treedef.unflatten([stored[i] for i in range(len(leaves))])
 
 
@@ -475,7 +496,7 @@ def stored_together(ctx: StepContext) -> tuple:
     tables as ``(name, V, D)`` and P (what places them: table-wise owners follow the
     sizes)."""
     return tuple(
-        (layout.name, tuple((t.name, t.vocab, t.dim) for t in tables), ctx.num_workers)
+        (layout.name, tuple((t.name, t.vocab, t.dim) for t in tables), ctx.group_size)
         for layout, tables in _stored_together(ctx)
     )
 
@@ -502,12 +523,12 @@ def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainSt
     host = jax.tree.map(np.asarray, ctx.params)
     if not pad:
         for t in ctx.tables:
-            check_divisible(t, ctx.num_workers)
+            check_divisible(t, ctx.group_size)
     host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))
     agg_state = initial_agg_state(ctx, host)
     state = TrainState(host, opt_state, agg_state)
-    agg_specs = jax.tree.map(lambda _: P(ctx.axis_name), agg_state)
+    agg_specs = jax.tree.map(lambda _: P(ctx.batch_axes), agg_state)
     state_specs = TrainState(specs, opt_specs(ctx.optimizer, opt_state, specs), agg_specs)
     placed = jax.tree.map(
         lambda x, s: runtime.put_global(x, ctx.mesh, s),

@@ -151,6 +151,12 @@ class StepContext(NamedTuple):
       overlap: whether a program's collectives can run beside its compute on ``mesh``
         (``priority.collectives_overlap``: not on XLA:CPU); without it ``embrace_2d``
         runs as ``embrace`` (``registry.Strategy.serial``).
+      replica_axis: the mesh axis of the replica groups (2-D sparse parallelism: each
+        table sharded over ``axis_name`` inside a group, replicated across groups), or
+        ``None`` (a 1-D mesh: every table sharded over every device).
+      replica_sync: how the row gradients are summed across the replica groups
+        (``embedding.replicas``: ``"rows"``, ``"shard"``, or ``"auto"``: per table the
+        one of fewer bytes).
     """
 
     loss_fn: LossFn
@@ -169,10 +175,29 @@ class StepContext(NamedTuple):
     table_update: TableUpdate
     wire: Any
     overlap: bool
+    replica_axis: str | None = None
+    replica_sync: str = "auto"
+
+    @property
+    def batch_axes(self) -> str | tuple[str, str]:
+        """The mesh axes the batch is split over: ``axis_name``, or with replica groups
+        ``(replica_axis, axis_name)`` (every device a worker of the data-parallel part)."""
+        return (self.replica_axis, self.axis_name) if self.replica_axis else self.axis_name
 
     @property
     def num_workers(self) -> int:
+        """P = R x G: the workers the batch is split over."""
+        return self.num_replicas * self.group_size
+
+    @property
+    def group_size(self) -> int:
+        """G: the workers a table is sharded over (``axis_name``); P without replicas."""
         return runtime.mesh_axis_size(self.mesh, self.axis_name)
+
+    @property
+    def num_replicas(self) -> int:
+        """R: the groups each table is replicated over (1: a 1-D mesh)."""
+        return runtime.mesh_axis_size(self.mesh, self.replica_axis) if self.replica_axis else 1
 
     @property
     def widths(self) -> dict[int, int]:

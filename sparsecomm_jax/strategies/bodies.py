@@ -49,7 +49,7 @@ def data_parallel_body(ctx: StepContext) -> Body:
     the other sparse aggregators)."""
 
     def body(state: TrainState, batch: PlacedBatch) -> Gradients:
-        params = vary(state.params, ctx.axis_name)  # each worker's own gradient
+        params = vary(state.params, ctx.batch_axes)  # each worker's own gradient
         loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, PLAIN)
         return finish.reduced(ctx, loss, grads, {}, state.agg_state)
 
@@ -77,6 +77,7 @@ def table_body(ctx: StepContext) -> Body:
             batch.slots(ctx.tables),
             ctx.axis_name,
             ctx.wire,
+            ctx.batch_axes,
         )
         dense = split_tables(grads, ctx.table_mask)[1]
         tables = finish.table_grads(ctx, pairs, state.params)
@@ -111,7 +112,7 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
         out_specs = finish.gradient_specs(ctx, specs.params, missed=True)
 
         def step(state: TrainState, batch: PlacedBatch):
-            batch_specs = placement.placed_specs(batch, ctx.axis_name, ctx.replicated_keys)
+            batch_specs = placement.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
             grads = jax.shard_map(
                 body,
                 mesh=ctx.mesh,

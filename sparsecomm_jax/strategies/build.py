@@ -43,6 +43,7 @@ from sparsecomm_jax.strategies.registry import StrategyName, parse_strategy
 from sparsecomm_jax.strategies.rules import (
     check_arguments,
     check_options,
+    check_replicas,
     check_table_update,
     choose_table_update,
     make_aggregator,
@@ -70,6 +71,8 @@ def make_train_step(
     comm_dtype: str | wire.Wire = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
     collectives_overlap: bool | None = None,
+    replicas: int = 1,
+    replica_sync: str = "auto",
     **aggregator_options: Any,
 ) -> TrainStep:
     """Builds the train step of ``strategy`` and its initial state.
@@ -139,6 +142,15 @@ def make_train_step(
         pass; the same losses to float rounding, no lookahead; ``embrace_2d``'s rules
         still hold: tables read by lookups only, sizes divisible by P). ``True`` builds
         the pipelined program anyway (to study or test it on CPU).
+      replicas: R, replica groups (2-D sparse parallelism, ``embedding.replicas``): the
+        mesh's P devices split into R groups of G = P / R consecutive devices; each
+        table is sharded over a group by its layout and replicated across the groups,
+        its lookups exchanged within the group, its row gradients summed across the
+        groups every step (exact). 1 (the default): every table over all P devices.
+        For ``embrace``, ``embrace_rowwise`` and ``sparse_allgather``.
+      replica_sync: how the row gradients are summed across the groups: ``"rows"``
+        (an all-gather of the touched rows), ``"shard"`` (an all-reduce of the dense
+        shard) or ``"auto"`` (per table, the one of fewer bytes).
       **aggregator_options: passed to the aggregator (``selector``, ``bucket_bytes``).
 
     Returns:
@@ -167,6 +179,8 @@ def make_train_step(
         comm_dtype=comm_dtype,
         table_layouts=table_layouts,
         collectives_overlap=collectives_overlap,
+        replicas=replicas,
+        replica_sync=replica_sync,
         **aggregator_options,
     )
     built = ENGINES[name.strategy.engine](ctx, name.strategy)
@@ -195,6 +209,8 @@ def make_context(
     comm_dtype: str | wire.Wire = "float32",
     table_layouts: Mapping[Any, str | Layout] | None = None,
     collectives_overlap: bool | None = None,
+    replicas: int = 1,
+    replica_sync: str = "auto",
     **aggregator_options: Any,
 ) -> StepContext:
     """Every argument of ``make_train_step`` checked, as the ``StepContext`` a step is
@@ -202,11 +218,17 @@ def make_context(
     check_arguments(loss_fn, optimizer, mesh, params)
     num = runtime.mesh_axis_size(mesh, axis_name)
     check_options(name, num, capacity, nonfinite)
+    check_replicas(name, replicas, num, replica_sync)
+    replica_axis, batch_axes = None, axis_name
+    if replicas > 1:  # R groups of G devices: tables sharded in a group, replicated across
+        mesh = runtime.replica_mesh(mesh, axis_name, replicas)
+        replica_axis, batch_axes = runtime.REPLICA_AXIS, (runtime.REPLICA_AXIS, axis_name)
+    group = num // replicas
     named = table_mask(params, embedding_paths)
     chosen = wire.parse(comm_dtype)
     table_update = choose_table_update(table_update, name, optimizer, params, named, chosen)
     check_table_update(name, table_update, chosen)
-    aggregator = make_aggregator(name, axis_name, density, chosen, **aggregator_options)
+    aggregator = make_aggregator(name, batch_axes, density, chosen, **aggregator_options)
     id_tables = find_tables(params, named, DENSE)
     layout = name.strategy.layout
     mask = jax.tree.map(lambda _: False, named) if layout.data_parallel else named
@@ -215,10 +237,10 @@ def make_context(
         tables = tuple(t for t in tables if not t.layout.data_parallel)
         leaves, treedef = jax.tree.flatten(mask)
         mask = treedef.unflatten([f and i not in dense for i, f in enumerate(leaves)])
-    tables = bind_tables(tables, num)  # e.g. table-wise owners
+    tables = bind_tables(tables, group)  # e.g. table-wise owners
     for storage in {t.layout.storage for t in tables if t.layout.storage is not None}:
         if storage.check is not None:  # tables stored together: the optimizer must agree
-            storage.check(optimizer, params, num)
+            storage.check(optimizer, params, group)
     if name.strategy.needs_tables and not tables and not dense:  # all "dense": data parallel
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: pass embedding_paths "
@@ -245,4 +267,6 @@ def make_context(
             if collectives_overlap is None
             else bool(collectives_overlap)
         ),
+        replica_axis=replica_axis,
+        replica_sync=replica_sync,
     )

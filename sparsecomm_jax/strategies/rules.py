@@ -25,6 +25,7 @@ from sparsecomm_jax import aggregators
 from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding import layouts, row_optimizers, update
 from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.replicas import SYNCS
 from sparsecomm_jax.embedding.tables import (
     Table,
     table_name,
@@ -76,6 +77,41 @@ def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
         raise ArgumentError("strategy", str(name), f"{problem}, got {num}")
     if nonfinite not in NONFINITE:
         raise ArgumentError("nonfinite", nonfinite, f"must be one of {list(NONFINITE)}")
+
+
+def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> None:
+    """The rules of replica groups (2-D sparse parallelism, ``embedding.replicas``):
+    ``replicas`` an integer that divides the ``num`` devices, and for more than one, a
+    strategy whose tables are read through their layouts in one program (``embrace``,
+    ``embrace_rowwise``, ``sparse_allgather``) with the dense layers' mean."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ArgumentError("replicas", replicas, "must be an integer >= 1")
+    if num % replicas:
+        raise ArgumentError(
+            "replicas", replicas, f"must divide the {num} devices into groups of equal size"
+        )
+    if sync not in SYNCS:
+        raise ArgumentError("replica_sync", sync, f"must be one of {list(SYNCS)}")
+    if replicas == 1:
+        return
+    strategy = name.strategy
+    if not strategy.any_layout:
+        able = [s.name for s in STRATEGIES.values() if s.any_layout]
+        raise ArgumentError(
+            "replicas",
+            replicas,
+            f"needs a strategy among {able}; $strategy has no tables sharded by layouts "
+            "in one program",
+            strategy=str(name),
+        )
+    if aggregators.AGGREGATORS[name.aggregator].sparse:
+        raise ArgumentError(
+            "replicas",
+            replicas,
+            "takes the dense layers' mean; the top-k aggregator of $strategy is not built "
+            "for replica groups",
+            strategy=str(name),
+        )
 
 
 def check_table_update(
