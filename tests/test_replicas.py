@@ -73,6 +73,39 @@ def test_sum_across_adds_every_groups_pairs(how, shape):
         np.testing.assert_array_equal(np.asarray(touched[g]), seen)
 
 
+@pytest.mark.parametrize("how", [replicas.ROWS, replicas.SHARD, replicas.AUTO])
+def test_sum_tables_sums_each_table_apart_in_shared_collectives(how):
+    """Two tables of other widths and shard sizes, summed in the same collectives: each
+    comes back as its own sum over the groups (numpy), whichever exchange carries it."""
+    rng = np.random.default_rng()
+    shape, m = (2, 4), 6
+    sizes, widths = {0: 9, 1: 40}, {0: 3, 1: 5}
+    ids = {i: rng.integers(0, sizes[i] + 2, size=(*shape, m)).astype(np.int32) for i in sizes}
+    vals = {i: rng.normal(size=(*shape, m, widths[i])).astype(np.float32) for i in sizes}
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("replica", "data"))
+
+    def body(ids, vals):  # per table: int[1, 1, m], float[1, 1, m, w]
+        pairs = {i: [(ids[i][0, 0], vals[i][0, 0])] for i in sizes}
+        summed = replicas.sum_tables(pairs, sizes, "replica", how)
+        out = {}
+        for i, [(got_ids, got_rows)] in summed.items():
+            dense = jnp.zeros((sizes[i], widths[i])).at[got_ids].add(got_rows, mode="drop")
+            out[i] = dense[None]
+        return out
+
+    spec, outs = {i: P("replica", "data") for i in sizes}, {i: P("data") for i in sizes}
+    dense = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=outs))(
+        ids, vals
+    )
+    for i in sizes:
+        for g in range(shape[1]):
+            want = np.zeros((sizes[i], widths[i]), np.float32)
+            for r in range(shape[0]):
+                keep = ids[i][r, g] < sizes[i]
+                np.add.at(want, ids[i][r, g][keep], vals[i][r, g][keep])
+            np.testing.assert_allclose(np.asarray(dense[i][g]), want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_cheaper_exchange_is_chosen():
     assert replicas.choose(touched=10, shard_rows=1000, replicas=4) == replicas.ROWS
     assert replicas.choose(touched=600, shard_rows=1000, replicas=4) == replicas.SHARD
@@ -164,7 +197,8 @@ def test_lazy_adam_moves_a_row_touched_in_one_group_in_every_replica():
 
 def test_the_lookups_exchange_spans_a_group_and_the_sum_spans_the_replicas():
     """In the compiled 2 x 4 step, every all-to-all (the lookups) spans 4 devices and
-    the sums across the groups span 2; the dense layers' mean spans all 8."""
+    the sums across the groups span 2, shared by the tables; the dense layers' mean
+    spans all 8."""
     ts = step_of(fresh_params(0), 8, optax.sgd(0.1), 2, MIXED, replica_sync="rows")
     found = hlo.collectives(ts.step, ts.state, ts.place_batch(batch_of(0, 0)))
     sizes = {c.kind: set() for c in found}
@@ -172,6 +206,9 @@ def test_the_lookups_exchange_spans_a_group_and_the_sum_spans_the_replicas():
         sizes[c.kind].add(c.group_size)
     assert 4 in sizes["all-to-all"] and 2 in sizes["all-gather"]
     assert {c.group_size for c in found} <= {2, 4, 8}
+    # the three tables' sums share collectives: ids and rows of the row-wise and packed
+    # tables, ids and rows of the column-wise one (their ids typed alike in a group)
+    assert sum(c.group_size == 2 for c in found) == 4
 
 
 def test_several_steps_a_call_and_a_narrow_wire_compose():

@@ -180,13 +180,13 @@ def table_grads(ctx: StepContext, pairs: dict[int, list], params) -> dict[int, A
     """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it; with
     replica groups, the pairs are first summed across them (``replicas.sum_across``)."""
     leaves = jax.tree.leaves(params)
-    out = {}
-    for t in ctx.tables:
-        mine, shard = pairs[t.index], leaves[t.index]
-        if ctx.replica_axis:
-            mine = replicas.sum_across(mine, shard.shape[0], ctx.replica_axis, ctx.replica_sync)
-        out[t.index] = ctx.table_update.gradient(mine, shard, ctx.num_workers)
-    return out
+    if ctx.replica_axis:  # every group's sums, in one exchange per kind
+        rows = {t.index: leaves[t.index].shape[0] for t in ctx.tables}
+        pairs = replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
+    return {
+        t.index: ctx.table_update.gradient(pairs[t.index], leaves[t.index], ctx.num_workers)
+        for t in ctx.tables
+    }
 
 
 # ------------------------------------------------------------------ the update
