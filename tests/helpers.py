@@ -111,3 +111,13 @@ def three_tables_batch(seed: int, step: int) -> dict:
     rng = np.random.default_rng((seed, step))
     ids = {k: rng.integers(0, v, (THREE_BATCH,)) for k, v in THREE.items()}
     return {**ids, "y": rng.normal(size=(THREE_BATCH, 1)).astype(np.float32)}
+
+
+def run_three_tables(ts, seed: int, steps: int = 3, state=None, start: int = 0):
+    """``steps`` steps of ``ts`` on ``three_tables_batch(seed, start...)``, from
+    ``state`` (default ``ts.state``); returns ``(state, losses)``."""
+    state, losses = ts.state if state is None else state, []
+    for s in range(start, start + steps):
+        state, value = ts.step(state, ts.place_batch(three_tables_batch(seed, s)))
+        losses.append(float(value))
+    return state, losses

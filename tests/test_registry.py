@@ -42,9 +42,9 @@ def test_names_derive_from_the_registry():
 
 def test_guide_example_strategy_trains_like_embrace(monkeypatch):
     monkeypatch.setitem(sc.STRATEGIES, "clipped_embrace", None)  # removed after the test
+    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)  # before the guide's
     scope = {}
-    exec(guide_block("## A table layout"), scope)  # the imports
-    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)
+    exec(guide_block("## A table layout"), scope)  # the imports (and its layout)
     exec(guide_block("## A strategy"), scope)
     assert "clipped_embrace+topk_a2a" in sc.strategy_names()
     w = get_workload("lstm_lm", seed=2, vocab=64, dim=16, hidden=16, seq_len=4, batch=8)

@@ -17,6 +17,7 @@ import pytest
 from helpers import THREE as SIZES
 from helpers import THREE_BATCH as BATCH
 from helpers import assert_trees_close
+from helpers import run_three_tables as run
 from helpers import three_tables_batch as batch_of
 from helpers import three_tables_loss as loss
 from helpers import three_tables_params as fresh_params
@@ -127,14 +128,6 @@ def step_of(params, devices, optimizer, replica_count=1, layouts=None, **kw):
         replicas=replica_count,
         **kw,
     )
-
-
-def run(ts, seed, steps=3, state=None, start=0):
-    state, losses = ts.state if state is None else state, []
-    for s in range(start, start + steps):
-        state, value = ts.step(state, ts.place_batch(batch_of(seed, s)))
-        losses.append(float(value))
-    return state, losses
 
 
 def replicas_equal(ts, state) -> None:

@@ -238,6 +238,17 @@ class RunConfig:
     plan_memory_mb: float = _field(
         0.0, "tables' memory per worker the planner may use (0 = no limit)", finite_at_least(0)
     )
+    hot_rows: int = _field(
+        0,
+        'H: rows that each table --plan gives "hot" holds on every worker, its most read '
+        "ids (the rest sharded by rows)",
+        at_least(0),
+    )
+    histogram: str = _field(
+        "",
+        "a .npz of each hot table's id counts (table path -> int[V], numpy.savez); "
+        '"" = counted over the first 16 batches',
+    )
     nonfinite: str = _field(
         "skip",
         "NaN/Inf gradient or loss: skip the step (listed in "
@@ -381,6 +392,8 @@ NOT_TRAJECTORY = frozenset(
         "collectives_overlap",
         "plan",
         "plan_memory_mb",
+        "hot_rows",
+        "histogram",
         "out",
         "eval_every",
         "eval_batches",

@@ -29,6 +29,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "capacity",
         "plan",
         "plan_memory_mb",
+        "hot_rows",
+        "histogram",
     ),
     "Top-k strategies": (
         "density",

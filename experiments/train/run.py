@@ -32,6 +32,7 @@ import sparsecomm_jax as sc
 from experiments.train import runlog
 from experiments.train.checkpoints import claim_checkpoint_dir, resumed_config, start_state
 from experiments.train.config import RunConfig
+from experiments.train.histogram import hot_plan
 from experiments.train.loop import decide_in_flight, run_overlapped, run_steps
 from experiments.train.record import deferred_entries, result
 from experiments.train.startup import adaptive_link, choose_bucket, choose_plan
@@ -110,6 +111,7 @@ def build(config: RunConfig):
         table_update=table_update_of(config),
     )
     optimizer = make_optimizer(config.optimizer, config.lr)
+    config = dataclasses.replace(config, plan=hot_plan(config, workload, params))
     if config.overlap:
         return workload, sc.make_overlapped(workload.loss, optimizer, mesh, params, **common)
     try:

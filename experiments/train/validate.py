@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from experiments.train import histogram
 from experiments.train.config import RunConfig, check_fields
 from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
@@ -39,6 +40,7 @@ def validate(config: RunConfig) -> None:
     _check_combinations(config)
     _check_model_fields(config)
     _check_text_file(config)
+    histogram.check_flags(config)
     _check_resources(config)
 
 

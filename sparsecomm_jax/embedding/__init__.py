@@ -4,7 +4,8 @@
   loss's reads (device and host);
 - ``tables``: which parameters are tables (``Table``);
 - ``layout``: the layout protocol (plan the ids, fetch rows, send row gradients back);
-  one file per layout: ``column`` (EmbRace), ``row``, ``replicated``;
+  one file per layout: ``column`` (EmbRace), ``row``, ``tablewise``, ``replicated``,
+  ``dense``, ``hot`` (hot rows on every worker, the rest by rows);
 - ``gradients``: the loss and the tables' gradients through their layouts;
 - ``replicas``: the row gradients summed across replica groups (2-D sparse
   parallelism);

@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
@@ -209,6 +210,10 @@ class Layout(NamedTuple):
       data_parallel: the table is no table to the step: an ordinary parameter, its
         gradient in the dense layers' all-reduce (``embedding.dense.DENSE``); the
         trio is never called.
+      config: what this value of the layout was made with, as JSON (the hot rows of
+        ``embedding.hot``): a checkpoint records it, and ``configure`` rebuilds the
+        value from it. ``None``: the layout is its name alone.
+      configure: ``configure(config) -> Layout``: the layout value of ``config``.
     """
 
     name: str
@@ -223,6 +228,8 @@ class Layout(NamedTuple):
     bind: Callable[[tuple, int], tuple] | None = None
     pricing: Pricing | None = None
     data_parallel: bool = False
+    config: Any = None
+    configure: Callable[[Any], Layout] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -285,6 +292,68 @@ def cut_spec(spec: P, ndim: int) -> P:
     """``spec`` cut to an array of ``ndim`` dimensions (a row state such as a per-row
     count, int[V], lies like its table's rows)."""
     return P(*tuple(spec)[:ndim])
+
+
+PROBE_STEPS = 4  # optimizer steps of check_storage's probe
+
+
+def check_storage(
+    optimizer, params, small: dict[int, int], storage: Storage, num_workers: int, error: str
+) -> None:
+    """``ValueError(error)`` unless ``optimizer`` moves tables stored by ``storage`` as it
+    moves them as the model made them: ``PROBE_STEPS`` steps of it on stand-ins of every
+    parameter (table ``i`` with ``small[i]`` rows of its D, the other leaves cut to 130 in
+    every dimension), stored and apart, on random gradients; the moves compared, each
+    relative to the largest of its leaf (a small learning rate hides no difference).
+
+    What the probe cannot see: a difference that shows only after ``PROBE_STEPS`` steps
+    (``optax.MultiSteps`` of more, per-label schedules that part later) or only at
+    larger sizes; noise (``add_noise``) is refused although harmless.
+    """
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(params)
+
+    def stand_in(i, x):
+        shape = (
+            (small[i], np.shape(x)[1]) if i in small else tuple(min(n, 130) for n in np.shape(x))
+        )
+        return rng.normal(size=shape).astype(np.float32)
+
+    apart = [  # the parameters, then a gradient per step
+        treedef.unflatten([stand_in(i, x) for i, x in enumerate(leaves)])
+        for _ in range(1 + PROBE_STEPS)
+    ]
+
+    def replaced(tree, new: dict):
+        flat, tdef = jax.tree.flatten(tree)
+        return tdef.unflatten([new.get(i, x) for i, x in enumerate(flat)])
+
+    def tables_of(tree) -> dict:
+        flat = jax.tree.leaves(tree)
+        return {i: flat[i] for i in small}
+
+    def stored(tree):
+        return replaced(tree, storage.pack(tables_of(tree), num_workers))
+
+    def unstored(tree):
+        return replaced(tree, storage.unpack(tables_of(tree), small))
+
+    def run(trees: list):  # steps from trees[0], gradients trees[1:]
+        tree = trees[0]
+        state = optimizer.init(tree)
+        for grads in trees[1:]:
+            updates, state = optimizer.update(grads, state, tree)
+            tree = optax.apply_updates(tree, updates)
+        return tree
+
+    start = jax.tree.leaves(apart[0])
+    want = jax.tree.leaves(run(apart))
+    got = jax.tree.leaves(unstored(run([stored(t) for t in apart])))
+    for x, a, b in zip(start, want, got, strict=True):  # the moves, however small
+        moved = np.asarray(a) - x
+        scale = float(np.abs(moved).max(initial=0.0))
+        if not np.allclose(np.asarray(b) - x, moved, rtol=1e-3, atol=1e-4 * scale + 1e-12):
+            raise ValueError(error)
 
 
 # ------------------------------------------------------------------ growth rules

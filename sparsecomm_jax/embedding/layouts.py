@@ -3,7 +3,7 @@
 record) refers to.
 
 ``LAYOUTS`` is the registry: the library's layouts (``column``, ``row``, ``table``,
-``replicated``, ``dense``) and any a user registers (``register``). The planner, the
+``replicated``, ``dense``, ``hot``) and any a user registers (``register``). The planner, the
 command line and the checkpoints iterate over it and ask each layout its facts
 (``Layout.pricing``, ``sharded``, ``packs``, ``data_parallel``); nothing outside this
 module names a layout. A ``TablePlan`` maps tables to layouts and reads and writes
@@ -12,7 +12,7 @@ itself as JSON by their names.
 Example:
     >>> from sparsecomm_jax.embedding import layouts
     >>> layouts.get("row").name, sorted(layouts.LAYOUTS)
-    ('row', ['column', 'dense', 'replicated', 'row', 'table'])
+    ('row', ['column', 'dense', 'hot', 'replicated', 'row', 'table'])
     >>> plan = layouts.TablePlan.from_json({"params/user/embedding": "row"})
     >>> plan["params/user/embedding"] is layouts.get("row"), plan.to_json()
     (True, {'params/user/embedding': 'row'})
@@ -25,6 +25,7 @@ from typing import Any
 
 from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.dense import DENSE
+from sparsecomm_jax.embedding.hot import HOT
 from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
@@ -32,7 +33,7 @@ from sparsecomm_jax.embedding.tablewise import TABLE
 from sparsecomm_jax.errors import few
 
 #: The table layouts by name: the library's, and any registered (``register``).
-LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, TABLE, REPLICATED, DENSE)}
+LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, TABLE, REPLICATED, DENSE, HOT)}
 
 
 def register(layout: Layout) -> Layout:

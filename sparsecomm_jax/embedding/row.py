@@ -158,7 +158,8 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
     Args:
       shards: per read, float[V/P, D] (this worker's rows of the table it reads; the
         widths may differ).
-      ids: per read, int[...] this worker's ids.
+      ids: per read, int[...] this worker's ids; a negative id asks for no row (its
+        row is zero, its gradient dropped, it takes no slot).
       capacities: per read, C (slots per (worker, owner) bucket).
       axis: the mesh axis.
       wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
@@ -170,10 +171,11 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
     """
     num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     caps = [min(c, i.size) for c, i in zip(capacities, ids, strict=True)]
+    skips = [i.reshape(-1) < 0 for i in ids]  # ids the caller does not want: no row
     plans = [
-        bucket_plan(i.reshape(-1), t.shape[0] * num, num, c)  # int[P, C], int[n]
-        for t, i, c in zip(shards, ids, caps, strict=True)
-    ]
+        bucket_plan(jnp.where(k, t.shape[0] * num, i.reshape(-1)), t.shape[0] * num, num, c)
+        for t, i, c, k in zip(shards, ids, caps, skips, strict=True)
+    ]  # per read (int[P, C], int[n])
     asked = jax.lax.all_to_all(jnp.concatenate([s for s, _ in plans], 1), axis, 0, 0)
     starts = np.cumsum([0, *caps])  # asked: int[P, sum C], the ids others want of me
     local = [
@@ -187,8 +189,12 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
     widths = [t.shape[1] for t in shards]
     got = comm_wire.a2a_rows(found, axis, wire.forward)  # per read float[P, C, D]
     rows = [  # each in its table's dtype (tables of several dtypes travel together)
-        jnp.take(block.reshape(num * c, w), pos, axis=0).reshape(*i.shape, w).astype(t.dtype)
-        for block, c, w, (_, pos), i, t in zip(got, caps, widths, plans, ids, shards, strict=True)
+        jnp.where(k[:, None], 0, jnp.take(block.reshape(num * c, w), pos, axis=0))
+        .reshape(*i.shape, w)
+        .astype(t.dtype)
+        for block, c, w, (_, pos), i, t, k in zip(
+            got, caps, widths, plans, ids, shards, skips, strict=True
+        )
     ]
 
     def back(grads):  # duplicates summed before the reverse exchange
@@ -202,7 +208,9 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
             for loc, block, w in zip(local, back_got, widths, strict=True)
         ]
 
-    missed = [jnp.any(pos == num * c) for (_, pos), c in zip(plans, caps, strict=True)]
+    missed = [
+        jnp.any((pos == num * c) & ~k) for (_, pos), c, k in zip(plans, caps, skips, strict=True)
+    ]
     return rows, back, missed
 
 

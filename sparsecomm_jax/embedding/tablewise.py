@@ -51,7 +51,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
@@ -67,9 +66,10 @@ from sparsecomm_jax.embedding.layout import (
     Storage,
     TableStats,
     both_ways,
+    check_storage,
     next_power_of_two,
 )
-from sparsecomm_jax.embedding.tables import Table, replace_leaves
+from sparsecomm_jax.embedding.tables import Table
 
 F32 = jnp.float32
 
@@ -179,69 +179,33 @@ def _storage(packing: Packing) -> Storage:
     return Storage(shape, pack, unpack, check)
 
 
-PROBE_STEPS = 4  # optimizer steps of check_optimizer's probe
-
-
 def check_optimizer(optimizer, params, packing: Packing, num_workers: int) -> None:
     """``ValueError`` unless ``optimizer`` moves the tables of ``packing`` stored in
-    their packs as it moves them apart: ``PROBE_STEPS`` steps of it on stand-ins of every
-    parameter (the tables 130-132 rows of their D, other dimensions cut to 130), packed
-    and apart, on random gradients.
+    their packs as it moves them apart (``layout.check_storage``'s probe, on stand-in
+    tables of 130-132 rows packed on ``num_workers`` workers).
 
     Per-parameter labels (``optax.partition``, ``masked``, weight decay by mask),
     per-parameter norms (``lamb``'s and ``lars``' trust ratios, ``clip_by_block_rms``)
     and statistics over a whole leaf (``adafactor``'s factored moments, from 128 rows
     and columns) would treat a pack as the first table of it: such optimizers are
-    refused. What the probe cannot see: a difference that shows only after
-    ``PROBE_STEPS`` steps (``optax.MultiSteps`` of more, per-label schedules that part
-    later) or only at larger sizes; noise (``add_noise``) is refused although harmless.
+    refused.
     """
-    rng = np.random.default_rng(0)
-    leaves, treedef = jax.tree.flatten(params)
+    leaves = jax.tree.leaves(params)
     small = {i: 130 + k % 3 for k, i in enumerate(sorted(packing.slots))}  # stand-in V
     stand = assign(
         [Table(i, "", v, np.shape(leaves[i])[1], None) for i, v in small.items()], num_workers
     )
-    storage = _storage(stand)
-
-    def stand_in(i, x):
-        shape = (
-            (small[i], np.shape(x)[1]) if i in small else tuple(min(n, 130) for n in np.shape(x))
-        )
-        return rng.normal(size=shape).astype(np.float32)
-
-    apart = [  # the parameters, then a gradient per step
-        treedef.unflatten([stand_in(i, x) for i, x in enumerate(leaves)])
-        for _ in range(1 + PROBE_STEPS)
-    ]
-
-    def tables_of(tree) -> dict:
-        leaves = jax.tree.leaves(tree)
-        return {i: leaves[i] for i in small}
-
-    def packed(tree):
-        return replace_leaves(tree, storage.pack(tables_of(tree), num_workers))
-
-    def unpacked(tree):
-        return replace_leaves(tree, storage.unpack(tables_of(tree), small))
-
-    def run(trees: list):  # steps from trees[0], gradients trees[1:]
-        tree = trees[0]
-        state = optimizer.init(tree)
-        for grads in trees[1:]:
-            updates, state = optimizer.update(grads, state, tree)
-            tree = optax.apply_updates(tree, updates)
-        return tree
-
-    want = jax.tree.leaves(run(apart))
-    got = jax.tree.leaves(unpacked(run([packed(t) for t in apart])))
-    if not all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(want, got, strict=True)):
-        raise ValueError(
-            "this optimizer does not move table-wise tables stored together (one leaf per D) "
-            "as it moves them apart: it labels or normalises each parameter on its own "
-            "(optax.partition or masked by path, lamb, lars, clip_by_block_rms, "
-            "adafactor); give these tables the row or column layout"
-        )
+    check_storage(
+        optimizer,
+        params,
+        small,
+        _storage(stand),
+        num_workers,
+        "this optimizer does not move table-wise tables stored together (one leaf per D) "
+        "as it moves them apart: it labels or normalises each parameter on its own "
+        "(optax.partition or masked by path, lamb, lars, clip_by_block_rms, "
+        "adafactor); give these tables the row or column layout",
+    )
 
 
 # ------------------------------------------------------------------ 1. plan the ids

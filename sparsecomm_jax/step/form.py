@@ -59,9 +59,12 @@ class StateForm(NamedTuple):
     leaves: tuple[tuple[str, tuple[int, ...]], ...]
 
     def record(self) -> dict:
-        """The form as JSON: the workers and each placed table's name, V, D and layout."""
+        """The form as JSON: the workers, each placed table's name, V, D and layout, and
+        the configuration of each layout made with one (``Layout.config``)."""
         placed = [[t.name, t.vocab, t.dim, t.layout.name] for t in self.tables]
-        return {"workers": self.workers, "tables": placed}
+        configs = {t.layout.name: t.layout.config for t in self.tables if t.layout.config}
+        record = {"workers": self.workers, "tables": placed}
+        return {**record, "configs": configs} if configs else record
 
 
 def form_of(ctx: Any) -> StateForm:
@@ -110,8 +113,19 @@ def recorded(ours: StateForm, record: Any) -> StateForm:
                 f"it stores table {name} in layout {layout!r}, which no one registered "
                 f"here; known: {list(layouts.LAYOUTS)}"
             )
-        found.append(Table(index[name], name, vocab, dim, layouts.get(layout)))
+        found.append(Table(index[name], name, vocab, dim, _layout(layout, record)))
     return ours._replace(tables=bind_tables(tuple(found), workers), workers=workers)
+
+
+def _layout(name: str, record: dict):
+    """The layout ``name`` as the record made it (``Layout.configure`` of its config)."""
+    layout = layouts.get(name)
+    config = (record.get("configs") or {}).get(name)
+    if config is None:
+        return layout
+    if layout.configure is None:
+        raise ValueError(f"it records a configuration of layout {name!r}, which takes none")
+    return layout.configure(config)
 
 
 # ---------------------------------------------------------------- shapes

@@ -1,0 +1,156 @@
+"""Hot rows replicated against the column and row layouts: the bytes of the compiled
+programs, all of a step's and those before the forward pass (the lookups' exchange),
+for one table of V = 1M rows read by Zipf ids, at P = 4 to 32 simulated devices.
+
+    python -m experiments.studies.hot_rows
+    python -m experiments.studies.hot_rows --exponents 1.0 --workers 4,8 --hot 1024
+
+Each worker reads ``--lookups`` ids a step. The hot ids are the H most read over
+``--histogram-batches`` batches (``hot.from_counts``), counted as the command line
+counts them; the step measured is the batch after those. Bytes are read from the
+compiled programs (``comm.hlo``): the whole step's, and those of a program of the
+layout's fetch alone (what must arrive before the forward pass can start). Also
+reported: the share of the step's reads that the hot rows serve.
+
+Writes ``hot_rows.json`` and ``.csv`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from experiments.studies import harness
+
+
+def zipf_ids(rng, exponent: float, vocab: int, size) -> np.ndarray:
+    """Ids in [0, V) with P(v) proportional to (v + 1)^-s (a bounded Zipf)."""
+    p = np.arange(1, vocab + 1, dtype=np.float64) ** -exponent
+    return rng.choice(vocab, size=size, p=p / p.sum())
+
+
+def step_bytes(layout, ids: np.ndarray, vocab: int, dim: int, workers: int) -> float:
+    """Bytes a worker sends in one step of the whole program (SGD, rows update)."""
+    import jax.numpy as jnp
+    import optax
+
+    import sparsecomm_jax as sc
+    from sparsecomm_jax import runtime
+    from sparsecomm_jax.comm import hlo
+
+    def loss(p, batch, emb):
+        return jnp.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
+
+    params = {"t": np.zeros((vocab, dim), np.float32), "w": np.zeros((dim, 1), np.float32)}
+    ts = sc.make_train_step(
+        loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(workers),
+        params,
+        "embrace",
+        embedding_paths=["t"],
+        table_layouts={"t": layout},
+        table_update="rows",
+    )
+    batch = {"ids": ids.reshape(-1), "y": np.zeros((ids.size, 1), np.float32)}
+    return hlo.total_bytes(hlo.collectives(ts.step, ts.state, ts.place_batch(batch)))
+
+
+def fetch_bytes(layout, ids: np.ndarray, vocab: int, dim: int, workers: int) -> float:
+    """Bytes a worker sends before the forward pass: a program of the layout's fetch
+    alone, its capacity planned as the step plans it."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sparsecomm_jax import runtime
+    from sparsecomm_jax.comm import hlo
+    from sparsecomm_jax.embedding import layouts
+    from sparsecomm_jax.embedding.access import LOOKUP, Read
+    from sparsecomm_jax.embedding.layout import padded_shape
+    from sparsecomm_jax.embedding.tables import Table, bind_tables
+
+    mesh = runtime.data_mesh(workers)
+    [table] = bind_tables((Table(0, "t", vocab, dim, layouts.get(layout)),), workers)
+    per_worker = ids.reshape(workers, -1)
+    reads = {0: (per_worker, np.zeros(0, per_worker.dtype))}
+    need = table.layout.capacity.need([reads], (table,), workers) if table.layout.capacity else {}
+    capacity = {0: table.layout.capacity.grow(need[0])} if need else {}
+
+    def body(shard, mine):  # shard: the worker's rows; mine: int[1, n] its ids
+        fetched = table.layout.fetch({0: shard}, [Read(LOOKUP, 0, mine[0])], capacity, "data")
+        return fetched.rows[0][None]
+
+    spec = table.layout.spec("data")
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("data")), out_specs=P("data")))
+    shard = jax.ShapeDtypeStruct(
+        padded_shape(table, workers), np.float32, sharding=NamedSharding(mesh, spec)
+    )
+    mine = jax.ShapeDtypeStruct(
+        per_worker.shape, per_worker.dtype, sharding=NamedSharding(mesh, P("data"))
+    )
+    return hlo.total_bytes(hlo.collectives(fn, shard, mine))
+
+
+def measure(args, exponent: float, workers: int) -> list[dict]:
+    """Every layout's bytes at one exponent and P."""
+    from sparsecomm_jax.embedding import hot
+
+    rng = np.random.default_rng(args.seed)
+    shape = (args.histogram_batches + 1, workers * args.lookups)
+    ids = zipf_ids(rng, exponent, args.vocab, shape)
+    counts = np.bincount(ids[:-1].ravel(), minlength=args.vocab)
+    step = ids[-1]
+    rows = []
+    hot_ones = [("hot", h, hot.layout({"t": hot.from_counts(counts, h)})) for h in args.hot]
+    for name, h, layout in [("column", 0, "column"), ("row", 0, "row"), *hot_ones]:
+        hot_ids = hot.from_counts(counts, h)
+        rows.append(
+            {
+                "exponent": exponent,
+                "workers": workers,
+                "layout": name,
+                "hot_rows": h,
+                "hot_share": float(np.isin(step, hot_ids).mean()),
+                "bytes": step_bytes(layout, step, args.vocab, args.dim, workers),
+                "bytes_before_forward": fetch_bytes(layout, step, args.vocab, args.dim, workers),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = harness.parser(__name__, __doc__)
+    parser.add_argument("--vocab", type=int, default=1_000_000, help="V")
+    parser.add_argument("--dim", type=int, default=32, help="D (float32)")
+    parser.add_argument("--lookups", type=int, default=2048, help="ids a worker reads a step")
+    parser.add_argument("--workers", default="4,8,16,32", help="comma list of P")
+    parser.add_argument("--exponents", default="0.8,1.0,1.2", help="Zipf exponents")
+    parser.add_argument("--hot", default="1024,16384", help="comma list of H to measure")
+    parser.add_argument("--histogram-batches", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.hot = [int(h) for h in args.hot.split(",")]
+    workers = [int(p) for p in args.workers.split(",")]
+    from sparsecomm_jax import runtime
+
+    runtime.simulate_cpu_devices(max(workers))
+    jobs = [(s, p) for s in map(float, args.exponents.split(",")) for p in workers]
+    rows = []
+    for got in harness.grid(jobs, lambda s, p: {"rows": measure(args, s, p)}, "hot rows"):
+        rows.extend(got.get("rows", []))
+    harness.save_rows(rows, args.out_dir, "hot_rows", {"setup": vars(args)})
+    print(f"V={args.vocab:,} D={args.dim} lookups/worker={args.lookups}: KB a worker sends")
+    print("   s   P  layout      H  hot share  step KB  before forward KB")
+    for r in rows:
+        print(
+            f"{r['exponent']:4} {r['workers']:3}  {r['layout']:6} {r['hot_rows']:6} "
+            f"{r['hot_share']:10.3f} {r['bytes'] / 1e3:8.1f} "
+            f"{r['bytes_before_forward'] / 1e3:17.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

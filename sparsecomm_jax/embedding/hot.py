@@ -1,0 +1,346 @@
+"""Hot rows replicated, cold rows sharded: the ``hot`` layout.
+
+A table's H most frequent rows (``HotRows``, from a histogram of its ids: ``from_counts``)
+are held by every worker; the other V - H rows are sharded by rows. The table is stored
+as one leaf of ``[P (H + C), D]``, C = ceil((V - H) / P): worker w's block holds the H hot
+rows (the same on every worker), then its C cold rows. The user's ids stay as they are:
+the layout finds an id's row itself, and a checkpoint records the hot ids
+(``Layout.config``), so it restores onto any device count.
+
+The trio:
+
+1. **plan** (host): per table, the most distinct cold ids one worker asks of one owner
+   (``row.bucket_slots`` on the cold ids alone);
+2. **fetch**: a hot id reads its row in this worker's block, with no exchange; the cold
+   ids go through the row-wise exchange (``row.fetch``) of the stored leaf's rows;
+3. **back**: the hot rows' gradients are scatter-added into ``float[H, D]`` and summed
+   over the workers (one all-reduce of H x D per table, and one of a count per hot row:
+   a hot row no worker read is no row of the gradient, so a lazy optimizer leaves it);
+   the cold ones return by the row-wise exchange. Every worker then holds the same hot
+   gradient and makes the same update to its copy.
+
+Where it pays, and where not: with de-duplicated ids, a row that every worker reads
+costs the same bytes in the row-wise exchange (its id out, its row back, its gradient
+out) as in an all-reduce. What hot rows save is on the critical path: no exchange before
+the forward pass for them, so the bytes before the forward are the cold rows' alone; and
+their all-reduce could run beside the backward pass (not on XLA:CPU, which runs a
+program's collectives one after the other). The all-reduce is dense: a hot row no worker
+reads in a step still travels, so H is worth it only while the hot rows are read almost
+every step.
+
+Example:
+    >>> import numpy as np
+    >>> rows = HotRows.of(np.array([7, 2]), vocab=10, workers=2)
+    >>> rows.hot.tolist(), rows.cold_rows  # rows 2 and 7 on every worker; 4 cold each
+    ([2, 7], 4)
+    >>> rows.stored_row(np.array([2, 0, 9])).tolist()  # 2 is hot; 0 and 9 are cold
+    [0, 2, 11]
+
+References:
+    Jiang et al., "EMBark", RecSys 2024, and NVIDIA HugeCTR's hybrid embedding (hot rows
+    replicated by measured frequency); Sethi et al., "FlexShard", 2023.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax.comm import wire as comm_wire
+from sparsecomm_jax.embedding import row
+from sparsecomm_jax.embedding.access import HostReads, Read
+from sparsecomm_jax.embedding.layout import (
+    CapacityPolicy,
+    Fetched,
+    Layout,
+    Storage,
+    check_storage,
+)
+
+F32 = jnp.float32
+
+
+class HotRows(NamedTuple):
+    """Where each row of one table lives under the hot layout on P workers.
+
+    Attributes:
+      hot: the hot ids, sorted (``int[H]``): row ``k`` of every worker's block holds
+        ``hot[k]``.
+      vocab: V.
+      workers: P.
+      cold_rows: C, the cold rows of each worker's block (after its H hot rows).
+    """
+
+    hot: np.ndarray
+    vocab: int
+    workers: int
+    cold_rows: int
+
+    @classmethod
+    def of(cls, hot: Sequence[int], vocab: int, workers: int) -> HotRows:
+        """The rows of a table with ``hot`` replicated (``ValueError`` for an id outside
+        [0, V) or repeated)."""
+        ids = np.sort(np.asarray(hot, np.int64).reshape(-1))
+        if ids.size and (ids[0] < 0 or ids[-1] >= vocab or np.any(ids[1:] == ids[:-1])):
+            raise ValueError(f"hot ids must be distinct ids in [0, {vocab}), got {ids[:8]}...")
+        return cls(ids, vocab, workers, -(-(vocab - ids.size) // workers))
+
+    @property
+    def block(self) -> int:
+        """H + C: the rows of each worker's block."""
+        return self.hot.size + self.cold_rows
+
+    def stored_row(self, ids):
+        """Each id's row in the stored leaf (numpy or jax): a hot id its row in worker 0's
+        block (every block holds it at that offset), a cold id its owner's row."""
+        xp = jnp if isinstance(ids, jax.Array) else np
+        hot = xp.asarray(self.hot.astype(np.int32))
+        below = xp.searchsorted(hot, ids)  # hot ids below each id (its hot row, if hot)
+        cold = ids - below  # its place among the cold ids, in order
+        owner, offset = cold // max(self.cold_rows, 1), cold % max(self.cold_rows, 1)
+        return xp.where(self.is_hot(ids), below, owner * self.block + self.hot.size + offset)
+
+    def is_hot(self, ids):
+        """bool per id: it is one of the hot ids."""
+        if not self.hot.size:
+            return ids < 0  # none (ids are >= 0)
+        xp = jnp if isinstance(ids, jax.Array) else np
+        hot = xp.asarray(self.hot.astype(np.int32))
+        at = xp.minimum(xp.searchsorted(hot, ids), self.hot.size - 1)
+        return hot[at] == ids
+
+    def cold_ids(self) -> np.ndarray:
+        """The cold ids in order (``int[V - H]``)."""
+        keep = np.ones(self.vocab, bool)
+        keep[self.hot] = False
+        return np.flatnonzero(keep)
+
+
+def from_counts(counts: np.ndarray, hot_rows: int) -> np.ndarray:
+    """The ``hot_rows`` ids counted most often (ties to the smaller id).
+
+    Args:
+      counts: the histogram of a table's ids, ``int[V]`` (reads per id).
+      hot_rows: H, in [0, V].
+
+    Returns:
+      The hot ids, sorted.
+
+    Example:
+        >>> from_counts(np.array([5, 0, 9, 9, 1]), 2).tolist()
+        [2, 3]
+    """
+    counts = np.asarray(counts)
+    if not 0 <= hot_rows <= counts.size:
+        raise ValueError(f"hot_rows must be in [0, {counts.size}], got {hot_rows}")
+    order = np.lexsort((np.arange(counts.size), -counts))  # most counted first, then id
+    return np.sort(order[:hot_rows])
+
+
+# ------------------------------------------------------------------ storage
+
+
+def _storage(rows: dict[int, HotRows], num_workers: int) -> Storage:
+    def shape(table, workers: int) -> tuple[int, int]:
+        return workers * rows[table.index].block, table.dim
+
+    def pack(leaves: dict[int, np.ndarray], workers: int) -> dict[int, np.ndarray]:
+        out = {}
+        for i, x in leaves.items():
+            h, x = rows[i], np.asarray(x)
+            cold = np.zeros((workers * h.cold_rows, *x.shape[1:]), x.dtype)
+            cold[: h.vocab - h.hot.size] = x[h.cold_ids()]
+            cold = cold.reshape(workers, h.cold_rows, *x.shape[1:])
+            hot = np.broadcast_to(x[h.hot], (workers, h.hot.size, *x.shape[1:]))
+            out[i] = np.concatenate([hot, cold], axis=1).reshape(-1, *x.shape[1:])
+        return out
+
+    def unpack(stored: dict[int, Any], vocabs: dict[int, int]) -> dict[int, Any]:
+        out = {}
+        for i, x in stored.items():
+            h = rows[i]
+            blocks = np.asarray(x).reshape(h.workers, h.block, *np.shape(x)[1:])
+            table = np.zeros((h.vocab, *np.shape(x)[1:]), blocks.dtype)
+            table[h.hot] = blocks[0, : h.hot.size]
+            cold = blocks[:, h.hot.size :].reshape(-1, *np.shape(x)[1:])
+            table[h.cold_ids()] = cold[: h.vocab - h.hot.size]
+            out[i] = table
+        return out
+
+    def check(optimizer, params, workers: int) -> None:
+        small = {i: 40 + k % 3 for k, i in enumerate(sorted(rows))}  # stand-in V
+        stand = {
+            i: HotRows.of(np.arange(min(r.hot.size, 5)), small[i], workers) for i, r in rows.items()
+        }
+        check_storage(
+            optimizer,
+            params,
+            small,
+            _storage(stand, workers),
+            workers,
+            "this optimizer does not move hot rows held by every worker as it moves one "
+            "copy: it normalises over whole parameters (clipping by global norm, lamb, "
+            "lars, adafactor), which count each copy; give these tables the row layout",
+        )
+
+    return Storage(shape, pack, unpack, check)
+
+
+# ------------------------------------------------------------------ 1. plan the ids
+
+
+def _capacity(rows: dict[int, HotRows]) -> CapacityPolicy:
+    def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
+        """Per table, the most distinct cold ids one worker asks of one owner."""
+        first, out = reads[0], {}
+        for t in tables:
+            if t.index not in first:
+                continue
+            h = rows[t.index]
+            per_worker = []
+            for ids in first[t.index][0]:
+                ids = np.asarray(ids).ravel()
+                per_worker.append(h.stored_row(ids[~h.is_hot(ids)]))
+            out[t.index] = max(1, row.bucket_slots(per_worker, workers * h.block, workers))
+        return out
+
+    def bound(reads: HostReads, table, workers: int) -> int:
+        return min(reads[table.index][0].shape[1], rows[table.index].block)
+
+    return CapacityPolicy(need, "distinct cold rows from one owner", _doubling, bound)
+
+
+def _doubling(need: int) -> int:
+    """The next power of two from 1: a table whose reads are mostly hot asks few cold
+    rows of each owner, and its buckets stay that small (``next_power_of_two`` starts
+    at 8)."""
+    return 1 << max(0, (need - 1).bit_length())
+
+
+# ------------------------------------------------------- 2. fetch rows, 3. send back
+
+
+def _fetch(rows: dict[int, HotRows]):
+    def fetch(
+        shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+    ):
+        """Hot ids from this worker's block; the cold ones through ``row.fetch`` (a hot id
+        asks it for no row); an id outside its table for the row past the leaf (its row
+        NaN and missed, as the row-wise layout does)."""
+        hot, cold = [], []
+        for r in reads:
+            h = rows[r.table]
+            ids = r.ids.astype(jnp.int32)
+            inside = (ids >= 0) & (ids < h.vocab)
+            is_hot = inside & h.is_hot(ids)
+            at = h.stored_row(jnp.where(inside, ids, 0))
+            nowhere = h.workers * h.block
+            hot.append((is_hot, jnp.where(is_hot, at, h.hot.size)))  # hot row, or padding
+            cold.append(
+                Read(r.kind, r.table, jnp.where(is_hot, -1, jnp.where(inside, at, nowhere)))
+            )
+        got = row.fetch(shards, cold, capacity, axis, wire)
+        out = []
+        for r, (is_hot, at), far in zip(reads, hot, got.rows, strict=True):
+            near = jnp.take(shards[r.table], at, axis=0, mode="fill", fill_value=0)
+            out.append(jnp.where(is_hot[..., None], near, far))  # float[*ids.shape, D]
+
+        def back(grads):
+            far = [
+                jnp.where(is_hot[..., None], 0, g)
+                for (is_hot, _), g in zip(hot, grads, strict=True)
+            ]
+            pairs = got.back(far)
+            for i in sorted({r.table for r in reads}):
+                h, width = rows[i], shards[i].shape[1]
+                if not h.hot.size:
+                    continue
+                summed = jnp.zeros((h.hot.size, width), F32)
+                count = jnp.zeros((h.hot.size,), jnp.int32)
+                for r, (_, at), g in zip(reads, hot, grads, strict=True):
+                    if r.table == i:
+                        flat = at.reshape(-1)
+                        summed = summed.at[flat].add(g.reshape(-1, width).astype(F32), mode="drop")
+                        count = count.at[flat].add(1, mode="drop")
+                summed = comm_wire.psum(summed, axis, wire.backward)  # float[H, D], everyone's
+                count = jax.lax.psum(count, axis)  # int[H]: reads of each hot row, anywhere
+                read = jnp.where(count > 0, jnp.arange(h.hot.size), h.block)  # unread: padding
+                pairs.append((i, (read, summed)))
+            return pairs
+
+        return Fetched(out, back, got.missed)
+
+    return fetch
+
+
+def _no_attend(shard, h, axis: str):
+    raise ValueError(
+        "a hot-rows table cannot serve a full softmax (emb.attend): give it the row or "
+        "column layout"
+    )
+
+
+# ------------------------------------------------------------------ the layout
+
+
+def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
+    """The hot layout with ``hot_ids[table name]`` replicated for each table (a table it
+    does not name has no hot rows: the row-wise layout).
+
+    Args:
+      hot_ids: table name -> its hot ids (``from_counts`` of a histogram).
+
+    Returns:
+      A ``Layout`` named ``"hot"``, for ``table_layouts``.
+    """
+    config = {
+        str(k): sorted(int(v) for v in np.asarray(ids).reshape(-1))
+        for k, ids in (hot_ids or {}).items()
+    }
+
+    def bind(tables, num_workers: int) -> tuple:
+        mine = [
+            t
+            for t in tables
+            if t.layout.configure is layout  # a hot layout, not yet bound, of these ids
+            and t.layout.bind is not None
+            and t.layout.config == (config or None)
+        ]
+        if not mine:
+            return tuple(tables)
+        rows = {t.index: HotRows.of(config.get(t.name, ()), t.vocab, num_workers) for t in mine}
+        bound = value._replace(
+            capacity=_capacity(rows),
+            fetch=_fetch(rows),
+            storage=_storage(rows, num_workers),
+            bind=None,
+        )
+        return tuple(t._replace(layout=bound) if t.index in rows else t for t in tables)
+
+    value = Layout(
+        name="hot",
+        spec=lambda axis: P(axis, None),
+        split_dim=0,
+        capacity=None,
+        fetch=_unbound,
+        attend=_no_attend,
+        sum_dense=lambda g, axis: g,
+        row_specs=lambda axis: (P(axis), P(axis, None)),  # each worker its own rows
+        bind=bind,
+        config=config or None,
+        configure=layout,
+    )
+    return value
+
+
+def _unbound(*args, **kwargs):
+    raise ValueError("the hot layout is bound to its tables when a step is built")
+
+
+#: The hot layout with no hot rows given (each table row-wise until ``layout(...)``).
+HOT = layout()
