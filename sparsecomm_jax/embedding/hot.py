@@ -256,26 +256,43 @@ def _fetch(rows: dict[int, HotRows]):
                 for (is_hot, _), g in zip(hot, grads, strict=True)
             ]
             pairs = got.back(far)
-            for i in sorted({r.table for r in reads}):
-                h, width = rows[i], shards[i].shape[1]
-                if not h.hot.size:
-                    continue
-                summed = jnp.zeros((h.hot.size, width), F32)
-                count = jnp.zeros((h.hot.size,), jnp.int32)
+            mine = [i for i in sorted({r.table for r in reads}) if rows[i].hot.size]
+            summed, counts = {}, {}
+            for i in mine:
+                width = shards[i].shape[1]
+                summed[i] = jnp.zeros((rows[i].hot.size, width), F32)  # float[H, D]
+                counts[i] = jnp.zeros((rows[i].hot.size,), jnp.int32)  # int[H]
                 for r, (_, at), g in zip(reads, hot, grads, strict=True):
                     if r.table == i:
                         flat = at.reshape(-1)
-                        summed = summed.at[flat].add(g.reshape(-1, width).astype(F32), mode="drop")
-                        count = count.at[flat].add(1, mode="drop")
-                summed = comm_wire.psum(summed, axis, wire.backward)  # float[H, D], everyone's
-                count = jax.lax.psum(count, axis)  # int[H]: reads of each hot row, anywhere
-                read = jnp.where(count > 0, jnp.arange(h.hot.size), h.block)  # unread: padding
-                pairs.append((i, (read, summed)))
+                        rows_g = g.reshape(-1, width).astype(F32)
+                        summed[i] = summed[i].at[flat].add(rows_g, mode="drop")
+                        counts[i] = counts[i].at[flat].add(1, mode="drop")
+            summed, counts = _sum_hot(summed, counts, axis, wire.backward)
+            for i in mine:  # a hot row no worker read is padding (past the block)
+                read = jnp.where(counts[i] > 0, jnp.arange(rows[i].hot.size), rows[i].block)
+                pairs.append((i, (read, summed[i])))
             return pairs
 
         return Fetched(out, back, got.missed)
 
     return fetch
+
+
+def _sum_hot(summed: dict, counts: dict, axis: str, codec) -> tuple[dict, dict]:
+    """Every table's hot gradients and read counts summed over the workers: the tables
+    of one width in one all-reduce (in ``codec``), every count in one more."""
+    out = {}
+    for width in sorted({x.shape[1] for x in summed.values()}):
+        alike = [i for i, x in summed.items() if x.shape[1] == width]
+        total = comm_wire.psum(jnp.concatenate([summed[i] for i in alike]), axis, codec)
+        ends = np.cumsum([0, *(summed[i].shape[0] for i in alike)])
+        out.update({i: total[a:b] for i, a, b in zip(alike, ends[:-1], ends[1:], strict=True)})
+    if not counts:
+        return out, {}
+    every = jax.lax.psum(jnp.concatenate(list(counts.values())), axis)  # int[sum H]
+    ends = np.cumsum([0, *(c.shape[0] for c in counts.values())])
+    return out, {i: every[a:b] for i, a, b in zip(counts, ends[:-1], ends[1:], strict=True)}
 
 
 def _no_attend(shard, h, axis: str):
