@@ -167,7 +167,7 @@ def test_two_d_equals_one_device_and_one_d(name):
     for count, sync in ((2, "rows"), (4, "shard")):
         ts = step_of(params, 8, optimizer, count, MIXED, table_update=update, replica_sync=sync)
         got_state, got = run(ts, seed)
-        assert got == pytest.approx(want, rel=1e-5), (count, sync)
+        assert got == pytest.approx(want, rel=1e-5), (count, sync, seed)
         assert_trees_close(ts.host_params(got_state), one.host_params(state))
         replicas_equal(ts, got_state)
 

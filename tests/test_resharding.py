@@ -5,11 +5,14 @@ run that was never interrupted; through the library and through ``--resume``.
 
 import json
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+from conftest import REPO
 from helpers import THREE as SIZES
 from helpers import THREE_DIM as DIM
 from helpers import assert_trees_close
@@ -80,7 +83,7 @@ def test_a_checkpoint_resumes_on_another_count_and_layouts_exactly(
         restored, step = ckpt.restore_state(then)
     assert step == 2
     restored, again = run(then, restored, seed, range(2, 4))
-    assert again == pytest.approx(after, rel=1e-5, abs=1e-6)
+    assert again == pytest.approx(after, rel=1e-5, abs=1e-6), seed
     assert_trees_close(then.host_params(restored), first.host_params(state))
 
 
@@ -167,3 +170,29 @@ def test_resume_on_another_device_count_through_the_command_line(tmp_path):
         resumed = json.loads(out.read_text())
         assert resumed["start_step"] == 2 and resumed["restore_s"] > 0
         assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_converts_when_each_process_holds_part_of_the_devices(tmp_path):
+    """Saved by one process on 4 simulated devices (table-wise and hot tables, Adam),
+    resumed by 2 processes of one device each: each process reads the checkpoint whole
+    on its CPU and places its part; the losses of the run never interrupted."""
+    layouts = plan("table", "table", "hot", "row")
+    args = ["--model", "dlrm", "--tables", "64,48,24,16", "--dim", "8", "--batch", "32"]
+    args += ["--strategy", "embrace", "--optimizer", "adam", "--lr", "0.01"]
+    args += [f"--plan={layouts}", "--hot-rows", "4"]
+    full, ck, out = tmp_path / "full.json", tmp_path / "ck", tmp_path / "r.json"
+    assert main([*args, "--devices", "4", "--steps", "4", f"--out={full}"]) == 0
+    assert main([*args, "--devices", "4", "--steps", "2", f"--checkpoint-dir={ck}"]) == 0
+    launch = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", "2", "--"]
+    train = [sys.executable, "-m", "experiments.train", *args, "--steps", "4", "--resume"]
+    done = subprocess.run(
+        [*launch, *train, f"--checkpoint-dir={ck}", f"--out={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads(full.read_text())["losses"][2:]
+    assert json.loads(out.read_text())["losses"] == pytest.approx(want, rel=1e-5)

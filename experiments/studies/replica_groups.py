@@ -238,12 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     setup = {k: v for k, v in vars(args).items() if k != "out_dir"}
     links = {k: v._asdict() for k, v in LINKS.items()}
-    harness.write_result(out, "replica_groups", {"setup": setup, "links": links, "rows": rows})
-    harness.save_rows(
-        [{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows],
-        out,
-        "replica_groups",
-    )
+    harness.save_rows(rows, out, "replica_groups", {"setup": setup, "links": links})
     plot(rows, out / "replica_groups.png", 1.0 if 1.0 in args.exponents else args.exponents[0])
     alpha = str(LINKS["infiniband"].alpha)
     print(f"V={args.vocab:,} D={args.dim} lookups/worker={args.lookups:,}; time at alpha {alpha}")

@@ -84,7 +84,8 @@ def measured_counts(workload, params, tables: list, batches: int) -> dict[str, n
             if t.index in reads:
                 look, shared = reads[t.index]
                 ids = np.concatenate([np.asarray(look).ravel(), np.asarray(shared).ravel()])
-                counts[t.name] += np.bincount(ids, minlength=t.vocab)[: t.vocab]
+                ids = ids[(ids >= 0) & (ids < t.vocab)]  # a computed id outside: not a row
+                counts[t.name] += np.bincount(ids, minlength=t.vocab)
     return counts
 
 
@@ -94,7 +95,10 @@ def hot_plan(config: RunConfig, workload, params) -> TablePlan | str:
     names = hot_tables(config)
     if not names:
         return config.plan
-    every = {t.name: t for t in find_tables(params, table_mask(params, names), None)}
+    try:
+        every = {t.name: t for t in find_tables(params, table_mask(params, names), None)}
+    except ValueError as e:
+        raise ValueError(f"--plan: {e}") from None
     tables = [every[n] for n in names]
     for t in tables:
         if config.hot_rows > t.vocab:

@@ -40,8 +40,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.checkpoint.store import MismatchError, Reading, Store, _warn
@@ -95,15 +94,16 @@ def shape_hint(name: str, saved: tuple, ours: tuple) -> str:
     return ""
 
 
-def stored_together_check(ours: tuple) -> Callable[[dict, Path], None]:
+def stored_together_check(ours: tuple, converts: bool = True) -> Callable[[dict, Path], None]:
     """``store.restore``'s ``check``: the tables stored together must be stored so here
     too (a table-wise pack restored into other layouts, or another pack, would read one
     table's rows as another's, silently where the shapes agree). A checkpoint that does
     not record it (written by ``save`` of another pytree, or by an earlier version) is
-    not checked."""
+    not checked; nor one that records its form, restored by a step that ``converts``
+    it (``reading``)."""
 
     def check(identity: dict, folder: Path) -> None:
-        if STORED_TOGETHER not in identity or FORM in identity:  # a form converts
+        if STORED_TOGETHER not in identity or (converts and FORM in identity):  # converted
             return
         theirs, mine = identity[STORED_TOGETHER], _as_json(ours)  # as the record reads back
         if theirs == mine:
@@ -126,8 +126,9 @@ def stored_together_check(ours: tuple) -> Callable[[dict, Path], None]:
 
 def reading(ts: TrainStep) -> Callable[[dict, Path], Reading | None]:
     """``store.restore``'s ``read_as`` for ``ts``: a checkpoint that recorded another
-    form (other layouts, another device count) is read in its own shapes, replicated,
-    and converted through the model's shapes into ``ts``'s (``step.form``)."""
+    form (other layouts, another device count) is read in its own shapes whole on each
+    process's CPU (never on every accelerator: a model that fits only sharded would not
+    fit there), and converted through the model's shapes into ``ts``'s (``step.form``)."""
 
     def read_as(identity: dict, folder: Path) -> Reading | None:
         record = identity.get(FORM)
@@ -139,9 +140,9 @@ def reading(ts: TrainStep) -> Callable[[dict, Path], Reading | None]:
             form.check_residuals(saved, ts.form, ours["agg_state"])
         except ValueError as e:
             raise MismatchError(f"checkpoint {folder}: {e}") from e
-        whole = NamedSharding(_mesh_of(ours), P())
+        host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # not the devices
         like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
             form.stored_shapes(saved, ours),
         )
 
@@ -153,14 +154,6 @@ def reading(ts: TrainStep) -> Callable[[dict, Path], Reading | None]:
         return Reading(like, convert)
 
     return read_as
-
-
-def _mesh_of(tree: PyTree):
-    """The mesh of the first leaf of ``tree`` placed on one (a step's state is)."""
-    for x in jax.tree.leaves(tree):
-        if isinstance(getattr(x, "sharding", None), NamedSharding):
-            return x.sharding.mesh
-    raise ValueError("no leaf of the state is placed on a mesh")
 
 
 def _placed_as(x: np.ndarray, like: jax.Array) -> jax.Array:
@@ -194,7 +187,7 @@ class Checkpointer(Store):
         checkpoint that records no form (written before forms were) restores into the
         stored shapes and table-wise packs it was saved with.
         """
-        check = stored_together_check(ts.stored_together)
+        check = stored_together_check(ts.stored_together, converts=ts.form is not None)
         like = portable(ts, ts.state)
         tree, s = self.restore(like, step, on_skip, check, shape_hint, reading(ts))
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])

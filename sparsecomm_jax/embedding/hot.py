@@ -14,8 +14,9 @@ The trio:
 2. **fetch**: a hot id reads its row in this worker's block, with no exchange; the cold
    ids go through the row-wise exchange (``row.fetch``) of the stored leaf's rows;
 3. **back**: the hot rows' gradients are scatter-added into ``float[H, D]`` and summed
-   over the workers (one all-reduce of H x D per table, and one of a count per hot row:
-   a hot row no worker read is no row of the gradient, so a lazy optimizer leaves it);
+   over the workers (one all-reduce for the hot tables of each width, and one of a
+   count per hot row: a hot row no worker read is no row of the gradient, so a lazy
+   optimizer leaves it);
    the cold ones return by the row-wise exchange. Every worker then holds the same hot
    gradient and makes the same update to its copy.
 
@@ -61,6 +62,7 @@ from sparsecomm_jax.embedding.layout import (
     Storage,
     check_storage,
 )
+from sparsecomm_jax.embedding.tables import table_name
 
 F32 = jnp.float32
 
@@ -86,8 +88,12 @@ class HotRows(NamedTuple):
         """The rows of a table with ``hot`` replicated (``ValueError`` for an id outside
         [0, V) or repeated)."""
         ids = np.sort(np.asarray(hot, np.int64).reshape(-1))
-        if ids.size and (ids[0] < 0 or ids[-1] >= vocab or np.any(ids[1:] == ids[:-1])):
-            raise ValueError(f"hot ids must be distinct ids in [0, {vocab}), got {ids[:8]}...")
+        outside = ids[(ids < 0) | (ids >= vocab)]
+        if outside.size:
+            raise ValueError(f"hot ids must lie in [0, {vocab}); got {outside[:8].tolist()}")
+        if np.any(ids[1:] == ids[:-1]):
+            twice = np.unique(ids[1:][ids[1:] == ids[:-1]])
+            raise ValueError(f"hot ids must be distinct; {twice[:8].tolist()} appear twice")
         return cls(ids, vocab, workers, -(-(vocab - ids.size) // workers))
 
     @property
@@ -135,7 +141,7 @@ def from_counts(counts: np.ndarray, hot_rows: int) -> np.ndarray:
         >>> from_counts(np.array([5, 0, 9, 9, 1]), 2).tolist()
         [2, 3]
     """
-    counts = np.asarray(counts)
+    counts = np.asarray(counts).astype(np.float64)  # unsigned counts would wrap below
     if not 0 <= hot_rows <= counts.size:
         raise ValueError(f"hot_rows must be in [0, {counts.size}], got {hot_rows}")
     order = np.lexsort((np.arange(counts.size), -counts))  # most counted first, then id
@@ -205,6 +211,7 @@ def _capacity(rows: dict[int, HotRows]) -> CapacityPolicy:
             per_worker = []
             for ids in first[t.index][0]:
                 ids = np.asarray(ids).ravel()
+                ids = ids[(ids >= 0) & (ids < h.vocab)]  # a computed id outside: no row
                 per_worker.append(h.stored_row(ids[~h.is_hot(ids)]))
             out[t.index] = max(1, row.bucket_slots(per_worker, workers * h.block, workers))
         return out
@@ -316,21 +323,29 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
       A ``Layout`` named ``"hot"``, for ``table_layouts``.
     """
     config = {
-        str(k): sorted(int(v) for v in np.asarray(ids).reshape(-1))
+        table_name(k): sorted(int(v) for v in np.asarray(ids).reshape(-1))
         for k, ids in (hot_ids or {}).items()
     }
 
     def bind(tables, num_workers: int) -> tuple:
-        mine = [
-            t
-            for t in tables
-            if t.layout.configure is layout  # a hot layout, not yet bound, of these ids
-            and t.layout.bind is not None
-            and t.layout.config == (config or None)
-        ]
+        every = [t for t in tables if t.layout.configure is layout]  # hot, bound or not
+        if len({repr(t.layout.config) for t in every}) > 1:
+            raise ValueError(
+                "the hot tables of a step share one hot layout: give all their hot ids to "
+                "one hot.layout({table: ids, ...})"
+            )
+        mine = [t for t in every if t.layout.bind is not None]
         if not mine:
             return tuple(tables)
-        rows = {t.index: HotRows.of(config.get(t.name, ()), t.vocab, num_workers) for t in mine}
+        if unknown := sorted(set(config) - {t.name for t in mine}):
+            names = [t.name for t in mine]
+            raise ValueError(f"hot ids given for {unknown}, no hot table of {names}")
+        rows = {}
+        for t in mine:
+            try:
+                rows[t.index] = HotRows.of(config.get(t.name, ()), t.vocab, num_workers)
+            except ValueError as e:
+                raise ValueError(f"table {t.name}: {e}") from None
         bound = value._replace(
             capacity=_capacity(rows),
             fetch=_fetch(rows),

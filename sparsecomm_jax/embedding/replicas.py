@@ -5,7 +5,7 @@ A 2-D mesh of R replica groups x G devices shards each table over the G devices 
 group, by any layout, and replicates it across the R groups: the lookups' exchanges
 span a group (G workers), never the whole cluster. At the end of a step each owner
 holds its group's sum of its rows' gradients as ``(ids, rows)`` pairs (the layout's
-``back``). ``sum_across`` adds the other groups' sums, by one of two exchanges over the
+``back``). ``sum_tables`` adds the other groups' sums, by one of two exchanges over the
 replica axis, per table whichever moves fewer bytes (``choose``); the tables summed
 alike share one collective (``sum_tables``):
 

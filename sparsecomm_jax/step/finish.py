@@ -178,7 +178,7 @@ def aggregate(ctx: StepContext, grads, agg_state):
 
 def table_grads(ctx: StepContext, pairs: dict[int, list], params) -> dict[int, Any]:
     """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it; with
-    replica groups, the pairs are first summed across them (``replicas.sum_across``)."""
+    replica groups, the pairs are first summed across them (``replicas.sum_tables``)."""
     leaves = jax.tree.leaves(params)
     if ctx.replica_axis:  # every group's sums, in one exchange per kind
         rows = {t.index: leaves[t.index].shape[0] for t in ctx.tables}

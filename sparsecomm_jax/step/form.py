@@ -47,16 +47,19 @@ class StateForm(NamedTuple):
     Attributes:
       tables: the tables it places, their layouts bound at ``workers`` (table-wise
         owners).
-      workers: P.
+      workers: the workers a table is sharded over (G; P on a 1-D mesh).
       roles: the optimizer state with each leaf replaced by the index of the
         parameter leaf it lies like, or ``NOT_A_PARAM`` (``row_optimizers.state_roles``).
       leaves: per parameter leaf, its name and its shape in the model.
+      replicas: R, the groups a table is replicated over: the per-worker residuals
+        are R x G.
     """
 
     tables: tuple[Table, ...]
     workers: int
     roles: PyTree
     leaves: tuple[tuple[str, tuple[int, ...]], ...]
+    replicas: int = 1
 
     def record(self) -> dict:
         """The form as JSON: the workers, each placed table's name, V, D and layout, and
@@ -64,6 +67,8 @@ class StateForm(NamedTuple):
         placed = [[t.name, t.vocab, t.dim, t.layout.name] for t in self.tables]
         configs = {t.layout.name: t.layout.config for t in self.tables if t.layout.config}
         record = {"workers": self.workers, "tables": placed}
+        if self.replicas > 1:
+            record["replicas"] = self.replicas
         return {**record, "configs": configs} if configs else record
 
 
@@ -80,7 +85,7 @@ def form_of(ctx: Any) -> StateForm:
     roles = state_roles(ctx.optimizer, shapes, ctx.params)
     paths = jax.tree_util.tree_leaves_with_path(ctx.params)
     leaves = tuple((table_name(path_keys(p)), tuple(np.shape(x))) for p, x in paths)
-    return StateForm(ctx.tables, ctx.group_size, roles, leaves)
+    return StateForm(ctx.tables, ctx.group_size, roles, leaves, ctx.num_replicas)
 
 
 def recorded(ours: StateForm, record: Any) -> StateForm:
@@ -99,6 +104,7 @@ def recorded(ours: StateForm, record: Any) -> StateForm:
     """
     try:
         workers, placed = int(record["workers"]), list(record["tables"])
+        replicas = int(record.get("replicas", 1))
         rows = [(str(n), int(v), int(d), str(x)) for n, v, d, x in placed]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"its record of how the state is stored is unreadable ({e})") from e
@@ -114,7 +120,8 @@ def recorded(ours: StateForm, record: Any) -> StateForm:
                 f"here; known: {list(layouts.LAYOUTS)}"
             )
         found.append(Table(index[name], name, vocab, dim, _layout(layout, record)))
-    return ours._replace(tables=bind_tables(tuple(found), workers), workers=workers)
+    tables = bind_tables(tuple(found), workers)
+    return ours._replace(tables=tables, workers=workers, replicas=replicas)
 
 
 def _layout(name: str, record: dict):
@@ -143,7 +150,7 @@ def stored_shape(form: StateForm, index: int, ndim: int) -> tuple[int, ...]:
 def stored_shapes(form: StateForm, like: PyTree) -> PyTree:
     """``like`` (a saved-form tree: ``params``, ``opt_state``, ``agg_state`` of arrays or
     ``jax.ShapeDtypeStruct``) as ``jax.ShapeDtypeStruct`` of the shapes ``form`` stores
-    (no sharding): the per-worker residuals lead with its P."""
+    (no sharding): the per-worker residuals lead with its R x G."""
 
     def struct(role: int, x) -> jax.ShapeDtypeStruct:
         shape = x.shape if role == NOT_A_PARAM else stored_shape(form, role, len(x.shape))
@@ -151,8 +158,9 @@ def stored_shapes(form: StateForm, like: PyTree) -> PyTree:
 
     params = jax.tree.map(struct, _indices(like["params"]), like["params"])
     opt = jax.tree.map(struct, form.roles, like["opt_state"])
+    every = form.workers * form.replicas  # one residual per worker of the batch
     agg = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((form.workers, *x.shape[1:]), x.dtype), like["agg_state"]
+        lambda x: jax.ShapeDtypeStruct((every, *x.shape[1:]), x.dtype), like["agg_state"]
     )
     return {"params": params, "opt_state": opt, "agg_state": agg}
 
@@ -275,8 +283,9 @@ def _views(roles: list[int]) -> list[dict[int, int]]:
 
 def check_residuals(saved: StateForm, ours: StateForm, agg_state: PyTree) -> None:
     """``ValueError`` where per-worker residuals (error feedback) would change count."""
-    if jax.tree.leaves(agg_state) and saved.workers != ours.workers:
+    theirs, mine = saved.workers * saved.replicas, ours.workers * ours.replicas
+    if jax.tree.leaves(agg_state) and theirs != mine:
         raise ValueError(
-            f"it holds per-worker residuals of error feedback for {saved.workers} workers; "
-            f"this step has {ours.workers}: resume it on {saved.workers} devices"
+            f"it holds per-worker residuals of error feedback for {theirs} workers; "
+            f"this step has {mine}: resume it on {theirs} devices"
         )

@@ -202,12 +202,17 @@ class PlacedBatch:
         return {t.index: c for t, c in zip(tables, self.capacity, strict=False)}
 
 
-def batch_specs(batch: Batch, axis_name: str, replicated_keys: Sequence[str]) -> dict:
-    """``PartitionSpec`` per batch key: split along ``axis_name`` unless replicated."""
+def batch_specs(
+    batch: Batch, axis_name: str | tuple[str, ...], replicated_keys: Sequence[str]
+) -> dict:
+    """``PartitionSpec`` per batch key: split along ``axis_name`` (with replica groups,
+    the tuple of both axes) unless replicated."""
     return {k: P() if k in replicated_keys else P(axis_name) for k in batch}
 
 
-def placed_specs(batch: PlacedBatch, axis_name: str, replicated_keys: Sequence[str]):
+def placed_specs(
+    batch: PlacedBatch, axis_name: str | tuple[str, ...], replicated_keys: Sequence[str]
+):
     """The ``PartitionSpec`` tree of a ``PlacedBatch``."""
     nxt = None if batch.next is None else batch_specs(batch.next, axis_name, replicated_keys)
     data = batch_specs(batch.data, axis_name, replicated_keys)
@@ -457,8 +462,8 @@ def initial_agg_state(ctx: StepContext, host_params):
 
 def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each table padded with zero rows or columns to the shape it is
-    stored in (``layout.padded_shape``: its split dimension a multiple of P), or packed
-    with others by its layout's ``storage`` (table-wise)."""
+    stored in (``layout.padded_shape``: its split dimension a multiple of the G workers
+    it is sharded over), or packed with others by its layout's ``storage``."""
     leaves, treedef = jax.tree.flatten(params)
     stored = store_leaves(ctx.tables, ctx.group_size, dict(enumerate(leaves)))
     return treedef.unflatten([stored[i] for i in range(len(leaves))])

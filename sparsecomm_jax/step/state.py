@@ -101,9 +101,10 @@ class TrainStep(NamedTuple):
         batch checked and sized as ``place_batch`` would, then placed stacked along a
         new leading axis with the capacity of the largest (refusing as ``steps`` does).
       scannable: whether ``steps`` and ``place_steps`` run (several steps a call).
-      form: how the state is stored (``step.form.StateForm``: the tables' layouts on P
-        workers), which a checkpoint records so that it restores onto another count
-        or layout; ``None``: stored as the model made it (``jax.pmap``'s replicas).
+      form: how the state is stored (``step.form.StateForm``: the tables' layouts on
+        the G workers a table is sharded over), which a checkpoint records so that it
+        restores onto another count or layout; ``None``: stored as the model made it
+        (``jax.pmap``'s replicas).
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -131,7 +132,8 @@ class StepContext(NamedTuple):
       optimizer: the optax optimizer of every parameter.
       mesh: the mesh with ``axis_name``.
       params: the initial parameters, unsharded (shapes of the full tables).
-      axis_name: the data-parallel mesh axis.
+      axis_name: the mesh axis the tables are sharded over (the data-parallel axis
+        of a 1-D mesh; with replica groups the batch is split over ``batch_axes``).
       replicated_keys: batch keys every worker sees whole.
       tables: the embedding tables the strategy places, each with its layout (empty
         for data-parallel strategies, which treat tables as dense parameters).
