@@ -9,6 +9,7 @@ turn into its one-line error fails the test); ``test_the_command_line_process_*`
 the real process for the exit code and the absence of any traceback.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -132,6 +133,52 @@ def test_replica_groups_that_cannot_be_are_one_line(capsys, flags, message):
     args = ["--model", "dlrm", "--tables", "64,48", "--dim", "8", "--batch", "24"]
     assert main([*args, "--devices", "8", "--strategy", "embrace", *flags]) == 2
     assert message in one_line(capsys)
+
+
+HOT_PATHS = [f"params/sparse_{f}/embedding" for f in range(3)]
+HOT_DLRM = ["--model", "dlrm", "--tables", "64,48,24", "--dim", "8", "--batch", "32"]
+HOT_DLRM += ["--strategy", "embrace", "--optimizer", "lazy_adam", "--devices", "4"]
+
+
+def hot_plan(*layouts: str) -> str:
+    return json.dumps(dict(zip(HOT_PATHS, layouts, strict=True)))
+
+
+def write(path, **arrays):
+    np.savez(path, **arrays)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--hot-rows", "-1"], "--hot-rows"),
+        (["--hot-rows", "25"], "--hot-rows 25 is more than table params/sparse_2/embedding"),
+        ([], "pass --hot-rows H"),
+        (["--hot-rows", "4", "--histogram", "/nonexistent.npz"], "does not exist"),
+        (["--hot-rows", "4", "--histogram", "SHORT"], "has counts of shape (10,)"),
+        (["--hot-rows", "4", "--histogram", "NEGATIVE"], "has negative counts"),
+        (["--hot-rows", "4", "--histogram", "MISSING"], "has no counts for table"),
+    ],
+)
+def test_hot_flags_that_cannot_be_are_one_line(tmp_path, capsys, flags, message):
+    files = {
+        "SHORT": write(tmp_path / "s.npz", **{p: np.ones(10) for p in HOT_PATHS}),
+        "NEGATIVE": write(
+            tmp_path / "n.npz",
+            **{p: -np.ones(v) for p, v in zip(HOT_PATHS, (64, 48, 24), strict=True)},
+        ),
+        "MISSING": write(tmp_path / "m.npz", other=np.ones(3)),
+    }
+    flags = [files.get(f, f) for f in flags]
+    argv = [*HOT_DLRM, "--steps", "1", f"--plan={hot_plan('hot', 'row', 'hot')}", *flags]
+    assert main(argv) == 2
+    assert message in one_line(capsys)
+
+
+def test_hot_rows_without_a_hot_table_is_one_line(capsys):
+    assert main([*HOT_DLRM, "--steps", "1", "--hot-rows", "4"]) == 2
+    assert 'for tables that --plan gives "hot"' in one_line(capsys)
 
 
 def test_a_restored_fresh_state_runs_in_the_users_own_step(tmp_path):

@@ -17,7 +17,6 @@ from helpers import run_three_tables as run
 from helpers import three_tables_batch as batch_of
 from helpers import three_tables_loss as loss
 from helpers import three_tables_params as fresh_params
-from test_hostile import one_line
 
 import sparsecomm_jax as sc
 from experiments.train import main
@@ -230,39 +229,3 @@ def test_a_hot_run_resumes_on_another_device_count(tmp_path):
     again = [*flags, "--steps", "4", "--devices", "8", "--resume", f"--checkpoint-dir={folder}"]
     assert main([*again, f"--out={out}"]) == 0
     assert json.loads(out.read_text())["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
-
-
-def write(path, **arrays):
-    np.savez(path, **arrays)
-    return str(path)
-
-
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--hot-rows", "-1"], "--hot-rows"),
-        (["--hot-rows", "25"], "--hot-rows 25 is more than table params/sparse_2/embedding"),
-        ([], "pass --hot-rows H"),
-        (["--hot-rows", "4", "--histogram", "/nonexistent.npz"], "does not exist"),
-        (["--hot-rows", "4", "--histogram", "SHORT"], "has counts of shape (10,)"),
-        (["--hot-rows", "4", "--histogram", "NEGATIVE"], "has negative counts"),
-        (["--hot-rows", "4", "--histogram", "MISSING"], "has no counts for table"),
-    ],
-)
-def test_hot_flags_that_cannot_be_are_one_line(tmp_path, capsys, flags, message):
-    files = {
-        "SHORT": write(tmp_path / "s.npz", **{p: np.ones(10) for p in PATHS}),
-        "NEGATIVE": write(
-            tmp_path / "n.npz", **{p: -np.ones(v) for p, v in zip(PATHS, (64, 48, 24), strict=True)}
-        ),
-        "MISSING": write(tmp_path / "m.npz", other=np.ones(3)),
-    }
-    flags = [files.get(f, f) for f in flags]
-    argv = [*DLRM, "--steps", "1", f"--plan={plan('hot', 'row', 'hot')}", *flags]
-    assert main(argv) == 2
-    assert message in one_line(capsys)
-
-
-def test_hot_rows_without_a_hot_table_is_one_line(capsys):
-    assert main([*DLRM, "--steps", "1", "--hot-rows", "4"]) == 2
-    assert 'for tables that --plan gives "hot"' in one_line(capsys)

@@ -72,17 +72,18 @@ class StateForm(NamedTuple):
         return {**record, "configs": configs} if configs else record
 
 
-def form_of(ctx: Any) -> StateForm:
+def form_of(ctx: Any, opt_state: PyTree) -> StateForm:
     """The ``StateForm`` of a step built from ``ctx``.
 
     Args:
       ctx: the step's ``StepContext`` (its tables bound, its optimizer, its mesh).
+      opt_state: the step's optimizer state (its structure: which leaf lies like
+        which parameter).
 
     Returns:
       How the step stores its state.
     """
-    shapes = jax.eval_shape(ctx.optimizer.init, ctx.params)
-    roles = state_roles(ctx.optimizer, shapes, ctx.params)
+    roles = state_roles(ctx.optimizer, opt_state, ctx.params)
     paths = jax.tree_util.tree_leaves_with_path(ctx.params)
     leaves = tuple((table_name(path_keys(p)), tuple(np.shape(x))) for p, x in paths)
     return StateForm(ctx.tables, ctx.group_size, roles, leaves, ctx.num_replicas)

@@ -54,7 +54,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         capacity_slots=_capacity_slots(ctx, policies),
         runs_as=strategy.name,
         stored_together=placement.stored_together(ctx),
-        form=form_of(ctx),
+        form=form_of(ctx, state.opt_state),
     )
 
 
