@@ -125,7 +125,6 @@ def test_a_resume_that_cannot_be_on_the_new_count_is_one_line(
         (["--replicas", "3"], "--replicas 3 must divide the 8 devices"),
         (["--replicas", "0"], "--replicas"),
         (["--replicas", "2", "--strategy", "dense"], "--replicas 2 needs a strategy among"),
-        (["--replicas", "2", "--strategy", "embrace+topk_a2a"], "not built for replica groups"),
         (["--replicas", "2", "--plan", "auto"], "--plan auto is built for one group"),
     ],
 )

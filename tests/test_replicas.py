@@ -241,13 +241,25 @@ def test_a_checkpoint_moves_between_one_d_and_two_d(tmp_path):
         assert got == pytest.approx(want, rel=1e-5), (saved, then)
 
 
+@pytest.mark.parametrize("strategy", ["embrace+topk_a2a", "embrace+oktopk"])
+def test_a_top_k_aggregator_spans_every_device_of_the_groups(strategy):
+    """The dense layers' top-k (error feedback, one residual per worker) over all 8
+    workers of 2 x 4 groups: the 1-D run's losses to the bit (the same selections,
+    exchanged over the same workers)."""
+    params = fresh_params(4)
+    losses = {}
+    for count in (1, 2):
+        ts = step_of(params, 8, optax.sgd(0.1), count, MIXED, strategy=strategy, density=0.5)
+        losses[count] = run(ts, 4)[1]
+    assert losses[2] == losses[1]
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
         (dict(replica_count=3), "replicas=3 must divide the 8 devices"),
         (dict(replica_count=0), "replicas=0 must be an integer >= 1"),
         (dict(replica_count=2, strategy="dense"), "needs a strategy among"),
-        (dict(replica_count=2, strategy="embrace+topk_a2a"), "not built for replica groups"),
         (dict(replica_count=2, replica_sync="sometimes"), "replica_sync='sometimes'"),
     ],
 )

@@ -83,7 +83,8 @@ def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> No
     """The rules of replica groups (2-D sparse parallelism, ``embedding.replicas``):
     ``replicas`` an integer that divides the ``num`` devices, and for more than one, a
     strategy whose tables are read through their layouts in one program (``embrace``,
-    ``embrace_rowwise``, ``sparse_allgather``) with the dense layers' mean."""
+    ``embrace_rowwise``, ``sparse_allgather``; the dense layers' aggregator, top-k
+    ones too, spans every device)."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ArgumentError("replicas", replicas, "must be an integer >= 1")
     if num % replicas:
@@ -102,14 +103,6 @@ def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> No
             replicas,
             f"needs a strategy among {able}; $strategy has no tables sharded by layouts "
             "in one program",
-            strategy=str(name),
-        )
-    if aggregators.AGGREGATORS[name.aggregator].sparse:
-        raise ArgumentError(
-            "replicas",
-            replicas,
-            "takes the dense layers' mean; the top-k aggregator of $strategy is not built "
-            "for replica groups",
             strategy=str(name),
         )
 
