@@ -39,9 +39,9 @@ MIXED = {"a": "table", "b": "row", "c": "column"}
 
 @pytest.mark.parametrize("how", [replicas.ROWS, replicas.SHARD])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
-def test_sum_across_adds_every_groups_pairs(how, shape):
+def test_the_sum_across_groups_adds_every_groups_pairs(how, shape):
     """Per device (r, g) random pairs ``(ids, rows)`` of its shard, some ids padding
-    (>= S), some repeated; after ``sum_across`` every replica of position g holds, as a
+    (>= S), some repeated; after ``sum_tables`` every replica of position g holds, as a
     dense shard, the sum over r of the scatter-added pairs (numpy), and the same ids."""
     rng = np.random.default_rng()
     rows_, shard, m, w = shape[0], 11, 7, 3
@@ -50,7 +50,8 @@ def test_sum_across_adds_every_groups_pairs(how, shape):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("replica", "data"))
 
     def body(i, v):  # i: int[1, 1, m], v: float[1, 1, m, w] (this device's pairs)
-        [(got_ids, got_rows)] = replicas.sum_across([(i[0, 0], v[0, 0])], shard, "replica", how)
+        pairs = {0: [(i[0, 0], v[0, 0])]}
+        [(got_ids, got_rows)] = replicas.sum_tables(pairs, {0: shard}, "replica", how)[0]
         dense = jnp.zeros((shard, w)).at[got_ids].add(got_rows, mode="drop")  # float[S, w]
         touched = jnp.zeros((shard,), bool).at[got_ids].set(True, mode="drop")
         return dense[None], touched[None]

@@ -124,17 +124,17 @@ def stored_together_check(ours: tuple, converts: bool = True) -> Callable[[dict,
     return check
 
 
-def reading(ts: TrainStep) -> Callable[[dict, Path], Reading | None]:
+def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Reading | None]:
     """``store.restore``'s ``read_as`` for ``ts``: a checkpoint that recorded another
     form (other layouts, another device count) is read in its own shapes whole on each
     process's CPU (never on every accelerator: a model that fits only sharded would not
-    fit there), and converted through the model's shapes into ``ts``'s (``step.form``)."""
+    fit there), and converted through the model's shapes into ``ts``'s (``step.form``),
+    placed as ``ours`` (``portable(ts, ts.state)``) is."""
 
     def read_as(identity: dict, folder: Path) -> Reading | None:
         record = identity.get(FORM)
         if ts.form is None or record is None or record == _as_json(ts.form.record()):
             return None
-        ours = portable(ts, ts.state)
         try:
             saved = form.recorded(ts.form, record)
             form.check_residuals(saved, ts.form, ours["agg_state"])
@@ -189,7 +189,7 @@ class Checkpointer(Store):
         """
         check = stored_together_check(ts.stored_together, converts=ts.form is not None)
         like = portable(ts, ts.state)
-        tree, s = self.restore(like, step, on_skip, check, shape_hint, reading(ts))
+        tree, s = self.restore(like, step, on_skip, check, shape_hint, reading(ts, like))
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
         if ts.per_device_state:
             local = jax.local_device_count()

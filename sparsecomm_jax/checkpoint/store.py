@@ -462,15 +462,17 @@ class Store:
             saved = None
         if not saved or not jax.tree.leaves(saved):
             raise _Damaged("its array metadata is missing")
-        reading = None
-        if read_as is not None:
+        reading = identity = None
+        if read_as is not None:  # its identity says which form it was saved in
             self._check_identity(step, folder)
-            reading = read_as(self.identity(step), folder)
+            identity = self.identity(step)
+            reading = read_as(identity, folder)
         read = abstract(reading.like) if reading is not None else target
         _check_shapes(saved, read, f"checkpoint {folder}", hint)
-        self._check_identity(step, folder)
+        if identity is None:
+            self._check_identity(step, folder)
         if check is not None:
-            check(self.identity(step), folder)
+            check(self.identity(step) if identity is None else identity, folder)
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(read)})
         tree = self._manager.restore(step, args=args)[STATE_ITEM]
         tree = jax.tree.unflatten(jax.tree.structure(read), jax.tree.leaves(tree))

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding.access import HostReads, Read
+from sparsecomm_jax.embedding.tables import replace_leaves
 
 Pairs = tuple[jax.Array, jax.Array]  # (ids int[m], rows float[m, width]) at the owner
 FLOAT = 4  # bytes of a float32 entry on the wire and in memory
@@ -324,19 +325,15 @@ def check_storage(
         for _ in range(1 + PROBE_STEPS)
     ]
 
-    def replaced(tree, new: dict):
-        flat, tdef = jax.tree.flatten(tree)
-        return tdef.unflatten([new.get(i, x) for i, x in enumerate(flat)])
-
     def tables_of(tree) -> dict:
         flat = jax.tree.leaves(tree)
         return {i: flat[i] for i in small}
 
     def stored(tree):
-        return replaced(tree, storage.pack(tables_of(tree), num_workers))
+        return replace_leaves(tree, storage.pack(tables_of(tree), num_workers))
 
     def unstored(tree):
-        return replaced(tree, storage.unpack(tables_of(tree), small))
+        return replace_leaves(tree, storage.unpack(tables_of(tree), small))
 
     def run(trees: list):  # steps from trees[0], gradients trees[1:]
         tree = trees[0]

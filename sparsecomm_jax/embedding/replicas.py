@@ -69,26 +69,6 @@ def choose(touched: int, shard_rows: int, replicas: int) -> str:
     return ROWS if rows < shard else SHARD
 
 
-def sum_across(pairs: list[Pairs], shard_rows: int, axis: str, how: str = AUTO) -> list[Pairs]:
-    """A group's pairs of one table at their owner, summed over the replica groups
-    (``sum_tables`` of that one table).
-
-    Use inside ``shard_map``, on a mesh whose ``axis`` holds the replica groups.
-
-    Args:
-      pairs: ``[(ids int[m_k], rows float[m_k, w]), ...]``: this owner's gradient rows,
-        summed over its group (ids outside ``[0, shard_rows)`` are padding).
-      shard_rows: S, the rows of the owner's shard.
-      axis: the replica axis.
-      how: ``ROWS``, ``SHARD`` or ``AUTO`` (``choose``).
-
-    Returns:
-      One pair ``(ids, rows)`` with every group's sum of each id, the same on every
-      replica (typed replicated over ``axis``); ``[]`` for no pairs.
-    """
-    return sum_tables({0: pairs}, {0: shard_rows}, axis, how)[0]
-
-
 def sum_tables(
     pairs: dict[int, list[Pairs]], shard_rows: dict[int, int], axis: str, how: str = AUTO
 ) -> dict[int, list[Pairs]]:
@@ -98,14 +78,19 @@ def sum_tables(
     of typing (``_kinds``): a step pays a few collectives across the groups, whatever
     its number of tables.
 
+    Use inside ``shard_map``, on a mesh whose ``axis`` holds the replica groups.
+
     Args:
-      pairs: table index -> its pairs at this owner (``sum_across``).
+      pairs: table index -> its pairs at this owner: ``[(ids int[m_k], rows float[m_k,
+        w]), ...]``, its gradient rows summed over this owner's group (ids outside
+        ``[0, S)`` are padding).
       shard_rows: table index -> S, the rows of its shard here.
       axis: the replica axis.
       how: ``ROWS``, ``SHARD`` or ``AUTO`` (per table, ``choose``).
 
     Returns:
-      Table index -> ``[(ids, rows)]`` summed over the groups (``[]`` for none).
+      Table index -> ``[(ids, rows)]``: every group's sum of each id, the same on every
+      replica (typed replicated over ``axis``); ``[]`` for a table with no pairs.
     """
     replicas = jax.lax.axis_size(axis)
     joined = {i: _joined(p) for i, p in pairs.items() if p}

@@ -35,7 +35,13 @@ import numpy as np
 from sparsecomm_jax.embedding import layouts
 from sparsecomm_jax.embedding.layout import padded_shape
 from sparsecomm_jax.embedding.row_optimizers import NOT_A_PARAM, state_roles
-from sparsecomm_jax.embedding.tables import Table, bind_tables, path_keys, table_name
+from sparsecomm_jax.embedding.tables import (
+    Table,
+    bind_tables,
+    path_keys,
+    replace_leaves,
+    table_name,
+)
 
 PyTree = Any
 Leaves = dict[int, Any]  # parameter leaf index -> an array lying like it
@@ -215,7 +221,7 @@ def cut_leaves(tables: tuple[Table, ...], leaves: Leaves) -> Leaves:
       ``leaves``, the tables' cut to V x D (or V).
     """
     out = dict(leaves)
-    for storage, members in _packs(tables):
+    for storage, members in packs(tables):
         if mine := {t.index: leaves[t.index] for t in members if t.index in leaves}:
             out.update(storage.unpack(mine, {t.index: t.vocab for t in members}))
     for t in tables:
@@ -230,7 +236,7 @@ def store_leaves(tables: tuple[Table, ...], workers: int, leaves: Leaves) -> Lea
     store them on ``workers`` (padding zeros, packs packed; a table that needs no
     padding is not copied)."""
     out = dict(leaves)
-    for storage, members in _packs(tables):
+    for storage, members in packs(tables):
         if mine := {t.index: leaves[t.index] for t in members if t.index in leaves}:
             out.update(storage.pack(mine, workers))
     for t in tables:
@@ -242,8 +248,9 @@ def store_leaves(tables: tuple[Table, ...], workers: int, leaves: Leaves) -> Lea
     return out
 
 
-def _packs(tables: tuple[Table, ...]) -> list[tuple[Any, list[Table]]]:
-    """Each ``Storage`` of ``tables``, with the tables it stores together."""
+def packs(tables: tuple[Table, ...]) -> list[tuple[Any, list[Table]]]:
+    """Each ``Storage`` of ``tables`` (table-wise packs, hot rows), with the tables it
+    stores together."""
     out: dict = {}
     for t in tables:
         if t.layout.storage is not None:
@@ -255,9 +262,9 @@ def _each_view(form: StateForm, tree: PyTree, convert: Callable[[Leaves], Leaves
     """``tree`` with ``convert`` applied to each view of the parameters: the parameters
     themselves, then per place in the optimizer state, the leaves lying like them (the
     k-th leaf lying like each parameter: Adam's first moments, then its second)."""
-    params, treedef = jax.tree.flatten(tree["params"])
-    new = convert(dict(enumerate(params)))
-    params = treedef.unflatten([new[i] for i in range(len(params))])
+    params = replace_leaves(
+        tree["params"], convert(dict(enumerate(jax.tree.leaves(tree["params"]))))
+    )
     opt, opt_def = jax.tree.flatten(tree["opt_state"])
     roles = jax.tree.leaves(form.roles)
     for view in _views(roles):

@@ -29,8 +29,9 @@ from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
 from sparsecomm_jax.embedding.row_optimizers import map_params
+from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.errors import few
-from sparsecomm_jax.step.form import cut_leaves, store_leaves
+from sparsecomm_jax.step.form import cut_leaves, packs, store_leaves
 from sparsecomm_jax.step.state import Batch, PyTree, StepContext, TrainState
 
 # ------------------------------------------------------------------ batch checks
@@ -464,16 +465,13 @@ def pad_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each table padded with zero rows or columns to the shape it is
     stored in (``layout.padded_shape``: its split dimension a multiple of the G workers
     it is sharded over), or packed with others by its layout's ``storage``."""
-    leaves, treedef = jax.tree.flatten(params)
-    stored = store_leaves(ctx.tables, ctx.group_size, dict(enumerate(leaves)))
-    return treedef.unflatten([stored[i] for i in range(len(leaves))])
+    leaves = dict(enumerate(jax.tree.leaves(params)))
+    return replace_leaves(params, store_leaves(ctx.tables, ctx.group_size, leaves))
 
 
 def cut_tables(ctx: StepContext, params: PyTree) -> PyTree:
     """``params`` with each stored table cut back to its V x D (``pad_tables`` undone)."""
-    leaves, treedef = jax.tree.flatten(params)
-    model = cut_leaves(ctx.tables, dict(enumerate(leaves)))
-    return treedef.unflatten([model[i] for i in range(len(leaves))])
+    return replace_leaves(params, cut_leaves(ctx.tables, dict(enumerate(jax.tree.leaves(params)))))
 
 
 def host_params_of(ctx: StepContext) -> Callable[[TrainState], PyTree]:
@@ -501,18 +499,9 @@ def stored_together(ctx: StepContext) -> tuple:
     tables as ``(name, V, D)`` and P (what places them: table-wise owners follow the
     sizes)."""
     return tuple(
-        (layout.name, tuple((t.name, t.vocab, t.dim) for t in tables), ctx.group_size)
-        for layout, tables in _stored_together(ctx)
+        (tables[0].layout.name, tuple((t.name, t.vocab, t.dim) for t in tables), ctx.group_size)
+        for _, tables in packs(ctx.tables)
     )
-
-
-def _stored_together(ctx: StepContext) -> list[tuple]:
-    """Each layout with a ``storage`` and its tables (stored as that layout packs them)."""
-    out: dict = {}
-    for t in ctx.tables:
-        if t.layout.storage is not None:
-            out.setdefault(id(t.layout), (t.layout, []))[1].append(t)
-    return list(out.values())
 
 
 def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainState]:
