@@ -32,7 +32,16 @@ replicated  (P-1) n (D b + 4) (all-gather of 2(P-1) per step   V D b (1 + s)
 column      (P-1) C (4 + 2 D b / P)          3(P-1) per step   V D b (1 + s) / P
 row         (P-1) C (4 + 2 D b)              3(P-1) per step   V D b (1 + s) / P
 table       (P-1) C (4 + 2 D b) per pack     3(P-1) per step   R D b (1 + s) per pack
+hot         (P-1) C_H (4 + 2 D b) + 2(P-1)/P 7(P-1) per step   (H + (V-H)/P) D b
+            H (D b + 4) (cold rows row-wise,                   (1 + s)
+            the H hot rows' all-reduce)
 =========== ================================ ================= ===================
+
+The hot layout is priced from a histogram of the table's ids (``table_stats(...,
+counts=...)``; ``Pricing.measure`` keeps C_H, the cold rows' bucket in the sample
+batches, for each H of ``embedding.hot.HOT_ROWS_TRIED``) and takes the H of least
+modelled time, its hot ids the choice's ``config``. Where no H pays, its best is H = 0,
+the row layout's bytes with more messages, and the plan gives the table another layout.
 
 The tables of one layout share its exchange (``embedding.column.fetch``,
 ``embedding.row.fetch_many``, ``embedding.replicated.fetch``), so a layout's messages
@@ -99,13 +108,16 @@ __all__ = [
 
 
 class Choice(NamedTuple):
-    """One table's layout and what it costs one worker per step."""
+    """One table's layout and what it costs one worker per step; ``config`` and
+    ``setting`` the layout's configuration of the table where it has one (``Price``)."""
 
     table: str
     layout: str
     bytes: float
     seconds: float
     memory: float
+    config: Any = None
+    setting: str = ""
 
 
 class Plan(NamedTuple):
@@ -117,19 +129,27 @@ class Plan(NamedTuple):
     workers: int
 
     def layouts(self) -> TablePlan:
-        """The plan's layouts, for ``make_train_step(table_layouts=...)``."""
-        return TablePlan({c.table: c.layout for c in self.choices})
+        """The plan's layouts, for ``make_train_step(table_layouts=...)``: a layout
+        configured per table (the hot rows) as one value of it, ``Layout.configure`` of
+        its tables' configurations."""
+        configs: dict[str, dict[str, Any]] = {}
+        for c in self.choices:
+            if c.config is not None:
+                configs.setdefault(c.layout, {})[c.table] = c.config
+        made = {name: registry.get(name).configure(x) for name, x in configs.items()}
+        return TablePlan({c.table: made.get(c.layout, c.layout) for c in self.choices})
 
     def table(self) -> str:
         """The plan as a text table (one line per table, then the total)."""
-        lines = [f"{'table':<32} {'layout':<10} {'MB/step':>9} {'ms/step':>8} {'memory MB':>10}"]
+        lines = [f"{'table':<32} {'layout':<14} {'MB/step':>9} {'ms/step':>8} {'memory MB':>10}"]
         for c in self.choices:
+            layout = f"{c.layout} {c.setting}".strip()
             lines.append(
-                f"{c.table:<32} {c.layout:<10} {c.bytes / 1e6:>9.3f} {c.seconds * 1e3:>8.3f} "
+                f"{c.table:<32} {layout:<14} {c.bytes / 1e6:>9.3f} {c.seconds * 1e3:>8.3f} "
                 f"{c.memory / 1e6:>10.2f}"
             )
         lines.append(
-            f"{'(one worker of ' + str(self.workers) + ')':<43} {'':>9} "
+            f"{'(one worker of ' + str(self.workers) + ')':<47} {'':>9} "
             f"{self.seconds * 1e3:>8.3f} {self.memory / 1e6:>10.2f}"
         )
         return "\n".join(lines)
@@ -150,6 +170,7 @@ def table_stats(
     batches: Sequence[dict],
     workers: int,
     replicated_keys: Sequence[str] = (),
+    counts: Mapping[str, np.ndarray] | None = None,
 ) -> list[TableStats]:
     """Each table's ``TableStats`` from sample ``batches`` (host-side, the model on
     zeros, as the steps plan their buffers; the largest need over the sample).
@@ -160,12 +181,20 @@ def table_stats(
       batches: a few global batches.
       workers: P.
       replicated_keys: batch keys every worker sees whole.
+      counts: table name -> the histogram of its ids (``int[V]``, reads per id, e.g.
+        over the first batches of the run): what the layouts priced from a histogram
+        (the hot rows) measure with (``Pricing.measure``); a table without counts is
+        not offered those layouts.
+
+    Returns:
+      One ``TableStats`` per table, in the order of the parameters' leaves.
     """
     mask = table_mask(params, embedding_paths)
     tables = find_tables(params, mask, DENSE)
     reads_of = access.host_reads(loss_fn, params, mask, replicated_keys, workers)
     samples = [reads_of(b) for b in batches]
     lookups, attended = _reads_per_table(loss_fn, params, batches[0], mask)
+    measuring = [x for x in priced() if x.pricing.measure is not None]
     stats = []
     for t in tables:
         seen = [s for s in samples if t.index in s]
@@ -176,8 +205,21 @@ def table_stats(
         distinct = max(int(distinct_per_worker(s, t.index).max(initial=0)) for s in seen)
         bucket = max(row.bucket_slots(list(s[t.index][0]), t.vocab, workers) for s in seen)
         count = lookups.get(t.index, 1)
+        table_counts = (counts or {}).get(t.name)
+        measured = {x.name: x.pricing.measure(t, seen, table_counts, workers) for x in measuring}
+        measured = {k: v for k, v in measured.items() if v is not None}
         stats.append(
-            TableStats(t.name, t.vocab, t.dim, reads, distinct, bucket, count, t.index in attended)
+            TableStats(
+                t.name,
+                t.vocab,
+                t.dim,
+                reads,
+                distinct,
+                bucket,
+                count,
+                t.index in attended,
+                measured or None,
+            )
         )
     return stats
 
@@ -201,7 +243,15 @@ def priced() -> list[Layout]:
 
 
 def _choice(stats: TableStats, layout: Layout, price: Price) -> Choice:
-    return Choice(stats.name, layout.name, price.bytes, price.seconds, price.memory)
+    return Choice(
+        stats.name,
+        layout.name,
+        price.bytes,
+        price.seconds,
+        price.memory,
+        price.config,
+        price.setting,
+    )
 
 
 def layout_cost(
@@ -328,9 +378,15 @@ def candidate_plans(
             )
         if plan is None:
             continue
-        key = json.dumps(plan.layouts().names(), sort_keys=True)
+        key = json.dumps({c.table: [c.layout, c.setting] for c in plan.choices}, sort_keys=True)
         if key not in found or plan.seconds < found[key].seconds:
             found[key] = plan
+    if not found and memory_bytes is None:
+        unserved = [s.name for s in stats if not any(x.pricing.serves(s) for x in chosen)]
+        raise ValueError(
+            f"no layout of {[x.name for x in chosen]} serves table {unserved[0]}; allow "
+            "another layout"
+        )
     if not found:
         raise ValueError(
             f"no layout of the tables fits {memory_bytes} bytes per worker; give more "

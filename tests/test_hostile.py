@@ -180,6 +180,28 @@ def test_hot_rows_without_a_hot_table_is_one_line(capsys):
     assert 'for tables that --plan gives "hot"' in one_line(capsys)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--plan", "model", "--hot-rows", "4"], "the planner picks each table's H"),
+        (["--plan", "auto", "--histogram", "STRAY"], "has counts for params/other, no table"),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "row", "config": [1]}}'], "takes no"),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot"}}'], '{"layout": name, "con'),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": "x"}}'], "config"),
+    ],
+)
+def test_planned_and_configured_hot_rows_that_cannot_be_are_one_line(
+    tmp_path, capsys, flags, message
+):
+    """The planner's H with a fixed ``--hot-rows``, a histogram naming a table the model
+    lacks, and a plan's configured entry that is malformed or given to a layout that
+    takes none."""
+    stray = write(tmp_path / "stray.npz", **{"params/other": np.ones(3)})
+    flags = [stray if f == "STRAY" else f for f in flags]
+    assert main([*HOT_DLRM, "--steps", "1", *flags]) == 2
+    assert message in one_line(capsys)
+
+
 def test_a_restored_fresh_state_runs_in_the_users_own_step(tmp_path):
     """A state JAX placed itself (``model.init``, ``optax.init``) restored through
     ``abstract`` of itself runs in the user's ``jit(shard_map)`` step as the saved one

@@ -19,11 +19,14 @@ from helpers import three_tables_loss as loss
 from helpers import three_tables_params as fresh_params
 
 import sparsecomm_jax as sc
-from experiments.train import main
-from sparsecomm_jax import checkpoint, runtime
+from experiments.train import histogram, main
+from models import get_workload
+from sparsecomm_jax import checkpoint, planner, runtime
 from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import hot
 from sparsecomm_jax.embedding.row_optimizers import lazy_adam
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 
 @pytest.mark.parametrize("workers", [1, 3, 4, 8])
@@ -229,3 +232,168 @@ def test_a_hot_run_resumes_on_another_device_count(tmp_path):
     again = [*flags, "--steps", "4", "--devices", "8", "--resume", f"--checkpoint-dir={folder}"]
     assert main([*again, f"--out={out}"]) == 0
     assert json.loads(out.read_text())["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+# ------------------------------------------------------------------ the planner
+
+VOCAB, WIDTH = 4096, 8
+
+
+def one_table_loss(p, batch, emb):
+    return jax.numpy.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
+
+
+def one_table(rng, workers: int, ids: np.ndarray):
+    """Random parameters of one V x D table and a readout, and a batch of ``ids``."""
+    params = {
+        "t": rng.normal(size=(VOCAB, WIDTH)).astype(np.float32),
+        "w": rng.normal(size=(WIDTH, 1)).astype(np.float32),
+    }
+    batch = {"ids": ids.astype(np.int32), "y": rng.normal(size=(ids.size, 1)).astype(np.float32)}
+    return params, batch
+
+
+def head_and_tail(rng, workers: int, head: int = 32, tail: int = 32) -> np.ndarray:
+    """Each worker reads the ``head`` ids 0.. (rows of the first owner) and ``tail``
+    uniform ids past a quarter of the table: the row layout's bucket at the first
+    owner holds the whole head."""
+    rows = [
+        np.concatenate([np.arange(head), rng.integers(VOCAB // 4, VOCAB, tail)])
+        for _ in range(workers)
+    ]
+    return np.concatenate(rows)
+
+
+def stats_of(params, batches, counts, workers):
+    [found] = planner.table_stats(one_table_loss, params, ["t"], batches, workers, counts=counts)
+    return found
+
+
+def test_the_planner_picks_hot_rows_where_they_shrink_the_buckets():
+    """A head every worker reads in the first owner's rows: the hot layout's cold
+    buckets shrink as H grows, its pricing picks an H > 0 whose hot ids are the
+    histogram's most read, the planner prefers it to the row layout (messages free),
+    and the plan's layouts train as the row layout does."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng, workers = np.random.default_rng(seed), 4
+    history = [head_and_tail(rng, workers) for _ in range(8)]
+    counts = {"t": np.bincount(np.concatenate(history), minlength=VOCAB)}
+    params, batch = one_table(rng, workers, head_and_tail(rng, workers))
+    found = stats_of(params, [batch], counts, workers)
+    options = found.of("hot").options
+    assert options[0].rows == 0 and options[0].bucket == found.bucket >= 32, seed
+    seen = np.count_nonzero(counts["t"])  # every H tried up to the ids counted
+    assert [o.rows for o in options] == [0, *(h for h in hot.HOT_ROWS_TRIED if h <= seen)]
+    assert options[2].bucket < options[0].bucket, seed  # the head is hot at H = 64
+    free = Link(0.0, 1e-9)
+    plan = planner.plan_tables([found], workers, free, layouts=["row", "hot"])
+    [choice] = plan.choices
+    hot_rows = int(choice.setting.removeprefix("H="))
+    assert choice.layout == "hot" and hot_rows > 0, (seed, plan.table())
+    assert choice.bytes < planner.layout_cost(found, "row", workers, free).bytes
+    layout = plan.layouts()["t"]
+    assert layout.config["t"] == hot.from_counts(counts["t"], hot_rows).tolist()
+    losses = {}
+    for name, layouts in (("row", {"t": "row"}), ("plan", plan.layouts())):
+        ts = sc.make_train_step(
+            one_table_loss,
+            optax.adam(0.02),
+            runtime.data_mesh(workers),
+            params,
+            "embrace",
+            embedding_paths=["t"],
+            table_layouts=layouts,
+        )
+        state, losses[name] = ts.state, []
+        for _ in range(3):
+            state, loss_value = ts.step(state, ts.place_batch(batch))
+            losses[name].append(float(loss_value))
+    assert losses["plan"] == pytest.approx(losses["row"], rel=1e-5), seed
+
+
+def test_uniform_ids_get_no_hot_rows():
+    """Ids spread evenly: no H saves the cold buckets what its all-reduce costs, so the
+    hot pricing's best is H = 0 and the planner gives the table the row layout (the
+    same bytes, fewer messages); without counts the hot layout is not offered."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng, workers = np.random.default_rng(seed), 4
+    uniform = lambda: rng.integers(0, VOCAB, 64 * workers)  # noqa: E731
+    counts = {"t": np.bincount(np.concatenate([uniform() for _ in range(8)]), minlength=VOCAB)}
+    params, batch = one_table(rng, workers, uniform())
+    found = stats_of(params, [batch], counts, workers)
+    slow = Link.from_bandwidth(1.0)
+    assert planner.layout_cost(found, "hot", workers, slow).setting == "H=0", seed
+    plan = planner.plan_tables([found], workers, slow, layouts=["row", "hot"])
+    assert plan.layouts().names() == {"t": "row"}, (seed, plan.table())
+    unmeasured = stats_of(params, [batch], None, workers)
+    assert unmeasured.of("hot") is None and not planner.serves(unmeasured, "hot")
+    with pytest.raises(ValueError, match="no layout of \\['hot'\\] serves table t"):
+        planner.plan_tables([unmeasured], workers, slow, layouts=["hot"])
+
+
+def test_the_hot_rows_all_reduce_is_priced_as_compiled():
+    """At one capacity for both, the compiled hot step sends the row step's bytes plus
+    the all-reduce of H rows and their counts: the difference the pricing adds."""
+    rng, workers, capacity = np.random.default_rng(), 4, 16
+    params, batch = one_table(rng, workers, head_and_tail(rng, workers, 8, 8))
+    stats = planner.TableStats("t", VOCAB, WIDTH, 16, 16, capacity)
+
+    def sent(layout):
+        ts = sc.make_train_step(
+            one_table_loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(workers),
+            params,
+            "embrace",
+            embedding_paths=["t"],
+            table_layouts={"t": layout},
+            capacity=capacity,
+        )
+        return hlo.total_bytes(hlo.collectives(ts.step, ts.state, ts.place_batch(batch)))
+
+    link = Link(0.0, 1.0)
+    for rows in (16, 64):
+        added = sent(hot.layout({"t": range(rows)})) - sent("row")
+        priced = hot.option_price(stats, hot.Option(rows, capacity), workers, link, 0).bytes
+        assert (
+            added
+            == priced - hot.option_price(stats, hot.Option(0, capacity), workers, link, 0).bytes
+        )
+
+
+PLANNED = ["--model", "dlrm", "--tables", "100000", "--dim", "2", "--bottom", "8", "--top", "8"]
+PLANNED += ["--zipf-exponent", "1.2", "--batch", "2048", "--devices", "8", "--strategy", "embrace"]
+PLANNED += ["--plan", "model", "--plan-memory-mb", "1", "--link-alpha-us", "0"]
+
+
+def test_plan_model_picks_hot_rows_and_a_resume_keeps_them(tmp_path):
+    """A 100,000-row table read by Zipf ids on 8 workers, within 1 MB, messages free:
+    the planner gives it hot rows, the most counted ids of the run's first batches; the
+    run's record holds them, and a resume under ``--plan model`` takes that plan and
+    continues as the uninterrupted run."""
+    full = tmp_path / "full.json"
+    assert main([*PLANNED, "--steps", "4", f"--out={full}"]) == 0
+    record = json.loads(full.read_text())
+    table = "params/sparse_0/embedding"
+    [choice] = record["plan"]["tables"]
+    assert choice["layout"] == "hot" and choice["setting"].startswith("H="), record["plan"]
+    hot_rows = int(choice["setting"].removeprefix("H="))
+    assert record["config"]["plan"] == {table: {"layout": "hot", "config": choice["config"]}}
+    w = get_workload(
+        "dlrm", tables="100000", dim=2, bottom="8", top="8", zipf_exponent=1.2, batch=2048
+    )
+    params = w.init(jax.random.key(0))
+    tables = find_tables(params, table_mask(params, w.embedding_paths), None)
+    counts = histogram.measured_counts(w, params, tables, histogram.HISTOGRAM_BATCHES)
+    assert choice["config"] == hot.from_counts(counts[table], hot_rows).tolist()
+    saved = tmp_path / "saved"
+    assert main([*PLANNED, "--steps", "2", f"--checkpoint-dir={saved}"]) == 0
+    out = tmp_path / "resumed.json"
+    assert (
+        main([*PLANNED, "--steps", "4", "--resume", f"--checkpoint-dir={saved}", f"--out={out}"])
+        == 0
+    )
+    resumed = json.loads(out.read_text())
+    assert "plan" not in resumed  # taken from the checkpoints' record, not planned anew
+    assert resumed["config"]["plan"] == record["config"]["plan"]
+    assert resumed["losses"] == pytest.approx(record["losses"][2:], rel=1e-5)

@@ -58,13 +58,14 @@ def table_names(mix: dict[str, Any]) -> list[tuple[str, int]]:
 
 def hand_plans(tables: list[tuple[str, int]]) -> dict[str, dict[str, str]]:
     """The hand-picked plans: one layout everywhere, and the larger half sharded with the
-    smaller half kept whole (replicated, or an ordinary data-parallel parameter)."""
-    every = [x.name for x in planner.priced()]
-    plans = {name: {t: name for t, _ in tables} for name in every}
+    smaller half kept whole (replicated, or an ordinary data-parallel parameter); of the
+    layouts given by their names alone (not the hot rows, whose ids the planner picks)."""
+    named = [x for x in planner.priced() if x.configure is None]  # by its name alone
+    plans = {x.name: {t: x.name for t, _ in tables} for x in named}
     by_size = sorted(tables, key=lambda t: -t[1])
     large = {t for t, _ in by_size[: (len(tables) + 1) // 2]}
-    for big in (x.name for x in planner.priced() if x.sharded):
-        for small in (x.name for x in planner.priced() if not x.sharded):
+    for big in (x.name for x in named if x.sharded):
+        for small in (x.name for x in named if not x.sharded):
             plans[f"{big}+{small}"] = {t: big if t in large else small for t, _ in tables}
     return plans
 

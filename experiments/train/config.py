@@ -230,9 +230,10 @@ class RunConfig:
         "",
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
         "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
-        "each timed a few steps here, the fastest kept), model (its modelled best) or a JSON "
-        'object {"table path": "layout"} of the registered layouts (column, row, table, '
-        'replicated, dense, ...); "" = the strategy\'s layout',
+        "each timed a few steps here, the fastest kept; hot rows priced from --histogram), "
+        'model (its modelled best) or a JSON object {"table path": "layout"} of the '
+        "registered layouts (column, row, table, replicated, dense, hot, ...; a table's "
+        'hot ids as {"layout": "hot", "config": [ids]}); "" = the strategy\'s layout',
         parse=lambda v: parse_plan(v),
     )
     plan_memory_mb: float = _field(
@@ -246,8 +247,9 @@ class RunConfig:
     )
     histogram: str = _field(
         "",
-        "a .npz of each hot table's id counts (table path -> int[V], numpy.savez); "
-        '"" = counted over the first 16 batches',
+        "a .npz of each hot table's id counts (table path -> int[V], numpy.savez), or of "
+        'the tables the planner may give hot rows (--plan auto/model); "" = counted over '
+        "the first 16 batches",
     )
     nonfinite: str = _field(
         "skip",
@@ -449,7 +451,8 @@ class _Pairs(list):
 
 def parse_plan(value: str) -> str | TablePlan:
     """``--plan`` as the config holds it: a mode of ``PLAN_MODES`` as it is, a JSON
-    object as a ``TablePlan`` (by the registered layouts' names).
+    object as a ``TablePlan`` (by the registered layouts' names; a table's entry may be
+    ``{"layout": name, "config": ...}``, e.g. the hot layout's ids).
 
     Raises:
       ValueError: anything else, one line saying why (after the flag's name).
@@ -472,8 +475,9 @@ def parse_plan(value: str) -> str | TablePlan:
     keys = collections.Counter(k for k, _ in pairs)
     if twice := sorted(k for k, n in keys.items() if n > 1):
         raise ValueError(f"names {few(twice)} more than once: give each table one layout")
+    entries = {k: dict(v) if isinstance(v, _Pairs) else v for k, v in pairs}  # configured
     try:
-        return TablePlan.from_json(dict(pairs))
+        return TablePlan.from_json(entries)
     except ValueError as e:
         raise ValueError(str(e).removeprefix("the plan ")) from None
 

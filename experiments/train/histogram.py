@@ -1,11 +1,14 @@
 """The hot layout from the command line: each table that ``--plan`` gives ``"hot"`` holds
-its ``--hot-rows`` most read ids on every worker (``sparsecomm_jax.embedding.hot``).
+its ``--hot-rows`` most read ids on every worker (``sparsecomm_jax.embedding.hot``);
+under ``--plan auto`` or ``model`` the planner prices the hot layout for every table and
+picks its H from the same counts (``planner.table_stats(..., counts=...)``).
 
 The counts of each table's ids come from ``--histogram`` (a ``.npz`` of table name ->
 ``int[V]``, as ``numpy.savez`` writes it) or, without one, from the first
 ``HISTOGRAM_BATCHES`` batches of the run's own data (every read of the table the model
 makes, as the step's capacity planning sees them). Either way the ids are the model's;
-the layout keeps its own map and a checkpoint records the hot ids.
+the layout keeps its own map, and a checkpoint and the run's recorded plan keep the hot
+ids (a plan's JSON may give them: ``{"table": {"layout": "hot", "config": [ids]}}``).
 """
 
 from __future__ import annotations
@@ -23,23 +26,40 @@ HISTOGRAM_BATCHES = 16  # the first batches counted when no --histogram is given
 
 
 def hot_tables(config: RunConfig) -> list[str]:
-    """The tables ``--plan`` gives the hot layout."""
+    """The tables ``--plan`` gives the hot layout without their hot ids."""
     if not isinstance(config.plan, TablePlan):
         return []
-    return [name for name, layout in config.plan.items() if layout.name == hot.HOT.name]
+    return [
+        name
+        for name, layout in config.plan.items()
+        if layout.name == hot.HOT.name and name not in (layout.config or {})
+    ]
+
+
+def planned(config: RunConfig) -> bool:
+    """The planner chooses the layouts (``--plan auto`` or ``model``)."""
+    return config.plan in ("auto", "model")
 
 
 def check_flags(config: RunConfig) -> None:
     """``--hot-rows`` and ``--histogram`` against ``--plan``, before JAX starts."""
     tables = hot_tables(config)
+    if planned(config) and config.hot_rows:
+        raise ValueError(
+            f"--hot-rows: with --plan {config.plan} the planner picks each table's H from "
+            'the histogram; to fix H, give the tables "hot" in a --plan object'
+        )
     if tables and not config.hot_rows:
         raise ValueError(
             f"--plan gives {tables[0]} the hot layout: pass --hot-rows H (its H most read "
             "rows on every worker)"
         )
-    if not tables and (config.hot_rows or config.histogram):
+    if not tables and not planned(config) and (config.hot_rows or config.histogram):
         flag = "--hot-rows" if config.hot_rows else "--histogram"
-        raise ValueError(f'{flag} is for tables that --plan gives "hot"; --plan gives none')
+        raise ValueError(
+            f'{flag} is for tables that --plan gives "hot" without their ids, or for --plan '
+            "auto/model; --plan gives none"
+        )
     if config.histogram:
         path = Path(config.histogram)
         if not path.is_file():
@@ -47,16 +67,29 @@ def check_flags(config: RunConfig) -> None:
             raise ValueError(f"--histogram {config.histogram} {problem}; give a .npz of counts")
 
 
-def read_counts(path: str, tables: list) -> dict[str, np.ndarray]:
+def read_counts(path: str, tables: list, every: bool = True) -> dict[str, np.ndarray]:
     """Each table's counts from the ``.npz`` at ``path`` (``ValueError`` naming the flag,
-    the file and the table for a missing table, another length, negative counts)."""
+    the file and the table for a missing table, another length, negative counts).
+
+    Args:
+      path: the file. tables: the ``Table`` records to read counts for.
+      every: each table must have counts; otherwise (the planner's histogram) a table
+        without any is left out, and counts naming no table are refused.
+    """
     try:
         with np.load(path, allow_pickle=False) as saved:
             found = {k: np.asarray(saved[k]) for k in saved.files}
     except (OSError, ValueError) as e:
         raise ValueError(f"--histogram {path}: not a .npz of counts ({e})") from None
+    if not every and (stray := sorted(set(found) - {t.name for t in tables})):
+        raise ValueError(
+            f"--histogram {path} has counts for {stray[0]}, no table of the model (its "
+            f"tables: {[t.name for t in tables][:4]})"
+        )
     out = {}
     for t in tables:
+        if t.name not in found and not every:
+            continue
         if t.name not in found:
             raise ValueError(
                 f"--histogram {path} has no counts for table {t.name} (it has {sorted(found)[:4]})"
@@ -89,9 +122,20 @@ def measured_counts(workload, params, tables: list, batches: int) -> dict[str, n
     return counts
 
 
+def planner_counts(config: RunConfig, workload, params) -> dict[str, np.ndarray]:
+    """Every table's counts for the planner (``--plan auto``/``model``): ``--histogram``'s
+    (a table it lacks is not offered the hot layout) or the first ``HISTOGRAM_BATCHES``
+    batches'."""
+    tables = find_tables(params, table_mask(params, workload.embedding_paths), None)
+    if config.histogram:
+        return read_counts(config.histogram, tables, every=False)
+    return measured_counts(workload, params, tables, HISTOGRAM_BATCHES)
+
+
 def hot_plan(config: RunConfig, workload, params) -> TablePlan | str:
     """``config.plan`` with its hot tables' layout holding their ``--hot-rows`` most read
-    ids (``ValueError`` naming the flag and the table when H exceeds a table)."""
+    ids (``ValueError`` naming the flag and the table when H exceeds a table); tables
+    the plan gives their hot ids keep them."""
     names = hot_tables(config)
     if not names:
         return config.plan
@@ -110,5 +154,7 @@ def hot_plan(config: RunConfig, workload, params) -> TablePlan | str:
     else:
         counts = measured_counts(workload, params, tables, HISTOGRAM_BATCHES)
     chosen = {name: hot.from_counts(c, config.hot_rows) for name, c in counts.items()}
-    layout = hot.layout(chosen)
-    return TablePlan({**config.plan, **dict.fromkeys(names, layout)})
+    given = [x.config for x in config.plan.values() if x.name == hot.HOT.name and x.config]
+    layout = hot.layout({**(given[0] if given else {}), **chosen})  # one value for all
+    every = [n for n, x in config.plan.items() if x.name == hot.HOT.name]
+    return TablePlan({**config.plan, **dict.fromkeys(every, layout)})

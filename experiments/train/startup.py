@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from experiments.train import histogram
 from experiments.train.config import RunConfig
 from models import get_workload
 from sparsecomm_jax import optimizers, place_for_step, planner, runtime
@@ -216,6 +217,7 @@ def choose_plan(
         [workload.batch_at(s) for s in range(batches)],
         config.devices,
         workload.replicated_keys,
+        counts=histogram.planner_counts(config, workload, params),  # the hot rows' H
     )
     memory = config.plan_memory_mb * 2**20 or None
     slots = optimizers.get(config.optimizer).slots

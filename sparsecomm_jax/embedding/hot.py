@@ -20,6 +20,11 @@ The trio:
    the cold ones return by the row-wise exchange. Every worker then holds the same hot
    gradient and makes the same update to its copy.
 
+The planner prices it (``PRICING``) from a histogram of the table's ids: ``measure``
+finds the cold rows' bucket in the sample batches for each H of ``HOT_ROWS_TRIED``,
+``option_price`` prices the cold rows' exchange and the hot rows' all-reduce, and
+``price`` keeps the H of least modelled time, its hot ids the choice's configuration.
+
 Where it pays, and where not: with de-duplicated ids, a row that every worker reads
 costs the same bytes in the row-wise exchange (its id out, its row back, its gradient
 out) as in an all-reduce. What hot rows save is on the critical path: no exchange before
@@ -52,14 +57,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from sparsecomm_jax.comm import costmodel
 from sparsecomm_jax.comm import wire as comm_wire
 from sparsecomm_jax.embedding import row
 from sparsecomm_jax.embedding.access import HostReads, Read
 from sparsecomm_jax.embedding.layout import (
+    FLOAT,
     CapacityPolicy,
     Fetched,
     Layout,
+    Price,
+    Pricing,
     Storage,
+    both_ways,
     check_storage,
 )
 from sparsecomm_jax.embedding.tables import table_name
@@ -141,11 +151,21 @@ def from_counts(counts: np.ndarray, hot_rows: int) -> np.ndarray:
         >>> from_counts(np.array([5, 0, 9, 9, 1]), 2).tolist()
         [2, 3]
     """
+    return np.sort(most_read(counts, hot_rows))
+
+
+def most_read(counts: np.ndarray, k: int) -> np.ndarray:
+    """The ``k`` ids counted most often, most counted first (ties to the smaller id):
+    ``from_counts(counts, h)`` is ``sorted(most_read(counts, k)[:h])`` for any h <= k.
+
+    Example:
+        >>> most_read(np.array([5, 0, 9, 9, 1]), 3).tolist()
+        [2, 3, 0]
+    """
     counts = np.asarray(counts).astype(np.float64)  # unsigned counts would wrap below
-    if not 0 <= hot_rows <= counts.size:
-        raise ValueError(f"hot_rows must be in [0, {counts.size}], got {hot_rows}")
-    order = np.lexsort((np.arange(counts.size), -counts))  # most counted first, then id
-    return np.sort(order[:hot_rows])
+    if not 0 <= k <= counts.size:
+        raise ValueError(f"hot_rows must be in [0, {counts.size}], got {k}")
+    return np.lexsort((np.arange(counts.size), -counts))[:k]  # most counted first, then id
 
 
 # ------------------------------------------------------------------ storage
@@ -200,21 +220,35 @@ def _storage(rows: dict[int, HotRows], num_workers: int) -> Storage:
 # ------------------------------------------------------------------ 1. plan the ids
 
 
+def cold_bucket(worker_ids, rows: HotRows) -> int:
+    """The most distinct cold ids one worker asks of one owner (host, numpy), at least 1.
+
+    Args:
+      worker_ids: each worker's ids of the table (``int[P, ...]`` or a list of arrays).
+      rows: the table's ``HotRows``.
+
+    Example:
+        >>> rows = HotRows.of([0], vocab=9, workers=2)  # cold 1-4 on worker 0, 5-8 on 1
+        >>> cold_bucket([np.array([0, 0, 1, 2]), np.array([0, 5])], rows)
+        2
+    """
+    per_worker = []
+    for ids in worker_ids:
+        ids = np.asarray(ids).ravel()
+        ids = ids[(ids >= 0) & (ids < rows.vocab)]  # a computed id outside: no row
+        per_worker.append(rows.stored_row(ids[~rows.is_hot(ids)]))
+    return max(1, row.bucket_slots(per_worker, rows.workers * rows.block, rows.workers))
+
+
 def _capacity(rows: dict[int, HotRows]) -> CapacityPolicy:
     def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
         """Per table, the most distinct cold ids one worker asks of one owner."""
-        first, out = reads[0], {}
-        for t in tables:
-            if t.index not in first:
-                continue
-            h = rows[t.index]
-            per_worker = []
-            for ids in first[t.index][0]:
-                ids = np.asarray(ids).ravel()
-                ids = ids[(ids >= 0) & (ids < h.vocab)]  # a computed id outside: no row
-                per_worker.append(h.stored_row(ids[~h.is_hot(ids)]))
-            out[t.index] = max(1, row.bucket_slots(per_worker, workers * h.block, workers))
-        return out
+        first = reads[0]
+        return {
+            t.index: cold_bucket(first[t.index][0], rows[t.index])
+            for t in tables
+            if t.index in first
+        }
 
     def bound(reads: HostReads, table, workers: int) -> int:
         return min(reads[table.index][0].shape[1], rows[table.index].block)
@@ -227,6 +261,122 @@ def _doubling(need: int) -> int:
     rows of each owner, and its buckets stay that small (``next_power_of_two`` starts
     at 8)."""
     return 1 << max(0, (need - 1).bit_length())
+
+
+# ------------------------------------------------------------------ pricing
+
+#: The numbers of hot rows the planner tries for a table (besides none), up to the ids
+#: its histogram counts at all.
+HOT_ROWS_TRIED = (16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+class Option(NamedTuple):
+    """One number of hot rows for a table, as the sample batches read it.
+
+    Attributes:
+      rows: H.
+      bucket: the most distinct cold ids one worker asked of one owner in a sample
+        batch (``cold_bucket``), with the H most read ids hot.
+    """
+
+    rows: int
+    bucket: int
+
+
+class Measured(NamedTuple):
+    """What the planner measures of a table for the hot layout (``measure``).
+
+    Attributes:
+      frequent: the ids most read first (``most_read``), as many as the largest H.
+      options: an ``Option`` per H tried, none (H = 0) first.
+    """
+
+    frequent: np.ndarray
+    options: tuple[Option, ...]
+
+
+def measure(table, reads: list[HostReads], counts, workers: int) -> Measured | None:
+    """The cold buckets of the sample batches ``reads`` with each H of ``HOT_ROWS_TRIED``
+    (that the histogram ``counts`` has as many ids for) hot; ``None`` without counts.
+
+    Example:
+        >>> from sparsecomm_jax.embedding.tables import Table
+        >>> ids = np.array([[0, 0, 1, 2, 3], [0, 1, 5, 6, 7]])  # P = 2, V = 64
+        >>> got = measure(Table(0, "t", 64, 4, HOT), [{0: (ids, ids[:0, 0])}],
+        ...               np.bincount(ids.ravel(), minlength=64), 2)
+        >>> [(o.rows, o.bucket) for o in got.options]  # 7 ids read: all hot, or none
+        [(0, 5), (7, 1)]
+    """
+    if counts is None:
+        return None
+    seen = int(np.count_nonzero(np.asarray(counts)))
+    tried = [0, *(h for h in HOT_ROWS_TRIED if h <= min(seen, table.vocab))]
+    if seen and tried[-1] < min(seen, HOT_ROWS_TRIED[0]):  # a table of few ids: all of them
+        tried.append(min(seen, table.vocab))
+    frequent = most_read(counts, tried[-1])
+    options = []
+    for h in tried:
+        rows = HotRows.of(frequent[:h], table.vocab, workers)
+        need = [cold_bucket(r[table.index][0], rows) for r in reads if table.index in r]
+        options.append(Option(h, max(need, default=1)))
+    return Measured(frequent, tuple(options))
+
+
+def option_price(
+    stats, option: Option, workers: int, link, slots: int, wire=comm_wire.DEFAULT
+) -> Price:
+    """One table with ``option.rows`` hot rows, for one worker per step: the cold rows'
+    row-wise exchange, ``(P-1) C (4 + 2 D b)`` bytes with C the option's cold bucket,
+    and the all-reduce of the H hot rows' gradients and their counts, ``2 (P-1)/P H (D b
+    + 4)`` (``comm.costmodel.flat_mean_cost`` in the backward codec); memory the H hot
+    rows and 1/P of the V - H cold ones, and their optimizer state.
+
+    Example:
+        >>> from sparsecomm_jax.comm.costmodel import Link
+        >>> from sparsecomm_jax.embedding.layout import TableStats
+        >>> stats = TableStats("t", 1000, 8, 64, 10, 4)
+        >>> option_price(stats, Option(0, 4), 4, Link(0.0, 1.0), 0).bytes  # row's bytes
+        816.0
+        >>> option_price(stats, Option(16, 1), 4, Link(0.0, 1.0), 0).bytes  # 204 + 768 + 96
+        1068.0
+    """
+    p, h = workers, option.rows
+    cold = (p - 1) * option.bucket * (4 + both_ways(stats.dim, wire))
+    summed = costmodel.flat_mean_cost(h * stats.dim, p, wire.backward)[1] if h else 0.0
+    counted = costmodel.flat_mean_cost(h, p)[1] if h else 0.0
+    nbytes = float(cold + summed + counted)
+    memory = (h + -(-(stats.vocab - h) // p)) * stats.dim * FLOAT * (1 + slots)
+    return Price(nbytes, nbytes * link.beta, memory)
+
+
+def price(stats, workers: int, link, slots: int, wire=comm_wire.DEFAULT) -> Price:
+    """The table's price at the H of least modelled time (``option_price`` of each
+    ``Option`` measured), the hot ids of that H its ``config``.
+
+    Raises:
+      ValueError: the table was measured without a histogram (``stats.of("hot")`` is
+        ``None``).
+    """
+    found = stats.of(HOT.name)
+    if found is None:
+        raise ValueError(
+            f"table {stats.name}: the hot layout is priced from a histogram of the "
+            "table's ids; give planner.table_stats its counts"
+        )
+    priced = [(option_price(stats, o, workers, link, slots, wire), o) for o in found.options]
+    best, option = min(priced, key=lambda x: x[0].seconds)
+    hot = sorted(int(i) for i in found.frequent[: option.rows])
+    return best._replace(config=hot, setting=f"H={option.rows}")
+
+
+# The cold rows' exchange (3(P-1)) and the all-reduces of the hot rows and their
+# counts (2(P-1) each).
+PRICING = Pricing(
+    price,
+    messages=lambda workers: 7 * (workers - 1),
+    serves=lambda stats: stats.of(HOT.name) is not None and not stats.attended,
+    measure=measure,
+)
 
 
 # ------------------------------------------------------- 2. fetch rows, 3. send back
@@ -364,6 +514,7 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         sum_dense=lambda g, axis: g,
         row_specs=lambda axis: (P(axis), P(axis, None)),  # each worker its own rows
         bind=bind,
+        pricing=PRICING,
         config=config or None,
         configure=layout,
     )

@@ -40,7 +40,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -74,6 +74,9 @@ class TableStats(NamedTuple):
       lookups: how many reads of the table the loss makes (replicated pays per read).
       attended: the loss reads the whole table by a full softmax (``emb.attend``),
         which the table-wise layout does not serve.
+      measured: layout name -> what that layout's price needs beyond these fields,
+        measured by its ``Pricing.measure`` (the hot layout: the cold rows' buckets at
+        each number of hot rows); ``None``: nothing more measured.
     """
 
     name: str
@@ -84,6 +87,12 @@ class TableStats(NamedTuple):
     bucket: int
     lookups: int = 1
     attended: bool = False
+    measured: Mapping[str, Any] | None = None
+
+    def of(self, layout: str) -> Any:
+        """What ``layout``'s ``Pricing.measure`` measured of this table (``None``:
+        nothing)."""
+        return (self.measured or {}).get(layout)
 
 
 class Price(NamedTuple):
@@ -94,11 +103,17 @@ class Price(NamedTuple):
       seconds: the modelled time of those bytes and of its local work, messages
         left out (they are the layout's, shared by its tables: ``Pricing.messages``).
       memory: bytes of the table and its optimizer state held by the worker.
+      config: the table's entry in the layout's ``Layout.config`` that this price
+        assumes (the hot layout: the hot ids of the number of hot rows it priced
+        lowest); ``None``: the layout is its name alone.
+      setting: that configuration in a few words, for a plan's table (``"H=64"``).
     """
 
     bytes: float
     seconds: float
     memory: float
+    config: Any = None
+    setting: str = ""
 
 
 class Pricing(NamedTuple):
@@ -116,12 +131,18 @@ class Pricing(NamedTuple):
         sets the exchange's buckets), one ``Price`` each; ``None``: each on its own.
       serves: ``serves(stats) -> bool``: whether the layout can serve the table's reads
         (the table-wise layout serves no full softmax).
+      measure: ``measure(table, reads, counts, P) -> Any``: what the price needs beyond
+        ``TableStats``' common fields, measured on the sample batches' ``reads`` (a
+        list of ``access.HostReads``) and ``counts``, the histogram of the table's
+        ids (``int[V]``, or ``None`` when the planner was given none); kept as
+        ``stats.of(name)``. ``None``: the common fields are all it needs.
     """
 
     table: Callable[..., Price]
     messages: Callable[[int], int] = lambda workers: 0
     together: Callable[..., list[Price]] | None = None
     serves: Callable[[TableStats], bool] = lambda stats: True
+    measure: Callable[..., Any] | None = None
 
 
 class Fetched(NamedTuple):
@@ -211,9 +232,10 @@ class Layout(NamedTuple):
       data_parallel: the table is no table to the step: an ordinary parameter, its
         gradient in the dense layers' all-reduce (``embedding.dense.DENSE``); the
         trio is never called.
-      config: what this value of the layout was made with, as JSON (the hot rows of
-        ``embedding.hot``): a checkpoint records it, and ``configure`` rebuilds the
-        value from it. ``None``: the layout is its name alone.
+      config: what this value of the layout was made with, as JSON: table name -> that
+        table's configuration (the hot ids of ``embedding.hot``). A checkpoint and a
+        ``TablePlan``'s JSON record it, and ``configure`` rebuilds the value from it.
+        ``None``: the layout is its name alone.
       configure: ``configure(config) -> Layout``: the layout value of ``config``.
     """
 

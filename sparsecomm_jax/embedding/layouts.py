@@ -69,12 +69,38 @@ def known(layout: Any) -> bool:
     return isinstance(layout, Layout) or (isinstance(layout, str) and layout in LAYOUTS)
 
 
+def _configured(entry: Any) -> tuple[Any, Any]:
+    """A plan's entry for a table as ``(layout, its configuration or None)``."""
+    if not isinstance(entry, Mapping):
+        return entry, None
+    if set(entry) != {"layout", "config"} or not isinstance(entry["layout"], str):
+        raise ValueError(
+            'a configured table in a plan is {"layout": name, "config": ...}, got '
+            f"{dict(entry)!r:.80}"
+        )
+    return entry["layout"], entry["config"]
+
+
+def _configure(name: str, entries: dict[str, Any]) -> Layout:
+    """The value of layout ``name`` for the tables' configurations ``entries``."""
+    layout = get(name)
+    if layout.configure is None:
+        raise ValueError(f"the {name} layout takes no configuration; give its name alone")
+    try:
+        return layout.configure(entries)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"the {name} layout's configuration: {e}") from None
+
+
 class TablePlan(Mapping):
     """A layout per table: table name (its path joined by ``/``) -> ``Layout``.
 
     What ``make_train_step(table_layouts=...)`` takes, the planner's ``Plan.layouts()``
     returns and ``--plan`` holds; written as JSON by the layouts' names (``to_json``)
-    and read back through the registry (``from_json``).
+    and read back through the registry (``from_json``). A table whose layout value was
+    made with a configuration (``Layout.config``, e.g. the hot layout's hot ids) is
+    written ``{"layout": name, "config": the table's entry}`` and read back through
+    the layout's ``configure``. Two plans are equal when their JSON is.
 
     Example:
         >>> plan = TablePlan({"a": "row", "b": get("column")})
@@ -82,6 +108,9 @@ class TablePlan(Mapping):
         {'a': 'row', 'b': 'column'}
         >>> TablePlan.from_json(plan.to_json()) == plan
         True
+        >>> hot = TablePlan.from_json({"c": {"layout": "hot", "config": [3, 1]}})
+        >>> hot.to_json(), hot["c"].config
+        ({'c': {'layout': 'hot', 'config': [1, 3]}}, {'c': [1, 3]})
     """
 
     def __init__(self, layouts: Mapping[str, str | Layout] | None = None):
@@ -89,21 +118,49 @@ class TablePlan(Mapping):
 
     @classmethod
     def from_json(cls, value: Any) -> TablePlan:
-        """The plan of a JSON object ``{table: layout name}`` (as ``json.loads`` gives).
+        """The plan of a JSON object ``{table: layout name or {"layout": name, "config":
+        entry}}`` (as ``json.loads`` gives); the configured tables of one layout share one
+        value of it, ``configure({table: entry, ...})``.
 
         Raises:
-          ValueError: not an object of names, or a layout no one registered (the
-            message lists the known ones).
+          ValueError: not such an object, a layout no one registered (the message lists
+            the known ones), or a configuration its layout does not take.
         """
         if not isinstance(value, Mapping):
             raise ValueError(f"a plan is a JSON object of table -> layout, got {value!r:.80}")
-        if bad := sorted({str(x) for x in value.values() if not known(x)}):
+        named = {t: _configured(x) for t, x in value.items()}
+        if bad := sorted({str(x) for x, _ in named.values() if not known(x)}):
             raise ValueError(f"the plan has layouts {few(bad)}; choose among {list(LAYOUTS)}")
-        return cls(value)
+        configs: dict[str, dict[str, Any]] = {}
+        for table, (name, config) in named.items():
+            if config is not None:
+                configs.setdefault(get(name).name, {})[table] = config
+        made = {name: _configure(name, entries) for name, entries in configs.items()}
+        return cls(
+            {
+                t: made[get(x).name] if t in configs.get(get(x).name, {}) else x
+                for t, (x, _) in named.items()
+            }
+        )
 
-    def to_json(self) -> dict[str, str]:
-        """``{table: layout name}``, ready for ``json.dumps``."""
-        return self.names()
+    def to_json(self) -> dict[str, Any]:
+        """``{table: layout name}`` (a configured table ``{"layout": name, "config":
+        entry}``), ready for ``json.dumps``."""
+        out: dict[str, Any] = {}
+        for table, layout in self._layouts.items():
+            config = layout.config or {}
+            if table in config:
+                out[table] = {"layout": layout.name, "config": config[table]}
+            else:
+                out[table] = layout.name
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TablePlan):
+            return NotImplemented
+        return self.to_json() == other.to_json()
+
+    __hash__ = None  # type: ignore[assignment]
 
     def names(self) -> dict[str, str]:
         """``{table: layout name}``."""
