@@ -12,7 +12,13 @@ compiled programs (``comm.hlo``): the whole step's, and those of a program of th
 layout's fetch alone (what must arrive before the forward pass can start). Also
 reported: the share of the step's reads that the hot rows serve.
 
-Writes ``hot_rows.json`` and ``.csv`` into ``--out-dir``.
+The planner's side (``--what planner``, no compile): the same histogram and batch given
+to ``planner.table_stats``; for each H the hot layout's modelled bytes, split into the
+cold rows' exchange and the hot rows' all-reduce, the H its pricing picks, and the
+layout the whole planner gives the table (every priced layout, at ``--link-gbit``).
+
+Writes ``hot_rows.json`` and ``.csv`` (compiled bytes) and ``hot_rows_planner.json``
+and ``.csv`` into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -97,11 +103,7 @@ def measure(args, exponent: float, workers: int) -> list[dict]:
     """Every layout's bytes at one exponent and P."""
     from sparsecomm_jax.embedding import hot
 
-    rng = np.random.default_rng(args.seed)
-    shape = (args.histogram_batches + 1, workers * args.lookups)
-    ids = zipf_ids(rng, exponent, args.vocab, shape)
-    counts = np.bincount(ids[:-1].ravel(), minlength=args.vocab)
-    step = ids[-1]
+    counts, step = study_ids(args, exponent, workers)
     rows = []
     hot_ones = [("hot", h, hot.layout({"t": hot.from_counts(counts, h)})) for h in args.hot]
     for name, h, layout in [("column", 0, "column"), ("row", 0, "row"), *hot_ones]:
@@ -120,6 +122,58 @@ def measure(args, exponent: float, workers: int) -> list[dict]:
     return rows
 
 
+def study_ids(args, exponent: float, workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, step ids)``: the histogram of ``--histogram-batches`` batches of Zipf
+    ids and the batch after them (``int[P * lookups]``)."""
+    rng = np.random.default_rng(args.seed)
+    shape = (args.histogram_batches + 1, workers * args.lookups)
+    ids = zipf_ids(rng, exponent, args.vocab, shape)
+    return np.bincount(ids[:-1].ravel(), minlength=args.vocab), ids[-1]
+
+
+def plan_rows(args, exponent: float, workers: int) -> list[dict]:
+    """The planner's view of the hot layout at one exponent and P: a row per H tried."""
+    import jax.numpy as jnp
+
+    from sparsecomm_jax import planner
+    from sparsecomm_jax.comm.costmodel import Link
+    from sparsecomm_jax.embedding import hot
+
+    def loss(p, batch, emb):
+        return jnp.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
+
+    counts, step = study_ids(args, exponent, workers)
+    params = {
+        "t": np.zeros((args.vocab, args.dim), np.float32),
+        "w": np.zeros((args.dim, 1), np.float32),
+    }
+    batch = {"ids": step, "y": np.zeros((step.size, 1), np.float32)}
+    [stats] = planner.table_stats(loss, params, ["t"], [batch], workers, counts={"t": counts})
+    link = Link.from_bandwidth(args.link_gbit)
+    picked = planner.layout_cost(stats, "hot", workers, link, 0)
+    plan = planner.plan_tables([stats], workers, link, optimizer_slots=0)
+    [chosen] = plan.choices
+    rows = []
+    for option in stats.of("hot").options:
+        price = hot.option_price(stats, option, workers, link, 0)
+        cold = (workers - 1) * option.bucket * (4 + 2 * args.dim * 4)
+        rows.append(
+            {
+                "exponent": exponent,
+                "workers": workers,
+                "hot_rows": option.rows,
+                "cold_bucket": option.bucket,
+                "cold_bytes": float(cold),
+                "hot_allreduce_bytes": price.bytes - cold,
+                "bytes": price.bytes,
+                "hot_picks": picked.setting,
+                "planner_layout": f"{chosen.layout} {chosen.setting}".strip(),
+                "column_bytes": planner.layout_cost(stats, "column", workers, link, 0).bytes,
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__name__, __doc__)
     parser.add_argument("--vocab", type=int, default=1_000_000, help="V")
@@ -130,13 +184,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hot", default="1024,16384", help="comma list of H to measure")
     parser.add_argument("--histogram-batches", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--what", default="bytes,planner", help="comma list: bytes (compiled), planner"
+    )
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="the planner's link")
     args = parser.parse_args(argv)
     args.hot = [int(h) for h in args.hot.split(",")]
     workers = [int(p) for p in args.workers.split(",")]
+    what = set(args.what.split(","))
     from sparsecomm_jax import runtime
 
     runtime.simulate_cpu_devices(max(workers))
     jobs = [(s, p) for s in map(float, args.exponents.split(",")) for p in workers]
+    if "bytes" in what:
+        show_bytes(args, jobs)
+    if "planner" in what:
+        show_planner(args, jobs)
+    return 0
+
+
+def show_bytes(args, jobs: list[tuple[float, int]]) -> None:
+    """The compiled bytes of every layout, saved and printed."""
     rows = []
     for got in harness.grid(jobs, lambda s, p: {"rows": measure(args, s, p)}, "hot rows"):
         rows.extend(got.get("rows", []))
@@ -149,7 +217,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['hot_share']:10.3f} {r['bytes'] / 1e3:8.1f} "
             f"{r['bytes_before_forward'] / 1e3:17.1f}"
         )
-    return 0
+
+
+def show_planner(args, jobs: list[tuple[float, int]]) -> None:
+    """The planner's modelled bytes of each H, saved and printed."""
+    rows = []
+    for got in harness.grid(jobs, lambda s, p: {"rows": plan_rows(args, s, p)}, "planner"):
+        rows.extend(got.get("rows", []))
+    harness.save_rows(rows, args.out_dir, "hot_rows_planner", {"setup": vars(args)})
+    print(f"the planner's model, {args.link_gbit} Gbit/s: KB a worker sends a step")
+    print(
+        "   s   P       H  cold C  cold KB  hot all-reduce KB  total KB  column KB  hot picks  plan"
+    )
+    for r in rows:
+        print(
+            f"{r['exponent']:4} {r['workers']:3}  {r['hot_rows']:6} {r['cold_bucket']:7} "
+            f"{r['cold_bytes'] / 1e3:8.1f} {r['hot_allreduce_bytes'] / 1e3:18.1f} "
+            f"{r['bytes'] / 1e3:9.1f} {r['column_bytes'] / 1e3:10.1f}  {r['hot_picks']:9}  "
+            f"{r['planner_layout']}"
+        )
 
 
 if __name__ == "__main__":
