@@ -121,3 +121,14 @@ def run_three_tables(ts, seed: int, steps: int = 3, state=None, start: int = 0):
         state, value = ts.step(state, ts.place_batch(three_tables_batch(seed, s)))
         losses.append(float(value))
     return state, losses
+
+
+def run_placed(ts, batch_at, steps: int):
+    """``steps`` steps of ``ts`` from ``ts.state``, each batch placed as a user places it
+    for any step, pipelined ones too (``place_for_step``: the batch and those it looks
+    ahead to); returns ``(state, losses)``."""
+    state, losses = ts.state, []
+    for step in range(steps):
+        state, loss = ts.step(state, sc.place_for_step(ts, batch_at, step, steps))
+        losses.append(sc.loss_value(loss))
+    return state, losses

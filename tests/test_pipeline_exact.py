@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, reference_run
+from helpers import assert_trees_close, reference_run, run_placed
 
 import sparsecomm_jax as sc
 from models import get_workload
@@ -69,10 +69,7 @@ def _run(w, strategy, steps, params, devices=4, optimizer=None, **kw):
         id_keys=w.id_keys,
         **kw,
     )
-    state, losses = ts.state, []
-    for step in range(steps):
-        state, loss = ts.step(state, sc.place_for_step(ts, w.batch_at, step, steps))
-        losses.append(sc.loss_value(loss))
+    state, losses = run_placed(ts, w.batch_at, steps)
     return np.array(losses), ts.host_params(state)
 
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 from helpers import THREE as SIZES
 from helpers import THREE_BATCH as BATCH
-from helpers import assert_trees_close
+from helpers import assert_trees_close, run_placed
 from helpers import run_three_tables as run
 from helpers import three_tables_batch as batch_of
 from helpers import three_tables_loss as loss
@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import sparsecomm_jax as sc
 from experiments.train import main
+from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import replicas
@@ -131,17 +132,20 @@ def step_of(params, devices, optimizer, replica_count=1, layouts=None, **kw):
     )
 
 
-def replicas_equal(ts, state) -> None:
+def replicas_equal(ts, state, paths=None) -> None:
     """Every device of a table's group position holds the same shard: the replicas
-    have made the same updates."""
-    for name in SIZES:
-        x = state.params[name]
+    have made the same updates (``paths``: each table's keys in ``state.params``,
+    default the three tables')."""
+    for path in paths or [(name,) for name in SIZES]:
+        x = state.params
+        for key in path:
+            x = x[key]
         by_index: dict = {}
         for shard in x.addressable_shards:
             key = str(shard.index)
             got = np.asarray(shard.data)
             if key in by_index:
-                np.testing.assert_array_equal(got, by_index[key], err_msg=name)
+                np.testing.assert_array_equal(got, by_index[key], err_msg=str(path))
             by_index[key] = got
 
 
@@ -255,6 +259,58 @@ def test_a_top_k_aggregator_spans_every_device_of_the_groups(strategy):
     assert losses[2] == losses[1]
 
 
+def pipelined(w, params, devices: int, optimizer, strategy="embrace", steps=4, **kw):
+    """Losses and host parameters of ``steps`` steps, batches placed as a user places
+    them for a pipelined step (``place_for_step``: the step and those it looks ahead
+    to)."""
+    ts = sc.make_train_step(
+        w.loss,
+        optimizer,
+        runtime.data_mesh(devices),
+        params,
+        strategy,
+        embedding_paths=w.embedding_paths,
+        replicated_keys=w.replicated_keys,
+        **kw,
+    )
+    state, losses = run_placed(ts, w.batch_at, steps)
+    return losses, ts.host_params(state), (ts, state)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_embrace_2d_priorities_in_replica_groups_equal_one_device(name):
+    """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
+    on 2 x 4 and 4 x 2: every group sends first the rows any group reads next, the early
+    update of those rows uses their gradient summed over all groups, and the run is the
+    one-device run (losses, tables; the replicas equal)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    w = get_workload("dlrm", tables="40,24,9", dim=8, batch=16, multi_hot=2, seed=seed)
+    params = w.init(jax.random.key(seed))
+    optimizer, update = OPTIMIZERS[name]
+    want, want_params, _ = pipelined(w, params, 1, optimizer, table_update=update)
+    for count, sync in ((2, "rows"), (4, "shard")):
+        got, got_params, (ts, state) = pipelined(
+            w,
+            params,
+            8,
+            optimizer,
+            "embrace_2d",
+            replicas=count,
+            replica_sync=sync,
+            table_update=update,
+            collectives_overlap=True,
+        )
+        assert ts.runs_as == "embrace_2d"
+        assert got == pytest.approx(want, rel=1e-5), (count, seed)
+        assert_trees_close(got_params, want_params)
+        replicas_equal(ts, state, w.embedding_paths)
+        batch = sc.place_for_step(ts, w.batch_at, 0, 4)
+        found = hlo.collectives(ts.step, ts.state, batch)
+        lookups = {c.group_size for c in found if c.kind == "all-to-all"}
+        assert 8 // count in lookups, lookups  # the chunks' exchanges span a group
+        assert {c.group_size for c in found} <= {count, 8 // count, 8}  # 8: the dense mean
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
@@ -270,7 +326,8 @@ def test_replica_groups_that_cannot_be_are_refused(kw, message):
 
 
 def test_the_command_line_runs_two_d_to_the_one_d_losses(tmp_path):
-    """``--replicas 2`` on DLRM gives ``--replicas 1``'s losses; the result records it."""
+    """``--replicas 2`` on DLRM gives ``--replicas 1``'s losses, with ``embrace`` and
+    ``embrace_2d``; the result records it."""
     args = ["--model", "dlrm", "--tables", "64,48,24", "--dim", "8", "--batch", "32"]
     args += ["--strategy", "embrace", "--optimizer", "lazy_adam", "--steps", "3"]
     out = {}
@@ -280,3 +337,7 @@ def test_the_command_line_runs_two_d_to_the_one_d_losses(tmp_path):
         out[count] = json.loads(path.read_text())
     assert out[2]["losses"] == pytest.approx(out[1]["losses"], rel=1e-5)
     assert out[2]["config"]["replicas"] == 2
+    path = tmp_path / "2d.json"  # the priorities' strategy, as this CPU runs it
+    two_d = [*args, "--strategy", "embrace_2d", "--replicas", "2", "--out", str(path)]
+    assert main(two_d) == 0
+    assert json.loads(path.read_text())["losses"] == pytest.approx(out[1]["losses"], rel=1e-5)

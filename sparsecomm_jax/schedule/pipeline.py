@@ -19,6 +19,12 @@ tables:
    or a skipped step, makes the step fetch the next rows again from the final tables
    (exact, slower).
 
+With replica groups (``replicas=R``) each group exchanges its chunks within itself;
+the priorities are those of every group's next batches (a row any group reads next
+goes first everywhere), and each table's first chunks, then its later ones, are summed
+across the groups (``replicas.sum_tables``), so the early update sees the whole gradient
+of the rows it moves.
+
 Equal to ``embrace`` with the same table update. The dense layers have no data
 dependency on the table exchange, so an accelerator's scheduler may overlap them.
 
@@ -45,7 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.vma import vary
-from sparsecomm_jax.embedding import access, column
+from sparsecomm_jax.embedding import access, column, replicas
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.embedding.update import row_gradient
@@ -62,13 +68,25 @@ NO_ATTEND_2D = (
 )
 
 
-def waits_for(x, after):
+def waits_for(x, after, same_over: str | None = None):
     """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
-    with ``a`` the sum of one element of each. (XLA:CPU drops ``optimization_barrier``
-    before scheduling, and does not fold ``a - a`` for floats; for finite ``a`` this
-    adds exactly zero, and a non-finite ``after`` poisons the step anyway.)"""
-    a = sum(leaf.reshape(-1)[0].astype(x.dtype) for leaf in jax.tree.leaves(after))
-    return x + (a - a)
+    with ``a`` the sum of one element of each (``edge``). (XLA:CPU drops
+    ``optimization_barrier`` before scheduling, and does not fold ``a - a`` for floats;
+    for finite ``a`` this adds exactly zero, and a non-finite ``after`` poisons the step
+    anyway.)"""
+    a = edge(after, same_over)
+    return x + (a - a).astype(x.dtype)
+
+
+def edge(after, same_over: str | None = None) -> jax.Array:
+    """float32[]: the sum of one element of every array in ``after``, for ``waits_for``.
+
+    ``same_over``: a mesh axis the waiting values are the same over while ``after`` is
+    not (the replica groups): the sum is reduced over it (a scalar all-reduce), so
+    they stay typed the same over it."""
+    firsts = [leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(after)]
+    a = sum(firsts, jnp.zeros((), jnp.float32))
+    return jax.lax.pmax(a, same_over) if same_over is not None else a
 
 
 def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> list:
@@ -143,7 +161,7 @@ def exchange_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int
         order = jnp.broadcast_to(jnp.arange(n), all_ids.shape)
         shared = [Shared(g, s, jnp.arange(s.size), [(0, s.size)]) for g, s in shared]
         return Plan(rows, all_ids, order, [(0, n)], shared, None), jnp.array(False)
-    fut = _future_ids(future, i, axis)
+    fut = _future_ids(future, i, ctx.batch_axes)  # every group's: any may read a row next
     levels = priority.next_use_levels(all_ids, fut)
     spill = priority.overflows(levels[jax.lax.axis_index(axis)], capacity)  # local
     sizes = priority.late_capacities(n, capacity, rows.shape[1], ctx.num_workers)
@@ -165,16 +183,18 @@ def _shared_plan(ctx: StepContext, g, ids, future: list, capacity: int):
     return plan, priority.overflows(levels, capacity)
 
 
-def _future_ids(future: list, i: int, axis: str) -> list:
+def _future_ids(future: list, i: int, axis) -> list:
     """Per future batch, int[m]: every id its logged reads read of table ``i`` (all
-    workers; one all-gather for all the batches' lookups)."""
+    workers of ``axis``, with replica groups both axes: a row any group reads next goes
+    first in every group; one all-gather for all the batches' lookups)."""
     local = [
         [r.ids.reshape(-1) for r in reads if r.table == i and r.kind == access.LOOKUP]
         for reads in future
     ]
     sizes = [sum(x.size for x in ids) for ids in local]
     flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
-    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[P, sum(sizes)]
+    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[(R,) G, sum(sizes)]
+    every = every.reshape(-1, flat.shape[0])  # int[P, sum(sizes)]
     bounds = np.cumsum([0, *sizes])
     out = []
     for k, reads in enumerate(future):
@@ -207,6 +227,17 @@ def later_pairs(ctx: StepContext, plan: Plan, after) -> list:
     return out
 
 
+def across_groups(ctx: StepContext, pairs: dict[int, list], tables: dict) -> dict[int, list]:
+    """With replica groups, each table's pairs summed over the groups
+    (``replicas.sum_tables``: the first chunks in one exchange, the later ones in
+    another); without, ``pairs``. A group's first chunk holds every row any group reads
+    next (``_future_ids``), so their sum is the whole gradient of those rows."""
+    if not ctx.replica_axis:
+        return pairs
+    rows = {i: tables[i].shape[0] for i in pairs}
+    return replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
+
+
 class Exchanged(NamedTuple):
     """What the exchange program hands on (global arrays once out of ``shard_map``)."""
 
@@ -226,7 +257,7 @@ def exchange_body(ctx: StepContext):
         reads = pipelined_reads(ctx, params, batch.data, NO_ATTEND_2D)
         tables = {i: leaves[i] for i in widths}
         rows = list(state.carry) if state.carry != () else prefetch(tables, reads, axis)
-        varying = vary((params, rows), axis)  # each worker's own gradient
+        varying = vary((params, rows), ctx.batch_axes)  # each worker's own gradient
         grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
         loss, (g_params, g_rows) = grad_fn(*varying)
         with jax.named_scope(priority.SCOPE_DENSE):
@@ -239,9 +270,12 @@ def exchange_body(ctx: StepContext):
         spill = jnp.any(jnp.stack([s for _, s in planned.values()]))
         with jax.named_scope(priority.SCOPE_HIGH):
             firsts = {i: first_pairs(ctx, plan) for i, plan in plans.items()}
+            firsts = across_groups(ctx, firsts, tables)
         with jax.named_scope(priority.SCOPE_LOW):
             after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
-            later = {i: later_pairs(ctx, plan, after) for i, plan in plans.items()}
+            later = across_groups(
+                ctx, {i: later_pairs(ctx, p, after) for i, p in plans.items()}, tables
+            )
         num = ctx.num_workers
         fulls = {i: ctx.table_update.gradient(firsts[i] + later[i], tables[i], num) for i in widths}
         grads = finish.with_tables(ctx, rest, fulls)
@@ -315,7 +349,8 @@ def next_rows_body(ctx: StepContext):
                     column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
                 )
                 rows.append(fetch(tables[read.table], read.ids, axis, take))
-        fulls = jax.tree.map(lambda g: waits_for(g, rows) if _is_float(g) else g, fulls)
+        read = edge(rows, ctx.replica_axis)  # once for every leaf
+        fulls = jax.tree.map(lambda g: waits_for(g, read) if _is_float(g) else g, fulls)
         return tuple(rows), fulls
 
     return body
@@ -377,7 +412,7 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
     schedule's gain lost)."""
     axis = ctx.axis_name
     early = treats_rows_alone(ctx.optimizer, ctx.params)
-    per = P(axis)
+    per = P(ctx.batch_axes)  # each worker's own (rows carried, batches)
     grad_specs = finish.gradient_specs(ctx, specs.params)
     first_specs = {t.index: RowGrad(*t.layout.row_specs(axis)) for t in ctx.tables}
     table_specs = finish.table_leaves(ctx, grad_specs.grads)
@@ -386,7 +421,7 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
         return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs)
 
     def step(state: TrainState, batch: PlacedBatch):
-        batch_specs = placement.placed_specs(batch, axis, ctx.replicated_keys)
+        batch_specs = placement.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
         state_in = specs._replace(carry=per if state.carry != () else ())
         out = Exchanged(grad_specs, first_specs, P())
         ex = smap(exchange_body(ctx), (state_in, batch_specs), out)(state, batch)

@@ -272,9 +272,11 @@ def capacity_fn(
 
 
 def replica_groups(reads: list[access.HostReads], replicas: int) -> list[list]:
-    """The reads of each replica group: the workers' lookups split into ``replicas``
-    consecutive groups (a 2-D mesh's groups, replica-major), the shared ids in each.
-    One group (a 1-D mesh) is ``[reads]`` itself."""
+    """The reads of each replica group: the step's batch's lookups split into
+    ``replicas`` consecutive groups (a 2-D mesh's groups, replica-major), the shared ids
+    in each; the batches it looks ahead to whole (a row any group reads next is sent
+    first by every group: ``schedule.pipeline``). One group (a 1-D mesh) is ``[reads]``
+    itself."""
     if replicas == 1:
         return [reads]
 
@@ -285,7 +287,7 @@ def replica_groups(reads: list[access.HostReads], replicas: int) -> list[list]:
             out[i] = (look[r * size : (r + 1) * size], shared)
         return out
 
-    return [[part(one, r) for one in reads] for r in range(replicas)]
+    return [[part(reads[0], r), *reads[1:]] for r in range(replicas)]
 
 
 def _warn_unseen(table: str, slots: int) -> None:

@@ -147,7 +147,9 @@ def make_train_step(
         table is sharded over a group by its layout and replicated across the groups,
         its lookups exchanged within the group, its row gradients summed across the
         groups every step (exact). 1 (the default): every table over all P devices.
-        For ``embrace``, ``embrace_rowwise`` and ``sparse_allgather``.
+        For ``embrace``, ``embrace_rowwise``, ``sparse_allgather`` and ``embrace_2d``
+        (its first chunks hold the rows any group reads next, summed across the groups
+        before the early update).
       replica_sync: how the row gradients are summed across the groups: ``"rows"``
         (an all-gather of the touched rows), ``"shard"`` (an all-reduce of the dense
         shard) or ``"auto"`` (per table, the one of fewer bytes).

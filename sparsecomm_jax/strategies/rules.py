@@ -82,9 +82,8 @@ def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
 def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> None:
     """The rules of replica groups (2-D sparse parallelism, ``embedding.replicas``):
     ``replicas`` an integer that divides the ``num`` devices, and for more than one, a
-    strategy whose tables are read through their layouts in one program (``embrace``,
-    ``embrace_rowwise``, ``sparse_allgather``; the dense layers' aggregator, top-k
-    ones too, spans every device)."""
+    strategy that shards tables (``embrace``, ``embrace_rowwise``, ``sparse_allgather``,
+    ``embrace_2d``; the dense layers' aggregator, top-k ones too, spans every device)."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ArgumentError("replicas", replicas, "must be an integer >= 1")
     if num % replicas:
@@ -96,13 +95,12 @@ def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> No
     if replicas == 1:
         return
     strategy = name.strategy
-    if not strategy.any_layout:
-        able = [s.name for s in STRATEGIES.values() if s.any_layout]
+    if not strategy.needs_tables:
+        able = [s.name for s in STRATEGIES.values() if s.needs_tables]
         raise ArgumentError(
             "replicas",
             replicas,
-            f"needs a strategy among {able}; $strategy has no tables sharded by layouts "
-            "in one program",
+            f"needs a strategy among {able}; $strategy shards no tables",
             strategy=str(name),
         )
 
