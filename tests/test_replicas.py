@@ -304,11 +304,11 @@ def test_embrace_2d_priorities_in_replica_groups_equal_one_device(name):
         assert got == pytest.approx(want, rel=1e-5), (count, seed)
         assert_trees_close(got_params, want_params)
         replicas_equal(ts, state, w.embedding_paths)
-        batch = sc.place_for_step(ts, w.batch_at, 0, 4)
-        found = hlo.collectives(ts.step, ts.state, batch)
-        lookups = {c.group_size for c in found if c.kind == "all-to-all"}
-        assert 8 // count in lookups, lookups  # the chunks' exchanges span a group
-        assert {c.group_size for c in found} <= {count, 8 // count, 8}  # 8: the dense mean
+    batch = sc.place_for_step(ts, w.batch_at, 0, 4)  # 4 x 2: groups of 2, sums over 4
+    found = hlo.collectives(ts.step, ts.state, batch)
+    assert 2 in {c.group_size for c in found if c.kind == "all-to-all"}  # a group's chunks
+    assert 4 in {c.group_size for c in found if c.kind == "all-reduce"}  # the shard sums
+    assert {c.group_size for c in found} <= {2, 4, 8}  # 8: the dense layers' mean
 
 
 @pytest.mark.parametrize(
