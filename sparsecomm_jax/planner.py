@@ -58,8 +58,8 @@ Example:
     >>> stats = [planner.TableStats("big", 100_000, 64, 512, 400, 60),
     ...          planner.TableStats("tiny", 16, 64, 512, 16, 4)]
     >>> plan = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0))
-    >>> plan.layouts().names()  # the tiny table joins the big one's exchange
-    {'big': 'row', 'tiny': 'row'}
+    >>> plan.layouts().names()  # tiny: the whole table costs less than 8 padded slots
+    {'big': 'row', 'tiny': 'dense'}
     >>> slow = Link.from_bandwidth(1.0)
     >>> planner.plan_tables(stats, 4, slow, memory_bytes=1e6)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -195,6 +195,10 @@ def table_stats(
     samples = [reads_of(b) for b in batches]
     lookups, attended = _reads_per_table(loss_fn, params, batches[0], mask)
     measuring = [x for x in priced() if x.pricing.measure is not None]
+    if stray := sorted(set(counts or {}) - {t.name for t in tables}):
+        raise ValueError(
+            f"counts given for {stray[:4]}, no table of {[t.name for t in tables][:4]}"
+        )
     stats = []
     for t in tables:
         seen = [s for s in samples if t.index in s]
@@ -489,15 +493,21 @@ def _fit_memory(plan, stats, workers, link, slots, wire, group, memory_bytes) ->
 
 def describe(plan: Mapping[str, Any]) -> str:
     """A plan's layouts counted, e.g. ``"3 row, 2 dense"`` (for a line of output);
-    ``plan`` a ``TablePlan`` or ``{table: layout name}``.
+    ``plan`` a ``TablePlan`` or its JSON (``{table: layout name}``, a configured table
+    ``{"layout": name, "config": ...}``).
 
     Example:
-        >>> describe({"a": "row", "b": "dense", "c": "row"})
+        >>> describe({"a": "row", "b": "dense", "c": {"layout": "row", "config": [1]}})
         '1 dense, 2 row'
     """
     counts: dict[str, int] = {}
     for layout in plan.values():
-        name = layout.name if isinstance(layout, Layout) else str(layout)
+        if isinstance(layout, Layout):
+            name = layout.name
+        elif isinstance(layout, Mapping):
+            name = str(layout.get("layout"))
+        else:
+            name = str(layout)
         counts[name] = counts.get(name, 0) + 1
     return ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
 

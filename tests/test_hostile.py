@@ -180,6 +180,10 @@ def test_hot_rows_without_a_hot_table_is_one_line(capsys):
     assert 'for tables that --plan gives "hot"' in one_line(capsys)
 
 
+INTS = "must be a list of integers"
+HUGE = '{"params/sparse_0/embedding": {"layout": "hot", "config": [18446744073709551616]}}'
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -187,17 +191,30 @@ def test_hot_rows_without_a_hot_table_is_one_line(capsys):
         (["--plan", "auto", "--histogram", "STRAY"], "has counts for params/other, no table"),
         (["--plan", '{"params/sparse_0/embedding": {"layout": "row", "config": [1]}}'], "takes no"),
         (["--plan", '{"params/sparse_0/embedding": {"layout": "hot"}}'], '{"layout": name, "con'),
-        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": "x"}}'], "config"),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": "x"}}'], INTS),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [1.5]}}'], INTS),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [1e30]}}'], INTS),
+        (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [true]}}'], INTS),
+        (["--plan", HUGE], "hot ids must lie in [0, 64)"),
+        (["--plan", "model", "--histogram", "NAN"], "has counts that are not finite"),
+        (["--plan", "model", "--histogram", "BOOL"], "has counts of type bool"),
+        (["--plan", "model", "--histogram", "EMPTY"], "holds no counts"),
     ],
 )
 def test_planned_and_configured_hot_rows_that_cannot_be_are_one_line(
     tmp_path, capsys, flags, message
 ):
-    """The planner's H with a fixed ``--hot-rows``, a histogram naming a table the model
-    lacks, and a plan's configured entry that is malformed or given to a layout that
-    takes none."""
-    stray = write(tmp_path / "stray.npz", **{"params/other": np.ones(3)})
-    flags = [stray if f == "STRAY" else f for f in flags]
+    """The planner's H with a fixed ``--hot-rows``; a histogram naming a table the model
+    lacks, holding none, or counts that are not finite or not numbers; a plan's
+    configured entry that is malformed, not a list of integers, beyond any table, or
+    given to a layout that takes none."""
+    files = {
+        "STRAY": write(tmp_path / "stray.npz", **{"params/other": np.ones(3)}),
+        "NAN": write(tmp_path / "nan.npz", **{HOT_PATHS[0]: np.full(64, np.nan)}),
+        "BOOL": write(tmp_path / "bool.npz", **{HOT_PATHS[0]: np.ones(64, bool)}),
+        "EMPTY": write(tmp_path / "empty.npz"),
+    }
+    flags = [files.get(f, f) for f in flags]
     assert main([*HOT_DLRM, "--steps", "1", *flags]) == 2
     assert message in one_line(capsys)
 

@@ -156,14 +156,14 @@ def plan_rows(args, exponent: float, workers: int) -> list[dict]:
     rows = []
     for option in stats.of("hot").options:
         price = hot.option_price(stats, option, workers, link, 0)
-        cold = (workers - 1) * option.bucket * (4 + 2 * args.dim * 4)
+        cold = hot.option_price(stats, option._replace(rows=0), workers, link, 0).bytes
         rows.append(
             {
                 "exponent": exponent,
                 "workers": workers,
                 "hot_rows": option.rows,
-                "cold_bucket": option.bucket,
-                "cold_bytes": float(cold),
+                "cold_bucket": option.bucket,  # as measured; priced padded
+                "cold_bytes": cold,
                 "hot_allreduce_bytes": price.bytes - cold,
                 "bytes": price.bytes,
                 "hot_picks": picked.setting,

@@ -95,14 +95,23 @@ def read_counts(path: str, tables: list, every: bool = True) -> dict[str, np.nda
                 f"--histogram {path} has no counts for table {t.name} (it has {sorted(found)[:4]})"
             )
         counts = found[t.name]
-        if counts.shape != (t.vocab,) or not np.issubdtype(counts.dtype, np.number):
+        if counts.dtype.kind not in "iuf":  # no bools, complex numbers, strings
+            raise ValueError(
+                f"--histogram {path}: table {t.name} has counts of type {counts.dtype}; "
+                "give integer or float counts"
+            )
+        if counts.shape != (t.vocab,):
             raise ValueError(
                 f"--histogram {path}: table {t.name} has counts of shape {counts.shape}; the "
                 f"table has {t.vocab} rows: give one count per row"
             )
+        if not np.all(np.isfinite(counts)):
+            raise ValueError(f"--histogram {path}: table {t.name} has counts that are not finite")
         if np.any(counts < 0):
             raise ValueError(f"--histogram {path}: table {t.name} has negative counts")
         out[t.name] = counts
+    if not out:
+        raise ValueError(f"--histogram {path} holds no counts; give a .npz of table -> counts")
     return out
 
 

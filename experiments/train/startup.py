@@ -187,7 +187,7 @@ def interleaved_step_seconds(
 
 
 def choose_plan(
-    config: RunConfig, build: Callable, batches: int = 4
+    config: RunConfig, build: Callable, batches: int = 16
 ) -> tuple[RunConfig, dict[str, Any]]:
     """``--plan auto`` and ``--plan model``: the config with the planner's layouts as its
     ``--plan`` (JSON), and the plan's record (printed on rank 0).
@@ -202,7 +202,10 @@ def choose_plan(
       config: a run with ``plan`` ``"auto"`` or ``"model"``.
       build: ``config -> (workload, TrainStep)`` (``experiments.train.build``), to
         time the candidates of ``auto``.
-      batches: sample batches the tables' ids are measured on.
+      batches: sample batches the tables' ids are measured on (after those the
+        histogram counts, when it is counted from the run's own batches). A layout's
+        buffers grow to the largest need of any batch, padded (a power of two for
+        row-wise buckets): the more batches, the closer the sample's largest.
 
     Returns:
       ``(config, record)``: the record is the chosen ``Plan.to_json()`` with, for
@@ -210,14 +213,18 @@ def choose_plan(
     """
     workload = get_workload(config.model, **config.model_overrides())
     params = workload.init(jax.random.key(config.seed))
+    counts = histogram.planner_counts(config, workload, params)  # the hot rows' H
+    # counted from the run's first batches: the buckets are measured on the ones after,
+    # as a step after them would find them
+    first = 0 if config.histogram else histogram.HISTOGRAM_BATCHES
     stats = planner.table_stats(
         workload.loss,
         params,
         workload.embedding_paths,
-        [workload.batch_at(s) for s in range(batches)],
+        [workload.batch_at(s) for s in range(first, first + batches)],
         config.devices,
         workload.replicated_keys,
-        counts=histogram.planner_counts(config, workload, params),  # the hot rows' H
+        counts=counts,
     )
     memory = config.plan_memory_mb * 2**20 or None
     slots = optimizers.get(config.optimizer).slots

@@ -50,6 +50,7 @@ from sparsecomm_jax.embedding.layout import (
     both_ways,
     distinct_per_worker,
     grow_by_eighth,
+    padded_slots,
 )
 
 F32 = jnp.float32
@@ -248,19 +249,21 @@ def attend(shard, h, axis: str):
 def price(
     stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
 ) -> Price:
-    """One table column-wise, for one worker per step: its C = ``stats.distinct`` ids
-    to every owner (4 bytes each) and C rows of D/P columns each way, ``(P-1) C (4 +
-    2 D b / P)`` bytes (D padded to a multiple of P; ``b`` the bytes of a value in the
+    """One table column-wise, for one worker per step: its C ids to every owner (4 bytes
+    each) and C rows of D/P columns each way, ``(P-1) C (4 + 2 D b / P)`` bytes, C =
+    ``stats.distinct`` padded as the buffers are (``CAPACITY.grow``: 12.5% more, a
+    multiple of 8; D padded to a multiple of P; ``b`` the bytes of a value in the
     ``wire``'s codecs, plus a scale per row of D/P for FP8); memory its columns, 1/P of
     the table and its optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
-        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
-        600.0
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 16
+        960.0
     """
     p, padded = workers, -(-stats.dim // workers) * workers
-    nbytes = float((p - 1) * stats.distinct * (4 + both_ways(padded // p, wire)))
+    c = padded_slots(CAPACITY.grow, stats.distinct)
+    nbytes = float((p - 1) * c * (4 + both_ways(padded // p, wire)))
     memory = stats.vocab * padded / p * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 

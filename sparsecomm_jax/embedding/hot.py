@@ -71,6 +71,7 @@ from sparsecomm_jax.embedding.layout import (
     Storage,
     both_ways,
     check_storage,
+    padded_slots,
 )
 from sparsecomm_jax.embedding.tables import table_name
 
@@ -97,7 +98,10 @@ class HotRows(NamedTuple):
     def of(cls, hot: Sequence[int], vocab: int, workers: int) -> HotRows:
         """The rows of a table with ``hot`` replicated (``ValueError`` for an id outside
         [0, V) or repeated)."""
-        ids = np.sort(np.asarray(hot, np.int64).reshape(-1))
+        try:
+            ids = np.sort(np.asarray(hot, np.int64).reshape(-1))
+        except OverflowError:  # beyond int64: outside any table
+            raise ValueError(f"hot ids must lie in [0, {vocab}); got {list(hot)[:8]}") from None
         outside = ids[(ids < 0) | (ids >= vocab)]
         if outside.size:
             raise ValueError(f"hot ids must lie in [0, {vocab}); got {outside[:8].tolist()}")
@@ -309,6 +313,11 @@ def measure(table, reads: list[HostReads], counts, workers: int) -> Measured | N
     """
     if counts is None:
         return None
+    if np.shape(counts) != (table.vocab,):
+        raise ValueError(
+            f"table {table.name}: counts of shape {np.shape(counts)}; give one per row of "
+            f"its {table.vocab}"
+        )
     seen = int(np.count_nonzero(np.asarray(counts)))
     tried = [0, *(h for h in HOT_ROWS_TRIED if h <= min(seen, table.vocab))]
     if seen and tried[-1] < min(seen, HOT_ROWS_TRIED[0]):  # a table of few ids: all of them
@@ -326,22 +335,23 @@ def option_price(
     stats, option: Option, workers: int, link, slots: int, wire=comm_wire.DEFAULT
 ) -> Price:
     """One table with ``option.rows`` hot rows, for one worker per step: the cold rows'
-    row-wise exchange, ``(P-1) C (4 + 2 D b)`` bytes with C the option's cold bucket,
-    and the all-reduce of the H hot rows' gradients and their counts, ``2 (P-1)/P H (D b
-    + 4)`` (``comm.costmodel.flat_mean_cost`` in the backward codec); memory the H hot
-    rows and 1/P of the V - H cold ones, and their optimizer state.
+    row-wise exchange, ``(P-1) C (4 + 2 D b)`` bytes with C the option's cold bucket
+    padded as the buckets are (a power of two), and the all-reduce of the H hot rows'
+    gradients and their counts, ``2 (P-1)/P H (D b + 4)``
+    (``comm.costmodel.flat_mean_cost`` in the backward codec); memory the H hot rows and
+    1/P of the V - H cold ones, and their optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
         >>> from sparsecomm_jax.embedding.layout import TableStats
         >>> stats = TableStats("t", 1000, 8, 64, 10, 4)
-        >>> option_price(stats, Option(0, 4), 4, Link(0.0, 1.0), 0).bytes  # row's bytes
+        >>> option_price(stats, Option(0, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 4
         816.0
         >>> option_price(stats, Option(16, 1), 4, Link(0.0, 1.0), 0).bytes  # 204 + 768 + 96
         1068.0
     """
     p, h = workers, option.rows
-    cold = (p - 1) * option.bucket * (4 + both_ways(stats.dim, wire))
+    cold = (p - 1) * padded_slots(_doubling, option.bucket) * (4 + both_ways(stats.dim, wire))
     summed = costmodel.flat_mean_cost(h * stats.dim, p, wire.backward)[1] if h else 0.0
     counted = costmodel.flat_mean_cost(h, p)[1] if h else 0.0
     nbytes = float(cold + summed + counted)
@@ -472,10 +482,7 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
     Returns:
       A ``Layout`` named ``"hot"``, for ``table_layouts``.
     """
-    config = {
-        table_name(k): sorted(int(v) for v in np.asarray(ids).reshape(-1))
-        for k, ids in (hot_ids or {}).items()
-    }
+    config = {table_name(k): _id_list(k, ids) for k, ids in (hot_ids or {}).items()}
 
     def bind(tables, num_workers: int) -> tuple:
         every = [t for t in tables if t.layout.configure is layout]  # hot, bound or not
@@ -519,6 +526,25 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         configure=layout,
     )
     return value
+
+
+def _id_list(table, ids) -> list[int]:
+    """A table's hot ids as sorted Python ints (``ValueError`` unless a flat sequence of
+    integers: no floats, bools, strings or nested lists, which would be rounded or
+    flattened silently)."""
+    try:
+        found = list(np.asarray(ids).reshape(-1)) if np.ndim(ids) == 1 else None
+    except ValueError:  # a ragged sequence
+        found = None
+    integer = (int, np.integer)
+    if found is None or not all(
+        isinstance(v, integer) and not isinstance(v, (bool, np.bool_)) for v in found
+    ):
+        raise ValueError(
+            f"the hot ids of table {table_name(table)} must be a list of integers, got "
+            f"{str(ids)[:60]}"
+        )
+    return sorted(int(v) for v in found)
 
 
 def _unbound(*args, **kwargs):

@@ -378,6 +378,18 @@ def check_storage(
 # ------------------------------------------------------------------ growth rules
 
 
+def padded_slots(grow, need: int) -> int:
+    """The slots a layout's buffers hold where the largest need of a batch is ``need``
+    (``grow``, its ``CapacityPolicy.grow``; 0 for a table no batch reads): what its
+    exchange sends, padding included, and what the planner prices.
+
+    Example:
+        >>> padded_slots(next_power_of_two, 90), padded_slots(grow_by_eighth, 90)
+        (128, 104)
+    """
+    return grow(need) if need > 0 else 0
+
+
 def next_power_of_two(need: int) -> int:
     """At least 8, doubling: a run compiles a handful of programs at most."""
     return 1 << max(3, (need - 1).bit_length())

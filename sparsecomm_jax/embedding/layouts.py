@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -81,6 +82,28 @@ def _configured(entry: Any) -> tuple[Any, Any]:
     return entry["layout"], entry["config"]
 
 
+def _check_configured(layouts: dict[str, Layout]) -> None:
+    """``ValueError`` unless the tables of each configurable layout share one value of it
+    whose configuration names only them: what the JSON form can say (one configuration
+    entry per table) and what a step binds (one value per layout)."""
+    given: dict[str, dict[str, Layout]] = {}
+    for table, layout in layouts.items():
+        if layout.configure is not None:
+            given.setdefault(layout.name, {})[table] = layout
+    for name, tables in given.items():
+        configs = {json.dumps(x.config, sort_keys=True) for x in tables.values()}
+        if len(configs) > 1:
+            raise ValueError(
+                f"the tables given the {name} layout share one {name} layout: give all "
+                "their configurations to one value of it"
+            )
+        config = next(iter(tables.values())).config or {}
+        if stray := sorted(set(config) - set(tables)):
+            raise ValueError(
+                f"the {name} layout's configuration names {few(stray)}, no table the plan gives it"
+            )
+
+
 def _configure(name: str, entries: dict[str, Any]) -> Layout:
     """The value of layout ``name`` for the tables' configurations ``entries``."""
     layout = get(name)
@@ -115,6 +138,7 @@ class TablePlan(Mapping):
 
     def __init__(self, layouts: Mapping[str, str | Layout] | None = None):
         self._layouts = {str(name): get(x) for name, x in (layouts or {}).items()}
+        _check_configured(self._layouts)
 
     @classmethod
     def from_json(cls, value: Any) -> TablePlan:
@@ -136,12 +160,9 @@ class TablePlan(Mapping):
             if config is not None:
                 configs.setdefault(get(name).name, {})[table] = config
         made = {name: _configure(name, entries) for name, entries in configs.items()}
-        return cls(
-            {
-                t: made[get(x).name] if t in configs.get(get(x).name, {}) else x
-                for t, (x, _) in named.items()
-            }
-        )
+        # every table of a configured layout takes its one value (a table without an
+        # entry has none: the hot layout's table without hot rows)
+        return cls({t: made.get(get(x).name, x) for t, (x, _) in named.items()})
 
     def to_json(self) -> dict[str, Any]:
         """``{table: layout name}`` (a configured table ``{"layout": name, "config":

@@ -48,6 +48,7 @@ from sparsecomm_jax.embedding.layout import (
     TableStats,
     both_ways,
     next_power_of_two,
+    padded_slots,
 )
 
 F32 = jnp.float32
@@ -279,18 +280,20 @@ def attend(shard, h, axis: str):
 def price(
     stats: TableStats, workers: int, link, slots: int, wire: comm_wire.Wire = comm_wire.DEFAULT
 ) -> Price:
-    """One table row-wise, for one worker per step: buckets of C = ``stats.bucket``
-    ids to every owner (4 bytes each) and C whole rows each way, ``(P-1) C (4 + 2 D b)``
-    bytes (``b`` as the ``wire`` sends a value, plus a scale per row for FP8); memory
+    """One table row-wise, for one worker per step: buckets of C ids to every owner (4
+    bytes each) and C whole rows each way, ``(P-1) C (4 + 2 D b)`` bytes, C =
+    ``stats.bucket`` padded as the buckets are (``CAPACITY.grow``: a power of two, at
+    least 8; ``b`` as the ``wire`` sends a value, plus a scale per row for FP8); memory
     its rows, 1/P of the table (V padded to a multiple of P) and their optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
-        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes
-        816.0
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 8
+        1632.0
     """
     p, padded = workers, -(-stats.vocab // workers) * workers
-    nbytes = float((p - 1) * stats.bucket * (4 + both_ways(stats.dim, wire)))
+    c = padded_slots(CAPACITY.grow, stats.bucket)
+    nbytes = float((p - 1) * c * (4 + both_ways(stats.dim, wire)))
     memory = padded / p * stats.dim * FLOAT * (1 + slots)
     return Price(nbytes, nbytes * link.beta, memory)
 

@@ -68,6 +68,7 @@ from sparsecomm_jax.embedding.layout import (
     both_ways,
     check_storage,
     next_power_of_two,
+    padded_slots,
 )
 from sparsecomm_jax.embedding.tables import Table
 
@@ -352,14 +353,15 @@ def price_together(
 ) -> list[Price]:
     """The table-wise tables priced as they are placed (``assign``): per pack, the bytes
     of an exchange whose buckets hold C = the most distinct ids one worker asks of one
-    owner (the owner's tables' ``distinct`` summed), and R rows per worker; each table
-    gets its share (by distinct ids, by rows).
+    owner (the owner's tables' ``distinct`` summed, padded as the buckets are: a power of
+    two, at least 8), and R rows per worker; each table gets its share (by distinct ids,
+    by rows).
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
         >>> two = [TableStats("a", 1000, 8, 64, 60, 20), TableStats("b", 900, 8, 64, 50, 20)]
-        >>> found = price_together(two, 2, Link(0.0, 1.0), 1)  # an owner each, buckets of 60
-        >>> round(sum(p.bytes for p in found)) == (2 - 1) * 60 * (4 + 2 * 8 * 4)
+        >>> found = price_together(two, 2, Link(0.0, 1.0), 1)  # an owner each: 60 -> 64
+        >>> round(sum(p.bytes for p in found)) == (2 - 1) * 64 * (4 + 2 * 8 * 4)
         True
     """
     records = [Table(i, s.name, s.vocab, s.dim, None) for i, s in enumerate(stats)]
@@ -370,7 +372,8 @@ def price_together(
         per_owner = [0] * workers
         for i in members:
             per_owner[packing.slots[i].owner] += stats[i].distinct
-        nbytes = (workers - 1) * max(per_owner) * (4 + both_ways(packing.dims[pack], wire))
+        bucket = padded_slots(next_power_of_two, max(per_owner))
+        nbytes = (workers - 1) * bucket * (4 + both_ways(packing.dims[pack], wire))
         memory = rows * packing.dims[pack] * FLOAT * (1 + slots)
         distinct = sum(stats[i].distinct for i in members) or 1
         vocab = sum(stats[i].vocab for i in members)
