@@ -230,7 +230,8 @@ class RunConfig:
         "",
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather): auto "
         "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
-        "each timed a few steps here, the fastest kept; hot rows priced from --histogram), "
+        "each timed a few steps here, the fastest kept; hot rows priced from --histogram "
+        "or the first 16 batches), "
         'model (its modelled best) or a JSON object {"table path": "layout"} of the '
         "registered layouts (column, row, table, replicated, dense, hot, ...; a table's "
         'hot ids as {"layout": "hot", "config": [ids]}); "" = the strategy\'s layout',
