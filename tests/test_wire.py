@@ -19,7 +19,8 @@ NUMPY = {"float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.floa
 
 
 def _quantized(x, c):
-    """numpy: what a row of ``x`` arrives as in codec ``c`` (per-row scale for FP8)."""
+    """numpy: what a row of ``x`` arrives as in codec ``c`` (per-row scale for FP8; the
+    values times the scale's reciprocal, as ``wire.encode`` writes it)."""
     x = np.asarray(x, np.float32)
     if c.name == "float32":
         return x
@@ -28,8 +29,8 @@ def _quantized(x, c):
     fmax = np.float32(ml_dtypes.finfo(NUMPY[c.name]).max)
     amax = np.max(np.abs(x), axis=-1, keepdims=True)
     scale = np.maximum(amax * np.float32(1 / fmax), np.finfo(np.float32).tiny)
-    q = np.clip(x / scale, -fmax, fmax).astype(NUMPY[c.name]).astype(np.float32)
-    return q * scale
+    q = np.clip(x * (np.float32(1) / scale), -fmax, fmax).astype(NUMPY[c.name])
+    return q.astype(np.float32) * scale
 
 
 def _rows(rng, shape):

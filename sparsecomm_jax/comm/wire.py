@@ -184,8 +184,11 @@ def _fp8_max(c: Codec) -> float:
 
 def encode(x, c: Codec):
     """float ``x[..., w]`` as the bits the collective moves: ``[..., w]`` for an
-    unscaled codec; uint8 ``[..., w + 4]`` for a scaled one, the row's values divided by
-    its scale ``max(amax / max, float32 tiny)`` and the scale's 4 bytes after them."""
+    unscaled codec; uint8 ``[..., w + 4]`` for a scaled one, the row's values times the
+    reciprocal of its scale ``max(amax / max, float32 tiny)`` and the scale's 4 bytes
+    after them. (A multiply by the reciprocal, written so: XLA:CPU turns the division by
+    a row's scale into one, and a value a float32 rounding away from an FP8 midpoint
+    would otherwise round by which the compiler chose.)"""
     x = x.astype(F32)
     if c.bits == F32:
         return x
@@ -196,7 +199,7 @@ def encode(x, c: Codec):
     # float[..., 1]: never below float32's smallest normal (a zero row, a row of values
     # under 448 x 1e-38 would flush it to zero and decode 0 x inf); NaN stays NaN
     scale = jnp.maximum(amax * F32(1 / fmax), jnp.finfo(F32).tiny)
-    values = jnp.clip(x / scale, -fmax, fmax).astype(c.dtype)
+    values = jnp.clip(x * (1 / scale), -fmax, fmax).astype(c.dtype)
     scale_bits = jax.lax.bitcast_convert_type(scale, c.bits).reshape(*x.shape[:-1], SCALE_BYTES)
     return jnp.concatenate([jax.lax.bitcast_convert_type(values, c.bits), scale_bits], -1)
 
