@@ -36,19 +36,29 @@ def zipf_ids(rng, exponent: float, vocab: int, size) -> np.ndarray:
     return rng.choice(vocab, size=size, p=p / p.sum())
 
 
+def loss(p, batch, emb):
+    """The study's model: each id's row through a readout, against ``y``."""
+    import jax.numpy as jnp
+
+    return jnp.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
+
+
+def model(ids: np.ndarray, vocab: int, dim: int) -> tuple[dict, dict]:
+    """``(params, batch)``: a V x D table ``t`` of zeros and its readout; the ``ids``
+    (every worker's, in order) as one batch."""
+    params = {"t": np.zeros((vocab, dim), np.float32), "w": np.zeros((dim, 1), np.float32)}
+    return params, {"ids": ids.reshape(-1), "y": np.zeros((ids.size, 1), np.float32)}
+
+
 def step_bytes(layout, ids: np.ndarray, vocab: int, dim: int, workers: int) -> float:
     """Bytes a worker sends in one step of the whole program (SGD, rows update)."""
-    import jax.numpy as jnp
     import optax
 
     import sparsecomm_jax as sc
     from sparsecomm_jax import runtime
     from sparsecomm_jax.comm import hlo
 
-    def loss(p, batch, emb):
-        return jnp.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
-
-    params = {"t": np.zeros((vocab, dim), np.float32), "w": np.zeros((dim, 1), np.float32)}
+    params, batch = model(ids, vocab, dim)
     ts = sc.make_train_step(
         loss,
         optax.sgd(0.1),
@@ -59,7 +69,6 @@ def step_bytes(layout, ids: np.ndarray, vocab: int, dim: int, workers: int) -> f
         table_layouts={"t": layout},
         table_update="rows",
     )
-    batch = {"ids": ids.reshape(-1), "y": np.zeros((ids.size, 1), np.float32)}
     return hlo.total_bytes(hlo.collectives(ts.step, ts.state, ts.place_batch(batch)))
 
 
@@ -133,21 +142,12 @@ def study_ids(args, exponent: float, workers: int) -> tuple[np.ndarray, np.ndarr
 
 def plan_rows(args, exponent: float, workers: int) -> list[dict]:
     """The planner's view of the hot layout at one exponent and P: a row per H tried."""
-    import jax.numpy as jnp
-
     from sparsecomm_jax import planner
     from sparsecomm_jax.comm.costmodel import Link
     from sparsecomm_jax.embedding import hot
 
-    def loss(p, batch, emb):
-        return jnp.mean((emb.lookup(p["t"], batch["ids"]) @ p["w"] - batch["y"]) ** 2)
-
     counts, step = study_ids(args, exponent, workers)
-    params = {
-        "t": np.zeros((args.vocab, args.dim), np.float32),
-        "w": np.zeros((args.dim, 1), np.float32),
-    }
-    batch = {"ids": step, "y": np.zeros((step.size, 1), np.float32)}
+    params, batch = model(step, args.vocab, args.dim)
     [stats] = planner.table_stats(loss, params, ["t"], [batch], workers, counts={"t": counts})
     link = Link.from_bandwidth(args.link_gbit)
     picked = planner.layout_cost(stats, "hot", workers, link, 0)

@@ -55,7 +55,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import costmodel
 from sparsecomm_jax.comm import wire as comm_wire
@@ -511,15 +510,13 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         )
         return tuple(t._replace(layout=bound) if t.index in rows else t for t in tables)
 
-    value = Layout(
+    # stored and summed as the row layout's tables (each worker its block of rows); its
+    # trio bound to the tables' hot rows when a step is built
+    value = row.ROW._replace(
         name="hot",
-        spec=lambda axis: P(axis, None),
-        split_dim=0,
         capacity=None,
         fetch=_unbound,
         attend=_no_attend,
-        sum_dense=lambda g, axis: g,
-        row_specs=lambda axis: (P(axis), P(axis, None)),  # each worker its own rows
         bind=bind,
         pricing=PRICING,
         config=config or None,
