@@ -123,6 +123,20 @@ def run_three_tables(ts, seed: int, steps: int = 3, state=None, start: int = 0):
     return state, losses
 
 
+def workload_step(w, params, devices: int, optimizer, strategy: str, **kw):
+    """``make_train_step`` of a ``models`` workload ``w`` on ``devices`` devices."""
+    return sc.make_train_step(
+        w.loss,
+        optimizer,
+        runtime.data_mesh(devices),
+        params,
+        strategy,
+        embedding_paths=w.embedding_paths,
+        replicated_keys=w.replicated_keys,
+        **kw,
+    )
+
+
 def run_placed(ts, batch_at, steps: int):
     """``steps`` steps of ``ts`` from ``ts.state``, each batch placed as a user places it
     for any step, pipelined ones too (``place_for_step``: the batch and those it looks

@@ -216,6 +216,10 @@ BAD_INPUT = [
         "--overlap runs one step a call",
     ),
     (
+        ["--strategy", "embrace_2d", "--overlap", "--plan", "model"],
+        "--overlap carries column-wise tables only: leave out --plan",
+    ),
+    (
         ["--strategy", "embrace_2d", "--collectives-overlap", "yes", "--steps-per-call", "2"],
         "--strategy embrace_2d with --collectives-overlap yes is a pipelined step",
     ),

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import THREE as SIZES
-from helpers import assert_trees_close
+from helpers import assert_trees_close, run_placed, workload_step
 from helpers import run_three_tables as run
 from helpers import three_tables_batch as batch_of
 from helpers import three_tables_loss as loss
@@ -26,7 +26,7 @@ from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import hot
 from sparsecomm_jax.embedding.row_optimizers import lazy_adam
-from sparsecomm_jax.embedding.tables import find_tables, table_mask
+from sparsecomm_jax.embedding.tables import find_tables, table_mask, table_name
 
 
 @pytest.mark.parametrize("workers", [1, 3, 4, 8])
@@ -121,6 +121,52 @@ def test_hot_tables_train_as_on_one_device(name):
         assert_trees_close(ts.host_params(got_state), one.host_params(state))
 
 
+PIPELINED = [  # optimizer, the three DLRM tables' layouts, replica groups
+    ("sgd", ("hot", "column", "row"), 1),
+    ("adam", ("hot", "table", "column"), 2),
+    ("lazy_adam", ("column", "hot", "table"), 1),
+]
+
+
+@pytest.mark.parametrize("name, kinds, count", PIPELINED)
+def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
+    """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
+    with a hot table beside column-wise and row-wise or table-wise ones, on 8 devices
+    and on 2 x 4 groups: the one-device losses and tables. Only the column table's rows
+    are carried to the next step; the others are read within each step."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    w = get_workload("dlrm", tables="40,24,9", dim=8, batch=16, multi_hot=2, seed=seed)
+    params = w.init(jax.random.key(seed))
+    names = [table_name(p) for p in w.embedding_paths]
+    hot_name = names[kinds.index("hot")]
+    layouts = dict(zip(names, kinds, strict=True))
+    layouts[hot_name] = hot.layout({hot_name: [0, 1, 2, 5, 7]})
+    optimizer, update = OPTIMIZERS[name]
+
+    one = workload_step(w, params, 1, optimizer, "embrace", table_update=update)
+    want_state, want = run_placed(one, w.batch_at, 4)
+    ts = workload_step(
+        w,
+        params,
+        8,
+        optimizer,
+        "embrace_2d",
+        table_layouts=layouts,
+        replicas=count,
+        collectives_overlap=True,
+        table_update=update,
+    )
+    assert ts.runs_as == "embrace_2d"
+    state, got, carried = ts.state, [], []
+    for t in range(4):
+        state, loss = ts.step(state, sc.place_for_step(ts, w.batch_at, t, 4))
+        got.append(sc.loss_value(loss))
+        carried.append(len(state.carry))
+    assert got == pytest.approx(want, rel=1e-5), seed
+    assert_trees_close(ts.host_params(state), one.host_params(want_state))
+    assert carried == [1, 1, 1, 0]  # the column table's one lookup; none after the last
+
+
 def test_an_optimizer_that_would_count_each_copy_is_refused():
     """Clipping by global norm sums every copy of a hot row: refused when built."""
     clipped = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
@@ -196,7 +242,8 @@ def plan(*layouts: str) -> str:
 
 def test_the_command_line_trains_hot_tables_as_row_wise_ones(tmp_path):
     """``--plan`` hot for two tables with ``--hot-rows 8``, counted over the first
-    batches and from a ``--histogram`` file: the row-wise plan's losses."""
+    batches and from a ``--histogram`` file, and beside ``embrace_2d``'s pipelined
+    column table: the row-wise plan's losses."""
     runs = {}
     counts = {p: np.arange(v)[::-1].copy() for p, v in zip(PATHS, (64, 48, 24), strict=True)}
     np.savez(tmp_path / "counts.npz", **counts)
@@ -208,6 +255,12 @@ def test_the_command_line_trains_hot_tables_as_row_wise_ones(tmp_path):
             "--hot-rows=8",
             f"--histogram={tmp_path / 'counts.npz'}",
         ],
+        "pipelined": [
+            f"--plan={plan('hot', 'hot', 'column')}",
+            "--hot-rows=8",
+            "--strategy=embrace_2d",
+            "--collectives-overlap=yes",
+        ],
     }
     for name, flags in cases.items():
         out = tmp_path / f"{name}.json"
@@ -216,8 +269,9 @@ def test_the_command_line_trains_hot_tables_as_row_wise_ones(tmp_path):
         if name != "row":  # the two hot tables' 8 rows of 8, summed in one all-reduce
             shapes = [c["shapes"] for c in json.loads(out.read_text())["collectives"]]
             assert ["f32[16,8]"] in shapes, shapes
-    assert runs["measured"] == pytest.approx(runs["row"], rel=1e-5)
-    assert runs["file"] == pytest.approx(runs["row"], rel=1e-5)
+    for name in ("measured", "file", "pipelined"):
+        assert runs[name] == pytest.approx(runs["row"], rel=1e-5), name
+    assert json.loads((tmp_path / "pipelined.json").read_text())["runs_as"] == "embrace_2d"
 
 
 def test_a_hot_run_resumes_on_another_device_count(tmp_path):

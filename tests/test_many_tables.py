@@ -153,7 +153,7 @@ def test_table_layouts_are_checked():
     with pytest.raises(ValueError, match=r"table_layouts names unknown layouts \['diagonal'\]"):
         make("embrace", table_layouts={"user": "diagonal"})
     with pytest.raises(ValueError, match=r"table_layouts needs a strategy among"):
-        make("embrace_2d", table_layouts={"user": "row"})
+        make("dense", table_layouts={"user": "row"})
     with pytest.raises(ValueError, match=r"table_layouts names \['user'\] more than once"):
         make("embrace", table_layouts={("user",): "row", "user": "table"})
 

@@ -219,3 +219,18 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     assert low and first
     for c in first:
         assert not hlo.ancestors(instrs, c.name) & low
+
+
+def test_what_make_overlapped_cannot_split_is_refused():
+    """A table of another layout (its trainer carries column-wise rows only) and an
+    optimizer that couples rows: each refused when built, naming what to use."""
+    from sparsecomm_jax.embedding.tables import table_name
+
+    w = _workload("gpt2", seed=4)
+    params = w.init(jax.random.key(0))
+    name = table_name(w.embedding_paths[0])
+    with pytest.raises(ValueError, match=rf"column-wise tables only; \['{name}'\] have other"):
+        _overlapped(w, 2, params, optax.sgd(0.5), table_layouts={name: "row"})
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.5))
+    with pytest.raises(ValueError, match="this one couples rows"):
+        _overlapped(w, 2, params, clipped)

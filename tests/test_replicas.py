@@ -16,7 +16,7 @@ import optax
 import pytest
 from helpers import THREE as SIZES
 from helpers import THREE_BATCH as BATCH
-from helpers import assert_trees_close, run_placed
+from helpers import assert_trees_close, run_placed, workload_step
 from helpers import run_three_tables as run
 from helpers import three_tables_batch as batch_of
 from helpers import three_tables_loss as loss
@@ -263,16 +263,7 @@ def pipelined(w, params, devices: int, optimizer, strategy="embrace", steps=4, *
     """Losses and host parameters of ``steps`` steps, batches placed as a user places
     them for a pipelined step (``place_for_step``: the step and those it looks ahead
     to)."""
-    ts = sc.make_train_step(
-        w.loss,
-        optimizer,
-        runtime.data_mesh(devices),
-        params,
-        strategy,
-        embedding_paths=w.embedding_paths,
-        replicated_keys=w.replicated_keys,
-        **kw,
-    )
+    ts = workload_step(w, params, devices, optimizer, strategy, **kw)
     state, losses = run_placed(ts, w.batch_at, steps)
     return losses, ts.host_params(state), (ts, state)
 

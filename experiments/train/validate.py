@@ -181,6 +181,11 @@ def _check_overlap(config: RunConfig) -> None:
             raise ValueError(f"--overlap keeps no {flag}: run without it, or without --overlap")
     if config.steps_per_call > 1:
         raise ValueError("--overlap runs one step a call: leave out --steps-per-call")
+    if config.plan:
+        raise ValueError(
+            "--overlap carries column-wise tables only: leave out --plan (--strategy "
+            "embrace_2d without --overlap takes one)"
+        )
 
 
 def _check_model_fields(config: RunConfig) -> None:

@@ -111,7 +111,7 @@ def table_gradients(
     widths = {t.index: t.dim for t in tables}
     vocabs = {t.index: t.vocab for t in tables}
     reads = access.traced_reads(loss_fn, params, batch, mask, widths, vocabs)
-    rows_in, back, missed = _fetch_all(tables, leaves, reads, capacity, axis, wire)
+    rows_in, back, missed = fetch_all(tables, leaves, reads, capacity, axis, wire)
 
     def loss_of_rows(p, rows):
         answered = access.answered_loss(loss_fn, mask, attend=attend_for(p))
@@ -145,10 +145,17 @@ def _outside(tables, reads) -> dict[int, jax.Array]:
     return out
 
 
-def _fetch_all(tables, leaves, reads, capacity, axis: str, wire) -> tuple[list, Any]:
-    """Each layout's ``fetch`` on the reads of its tables; the rows back in read order,
-    one ``back`` for all of them and every layout's ``missed``. A read of no ids (a bag
-    of width 0) gets its empty rows here: no layout sees it."""
+def fetch_all(
+    tables, leaves: list, reads: list, capacity: dict[int, int], axis: str, wire
+) -> tuple[list, Any, dict]:
+    """Each layout's ``fetch`` on the reads of its tables; the rows back in read order
+    (a full softmax's read left out: ``table_gradients`` differentiates it through
+    ``attend``), one ``back`` for all of them and every layout's ``missed``. A read of no
+    ids (a bag of width 0) gets its empty rows here: no layout sees it.
+
+    ``reads`` are reads of ``tables`` alone; ``leaves`` every leaf of the parameters (a
+    table-wise pack is stored in another table's leaf); ``capacity`` as
+    ``table_gradients`` takes it."""
     order = [k for k, r in enumerate(reads) if r.kind != ATTEND]
     dims = {t.index: t.dim for t in tables}
     groups: dict[str, tuple[Any, list[int]]] = {}

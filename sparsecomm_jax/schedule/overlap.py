@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access, update
+from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.row_optimizers import (
     DROP,
     NOT_A_PARAM,
@@ -56,6 +57,7 @@ from sparsecomm_jax.embedding.row_optimizers import (
     treats_rows_alone,
 )
 from sparsecomm_jax.embedding.tables import split_tables
+from sparsecomm_jax.errors import few
 from sparsecomm_jax.schedule import pipeline, priority
 from sparsecomm_jax.step import finish, placement
 from sparsecomm_jax.step.finish import aggregate
@@ -461,6 +463,12 @@ def build(ctx: StepContext) -> Overlapped:
             "its own (SGD, momentum, Adam, Adagrad, ...); this one couples rows (e.g. "
             "optax.clip_by_global_norm, a trust ratio): use make_train_step(..., "
             "'embrace_2d') instead, which is exact with it"
+        )
+    if others := [t.name for t in ctx.tables if t.layout.name != COLUMN.name]:
+        raise ValueError(
+            f"make_overlapped exchanges column-wise tables only; {few(others)} have other "
+            "layouts (table_layouts): use make_train_step(..., 'embrace_2d'), which reads "
+            "them within each step"
         )
     state, specs = placement.place_state(ctx, pad=False)
     kinds = split_roles(ctx, state.opt_state)

@@ -19,6 +19,14 @@ tables:
    or a skipped step, makes the step fetch the next rows again from the final tables
    (exact, slower).
 
+Tables of other layouts (``table_layouts``: row-wise, table-wise, hot rows) run beside
+the pipelined column-wise ones: their rows are fetched in step t's exchange, before
+the forward pass, through their layout, and their gradients return after every column
+table's first chunk, as ``embrace`` reads them (``carried_tables``). A hot table's hot
+rows need no exchange before the forward pass; its cold rows are fetched as the row
+layout fetches them. The chunks, the early update and the next fetch are built on the
+column exchange: only column tables carry rows across steps.
+
 With replica groups (``replicas=R``) each group exchanges its chunks within itself;
 the priorities are those of every group's next batches (a row any group reads next
 goes first everywhere), and each table's first chunks, then its later ones, are summed
@@ -52,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.vma import vary
 from sparsecomm_jax.embedding import access, column, replicas
+from sparsecomm_jax.embedding.gradients import fetch_all
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.embedding.update import row_gradient
@@ -100,6 +109,50 @@ def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> l
             "(embrace_2d, make_overlapped) cannot plan such a read; use embrace"
         )
     return reads
+
+
+def carried_tables(ctx: StepContext) -> set[int]:
+    """The tables whose rows the pipeline carries across steps: the column-wise ones.
+    The others are read through their layouts within the step (``step_rows``)."""
+    return {t.index for t in ctx.tables if t.layout.name == column.COLUMN.name}
+
+
+def carried_reads(ctx: StepContext, reads: list) -> list:
+    """The reads of ``reads`` whose rows the pipeline carries (``carried_tables``)."""
+    carried = carried_tables(ctx)
+    return [r for r in reads if r.table in carried]
+
+
+def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[int, int]):
+    """Every read's rows for the step's forward pass: a column table's carried from
+    step t-1 (or fetched now, at the first step), another layout's fetched now through
+    that layout (``gradients.fetch_all``).
+
+    Returns:
+      ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(g_rows)`` ->
+      ``[(table index, (ids, rows)), ...]``, the other layouts' gradients at their
+      owners (``g_rows`` every read's); their ``missed`` flags (``Fetched.missed``).
+    """
+    carried = carried_tables(ctx)
+    mine = [k for k, r in enumerate(reads) if r.table in carried]
+    others = [k for k, r in enumerate(reads) if r.table not in carried]
+    if carry != ():
+        got = list(carry)
+    else:
+        tables = {i: leaves[i] for i in carried}
+        got = prefetch(tables, [reads[k] for k in mine], ctx.axis_name)
+    rows = dict(zip(mine, got, strict=True))
+    back, missed = (lambda g_rows: []), {}
+    if others:
+        tables = tuple(t for t in ctx.tables if t.index not in carried)
+        read = [reads[k] for k in others]
+        got, back_of, missed = fetch_all(tables, leaves, read, slots, ctx.axis_name, ctx.wire)
+        rows.update(zip(others, got, strict=True))
+
+        def back(g_rows):
+            return back_of([g_rows[k] for k in others])
+
+    return [rows[k] for k in range(len(reads))], back, missed
 
 
 def prefetch(tables: dict[int, Any], reads: list, axis: str, take=None) -> list:
@@ -238,25 +291,36 @@ def across_groups(ctx: StepContext, pairs: dict[int, list], tables: dict) -> dic
     return replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
 
 
+def in_step_pairs(back, g_rows: list, after) -> dict[int, list]:
+    """The gradients of the tables read within the step (``step_rows``) at their
+    owners, table index -> pairs, sent once ``after`` (every column table's first
+    chunk) has arrived."""
+    pairs: dict[int, list] = {}
+    for i, pair in back([waits_for(g, after) for g in g_rows]):
+        pairs.setdefault(i, []).append(pair)
+    return pairs
+
+
 class Exchanged(NamedTuple):
     """What the exchange program hands on (global arrays once out of ``shard_map``)."""
 
-    grads: Gradients  # loss, finite flag, the step's mean gradient, agg_state
-    firsts: dict  # table index -> RowGrad: the first chunk's mean gradient (my columns)
+    grads: Gradients  # loss, finite flag, the step's mean gradient, agg_state, missed
+    firsts: dict  # column table index -> RowGrad: the first chunk's mean gradient
     spill: jax.Array  # on every worker: a row batch t+1 reads missed the first chunk
 
 
 def exchange_body(ctx: StepContext):
-    """Step 1 per worker: forward/backward on the carried rows, the dense layers'
-    aggregation, every table's chunks in priority order."""
-    widths, mask, axis = ctx.widths, ctx.table_mask, ctx.axis_name
+    """Step 1 per worker: forward/backward on the carried rows (and the rows of the
+    tables read within the step), the dense layers' aggregation, every column table's
+    chunks in priority order, then the other tables' gradients."""
+    widths, mask = ctx.widths, ctx.table_mask
     loss_of_rows = access.answered_loss(ctx.loss_fn, mask, attend_error=NO_ATTEND_2D)
 
     def body(state: TrainState, batch: PlacedBatch) -> Exchanged:
         params, leaves = state.params, jax.tree.leaves(state.params)
         reads = pipelined_reads(ctx, params, batch.data, NO_ATTEND_2D)
-        tables = {i: leaves[i] for i in widths}
-        rows = list(state.carry) if state.carry != () else prefetch(tables, reads, axis)
+        tables, slots = {i: leaves[i] for i in widths}, batch.slots(ctx.tables)
+        rows, back, missed = step_rows(ctx, state.carry, reads, leaves, slots)
         varying = vary((params, rows), ctx.batch_axes)  # each worker's own gradient
         grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
         loss, (g_params, g_rows) = grad_fn(*varying)
@@ -264,24 +328,28 @@ def exchange_body(ctx: StepContext):
             rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [pipelined_reads(ctx, params, b) for b in ahead]
-        slots = batch.slots(ctx.tables)
-        planned = {i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i) for i in widths}
+        planned = {
+            i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i)
+            for i in sorted(carried_tables(ctx))
+        }
         plans = {i: plan for i, (plan, _) in planned.items()}
-        spill = jnp.any(jnp.stack([s for _, s in planned.values()]))
+        spill = functools.reduce(jnp.logical_or, [s for _, s in planned.values()], jnp.array(False))
         with jax.named_scope(priority.SCOPE_HIGH):
             firsts = {i: first_pairs(ctx, plan) for i, plan in plans.items()}
             firsts = across_groups(ctx, firsts, tables)
         with jax.named_scope(priority.SCOPE_LOW):
             after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
-            later = across_groups(
-                ctx, {i: later_pairs(ctx, p, after) for i, p in plans.items()}, tables
-            )
+            later = {i: later_pairs(ctx, p, after) for i, p in plans.items()}
+            later = across_groups(ctx, later | in_step_pairs(back, g_rows, after), tables)
         num = ctx.num_workers
-        fulls = {i: ctx.table_update.gradient(firsts[i] + later[i], tables[i], num) for i in widths}
+        fulls = {
+            i: ctx.table_update.gradient(firsts.get(i, []) + later.get(i, []), tables[i], num)
+            for i in widths
+        }
         grads = finish.with_tables(ctx, rest, fulls)
-        loss, ok, spill = finish.reduce_scalars(ctx, loss, (grads, agg_state), spill)
+        grads, spill = finish.gradients_and_flags(ctx, loss, grads, agg_state, missed, spill)
         firsts = {i: early_rows(ctx, pairs, plans[i], tables[i]) for i, pairs in firsts.items()}
-        return Exchanged(Gradients(loss, ok, grads, agg_state), firsts, spill)
+        return Exchanged(grads, firsts, spill)
 
     return body
 
@@ -300,9 +368,11 @@ def early_rows(ctx: StepContext, pairs: list, plan: Plan, shard) -> RowGrad:
 def early_patches(ctx: StepContext, state: TrainState, firsts: dict[int, RowGrad]) -> dict:
     """Table index -> ``RowGrad(ids, update rows)``: the optimizer's step on the row view
     of the first chunk alone (zero gradient for every other leaf, so nothing here waits
-    for the dense all-reduce); its new state is dropped (the update recomputes it)."""
+    for the dense all-reduce, and the tables read within the step are left to the
+    update: their updates here are unused); its new state is dropped (the update
+    recomputes it)."""
     view = finish.row_view(ctx, state.opt_state)
-    zeros = split_tables(jax.tree.map(jnp.zeros_like, state.params), ctx.table_mask)[1]
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads = finish.with_tables(ctx, zeros, firsts)
     updates = row_updates(
         ctx.optimizer, state.params, state.opt_state, grads, view.roles, view.take
@@ -338,7 +408,7 @@ def next_rows_body(ctx: StepContext):
 
     def body(params, patches, data, fulls):
         leaves = jax.tree.leaves(params)
-        reads = pipelined_reads(ctx, params, data)
+        reads = carried_reads(ctx, pipelined_reads(ctx, params, data))
         tables = {i: leaves[i] for i in widths}
         with jax.named_scope(priority.SCOPE_NEXT):
             rows = []
@@ -368,10 +438,11 @@ def _take_patched(shard, ids, patch):
 
 
 def fetch_body(ctx: StepContext):
-    """Rows of every table access of ``data`` (per worker), from the tables."""
+    """Rows of every read of ``data`` the pipeline carries (per worker), from the
+    tables."""
 
     def body(params, data):
-        reads = pipelined_reads(ctx, params, data, NO_ATTEND_2D)
+        reads = carried_reads(ctx, pipelined_reads(ctx, params, data, NO_ATTEND_2D))
         leaves = jax.tree.leaves(params)
         return tuple(prefetch({i: leaves[i] for i in ctx.widths}, reads, ctx.axis_name))
 
@@ -388,7 +459,7 @@ def guard_body(ctx: StepContext):
 
     def body(params, carry, stale, data):
         leaves = jax.tree.leaves(params)
-        reads = pipelined_reads(ctx, params, data)
+        reads = carried_reads(ctx, pipelined_reads(ctx, params, data))
         tables = {i: leaves[i] for i in widths}
 
         def refetch():
@@ -413,8 +484,11 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
     axis = ctx.axis_name
     early = treats_rows_alone(ctx.optimizer, ctx.params)
     per = P(ctx.batch_axes)  # each worker's own (rows carried, batches)
-    grad_specs = finish.gradient_specs(ctx, specs.params)
-    first_specs = {t.index: RowGrad(*t.layout.row_specs(axis)) for t in ctx.tables}
+    grad_specs = finish.gradient_specs(ctx, specs.params, missed=True)
+    carried = carried_tables(ctx)
+    first_specs = {
+        t.index: RowGrad(*t.layout.row_specs(axis)) for t in ctx.tables if t.index in carried
+    }
     table_specs = finish.table_leaves(ctx, grad_specs.grads)
 
     def smap(body, ins, outs):
@@ -436,6 +510,7 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
             )(state.params, patches, batch.next, fulls)
             grads = grads._replace(grads=finish.with_tables(ctx, grads.grads, fulls))
         new, loss = apply_gradients(ctx, state, grads._replace(carry=carry))
+        loss = finish.mark_missed(grads.missed, loss)
         if batch.next is None:
             return new, loss
         if not early:  # the next rows from the updated tables

@@ -100,9 +100,19 @@ def gradients(ctx: StepContext, loss, grads, agg_state, missed: dict | None = No
     per-worker state; ``missed`` (table index -> bool[], this worker's; a table not in
     it never misses) made the same on every worker in the all-reduce of the loss (no
     collective of its own)."""
-    flags = _missed_flags(ctx, missed or {})
-    loss, ok, *flags = reduce_scalars(ctx, loss, (grads, agg_state), *flags)
-    return Gradients(loss, _and_all_arrived(ctx, ok, flags), grads, agg_state, (), tuple(flags))
+    return gradients_and_flags(ctx, loss, grads, agg_state, missed or {})[0]
+
+
+def gradients_and_flags(
+    ctx: StepContext, loss, grads, agg_state, missed: dict, *flags
+) -> tuple[Gradients, ...]:
+    """``(gradients(...), *flags)``: ``flags`` (this worker's bool[] each) raised on any
+    worker, reduced in the same all-reduce as the loss (the pipelined step's spill)."""
+    tables = _missed_flags(ctx, missed)
+    loss, ok, *raised = reduce_scalars(ctx, loss, (grads, agg_state), *tables, *flags)
+    tables, flags = raised[: len(tables)], raised[len(tables) :]
+    ok = _and_all_arrived(ctx, ok, tables)
+    return (Gradients(loss, ok, grads, agg_state, (), tuple(tables)), *flags)
 
 
 def _and_all_arrived(ctx: StepContext, ok, missed: list):

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
-from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
+from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout, check_divisible, cut_spec
 from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.errors import few
@@ -231,12 +231,18 @@ def put_batch(ctx: StepContext, batch: Batch) -> dict:
 # ------------------------------------------------------------------- capacities
 
 
-def layout_policies(ctx: StepContext) -> list[tuple[CapacityPolicy, tuple]]:
-    """Each capacity policy of the tables' layouts with the tables it plans."""
+def layout_policies(
+    ctx: StepContext, own: CapacityPolicy | None = None, layout: Layout | None = None
+) -> list[tuple[CapacityPolicy, tuple]]:
+    """Each capacity policy of the tables' layouts with the tables it plans; ``own``,
+    when given, plans the tables of ``layout`` instead of that layout's policy (a
+    strategy's own plan of the ids: ``embrace_2d``'s first chunk for its column tables).
+    """
     out: dict[str, tuple[CapacityPolicy, list]] = {}
     for t in ctx.tables:
-        if t.layout.capacity is not None:
-            out.setdefault(t.layout.name, (t.layout.capacity, []))[1].append(t)
+        policy = own if own is not None and t.layout.name == layout.name else t.layout.capacity
+        if policy is not None:
+            out.setdefault(t.layout.name, (policy, []))[1].append(t)
     return [(policy, tuple(tables)) for policy, tables in out.values()]
 
 
@@ -506,7 +512,9 @@ def stored_together(ctx: StepContext) -> tuple:
     )
 
 
-def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainState]:
+def place_state(
+    ctx: StepContext, pad: bool = True, unpadded: tuple[str, ...] = ()
+) -> tuple[TrainState, TrainState]:
     """The initial state on the devices, and its ``PartitionSpec`` tree (the carry of
     a pipelined step is per worker).
 
@@ -514,11 +522,13 @@ def place_state(ctx: StepContext, pad: bool = True) -> tuple[TrainState, TrainSt
       ctx: the step's context.
       pad: store a table whose split dimension does not divide by P padded
         (``pad_tables``); ``False`` refuses it (the pipelined steps).
+      unpadded: names of layouts whose tables are refused so even where ``pad``
+        (``embrace_2d``'s column tables, whose stored rows its pipeline reads whole).
     """
     specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
-    if not pad:
-        for t in ctx.tables:
+    for t in ctx.tables:
+        if not pad or t.layout.name in unpadded:
             check_divisible(t, ctx.group_size)
     host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))

@@ -132,8 +132,10 @@ def make_train_step(
         ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
         a layout ``"column"``, ``"row"``, ``"replicated"``, ``"table"``, a ``Layout``
         value, or ``"dense"``: an ordinary parameter, its gradient in the dense
-        all-reduce), for ``sparse_allgather``, ``embrace`` and ``embrace_rowwise``; the
-        tables it leaves out keep the strategy's layout. A planner's plan
+        all-reduce), for ``sparse_allgather``, ``embrace``, ``embrace_rowwise`` and
+        ``embrace_2d`` (its column-wise tables pipelined, the others read within each
+        step as ``embrace`` reads them); the tables it leaves out keep the strategy's
+        layout. A planner's plan
         (``planner.plan_tables``) is such a mapping.
       collectives_overlap: whether the step's collectives can run beside its compute;
         ``None`` asks the platform (``priority.collectives_overlap``: not on XLA:CPU).

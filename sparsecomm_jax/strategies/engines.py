@@ -28,13 +28,10 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
     if strategy.serial is not None and not ctx.overlap:  # the pipeline could only lose
         strategy = strategy.serial
-    state, specs = placement.place_state(ctx, pad=strategy.any_layout)
+    unpadded = (strategy.layout.name,) if strategy.unpadded else ()
+    state, specs = placement.place_state(ctx, pad=strategy.any_layout, unpadded=unpadded)
     step = strategy.step(ctx, specs)
-    policies = (
-        [(strategy.capacity, ctx.tables)]
-        if strategy.capacity is not None
-        else placement.layout_policies(ctx)
-    )
+    policies = placement.layout_policies(ctx, strategy.capacity, strategy.layout)
     capacity = placement.capacity_fn(ctx, policies) if policies else None
     scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
     return TrainStep(

@@ -52,6 +52,9 @@ class Strategy(NamedTuple):
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
       any_layout: each table may have a layout of its own (``table_layouts``): its
         step reads every table through the table's layout.
+      unpadded: its tables of its own ``layout`` must divide by the G workers they are
+        sharded over (``embrace_2d``'s pipeline reads their stored rows whole); tables
+        of other layouts are stored padded as those layouts say.
       across_steps: its step can also run across steps, as ``make_overlapped`` builds it
         (step t's late exchange and table update beside step t+1's compute).
       narrow_wire: its exchanges can travel in a narrower dtype than float32
@@ -74,6 +77,7 @@ class Strategy(NamedTuple):
     engine: str = "shard_map"
     row_updates: bool = False
     any_layout: bool = False
+    unpadded: bool = False
     across_steps: bool = False
     narrow_wire: bool = True
     serial: Strategy | None = None
@@ -100,6 +104,8 @@ SERIAL_2D = Strategy(
     layout=COLUMN,
     needs_tables=True,
     row_updates=True,
+    any_layout=True,
+    unpadded=True,
 )
 
 #: The table strategies by name: the first half of a strategy name.
@@ -141,6 +147,8 @@ STRATEGIES: dict[str, Strategy] = {
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
+            any_layout=True,
+            unpadded=True,
             across_steps=True,
             narrow_wire=False,
             serial=SERIAL_2D,
