@@ -17,8 +17,13 @@ to ``planner.table_stats``; for each H the hot layout's modelled bytes, split in
 cold rows' exchange and the hot rows' all-reduce, the H its pricing picks, and the
 layout the whole planner gives the table (every priced layout, at ``--link-gbit``).
 
-Writes ``hot_rows.json`` and ``.csv`` (compiled bytes) and ``hot_rows_planner.json``
-and ``.csv`` into ``--out-dir``.
+Beside ``embrace_2d``'s priorities (``--what pipelined``): its pipelined program's bytes
+in a middle step, the table column-wise (its rows carried from the step before: none
+before the forward pass) and hot at each H (read within the step: its cold rows'
+fetch before the forward pass).
+
+Writes ``hot_rows.json`` and ``.csv`` (compiled bytes), ``hot_rows_planner.json``
+and ``.csv``, and ``hot_rows_pipelined.json`` and ``.csv`` into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -131,13 +136,58 @@ def measure(args, exponent: float, workers: int) -> list[dict]:
     return rows
 
 
-def study_ids(args, exponent: float, workers: int) -> tuple[np.ndarray, np.ndarray]:
+def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
+    """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
+    with the table column-wise (its rows carried to the next step: nothing before the
+    forward pass) and hot (beside the pipeline: its cold rows fetched before the
+    forward pass): the bytes of a middle step, and those before the forward pass."""
+    import optax
+
+    import sparsecomm_jax as sc
+    from sparsecomm_jax import runtime
+    from sparsecomm_jax.comm import hlo
+    from sparsecomm_jax.embedding import hot
+
+    counts, stream = study_ids(args, exponent, workers, after=5)
+    params, _ = model(stream[0], args.vocab, args.dim)
+    rows = []
+    for h in [0, *args.hot]:
+        layout = hot.layout({"t": hot.from_counts(counts, h)}) if h else "column"
+        ts = sc.make_train_step(
+            loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(workers),
+            params,
+            "embrace_2d",
+            embedding_paths=["t"],
+            table_layouts={"t": layout},
+            table_update="rows",
+            collectives_overlap=True,
+        )
+        batch = sc.place_for_step(ts, lambda k: model(stream[k], args.vocab, args.dim)[1], 1, 5)
+        before = fetch_bytes(layout, stream[1], args.vocab, args.dim, workers) if h else 0.0
+        rows.append(
+            {
+                "exponent": exponent,
+                "workers": workers,
+                "layout": "hot" if h else "column",
+                "hot_rows": h,
+                "bytes": hlo.total_bytes(hlo.collectives(ts.step, ts.state, batch)),
+                "bytes_before_forward": before,
+            }
+        )
+    return rows
+
+
+def study_ids(args, exponent: float, workers: int, after: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, step ids)``: the histogram of ``--histogram-batches`` batches of Zipf
-    ids and the batch after them (``int[P * lookups]``)."""
+    ids and the batch after them (``int[P * lookups]``; ``after`` > 1: the ``after``
+    batches after them, ``int[after, P * lookups]``)."""
     rng = np.random.default_rng(args.seed)
-    shape = (args.histogram_batches + 1, workers * args.lookups)
+    shape = (args.histogram_batches + after, workers * args.lookups)
     ids = zipf_ids(rng, exponent, args.vocab, shape)
-    return np.bincount(ids[:-1].ravel(), minlength=args.vocab), ids[-1]
+    counts = np.bincount(ids[: args.histogram_batches].ravel(), minlength=args.vocab)
+    return counts, ids[-1] if after == 1 else ids[args.histogram_batches :]
 
 
 def plan_rows(args, exponent: float, workers: int) -> list[dict]:
@@ -185,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--histogram-batches", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--what", default="bytes,planner", help="comma list: bytes (compiled), planner"
+        "--what",
+        default="bytes,planner",
+        help="comma list: bytes (compiled), planner, pipelined (embrace_2d, compiled)",
     )
     parser.add_argument("--link-gbit", type=float, default=1.0, help="the planner's link")
     args = parser.parse_args(argv)
@@ -200,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         show_bytes(args, jobs)
     if "planner" in what:
         show_planner(args, jobs)
+    if "pipelined" in what:
+        show_pipelined(args, jobs)
     return 0
 
 
@@ -216,6 +270,22 @@ def show_bytes(args, jobs: list[tuple[float, int]]) -> None:
             f"{r['exponent']:4} {r['workers']:3}  {r['layout']:6} {r['hot_rows']:6} "
             f"{r['hot_share']:10.3f} {r['bytes'] / 1e3:8.1f} "
             f"{r['bytes_before_forward'] / 1e3:17.1f}"
+        )
+
+
+def show_pipelined(args, jobs: list[tuple[float, int]]) -> None:
+    """The compiled bytes of ``embrace_2d`` with the table column-wise and hot, saved
+    and printed."""
+    rows = []
+    for got in harness.grid(jobs, lambda s, p: {"rows": pipelined_rows(args, s, p)}, "2d"):
+        rows.extend(got.get("rows", []))
+    harness.save_rows(rows, args.out_dir, "hot_rows_pipelined", {"setup": vars(args)})
+    print(f"embrace_2d, V={args.vocab:,} D={args.dim}: KB a worker sends in a middle step")
+    print("   s   P  layout      H  step KB  before forward KB")
+    for r in rows:
+        print(
+            f"{r['exponent']:4} {r['workers']:3}  {r['layout']:6} {r['hot_rows']:6} "
+            f"{r['bytes'] / 1e3:8.1f} {r['bytes_before_forward'] / 1e3:17.1f}"
         )
 
 
