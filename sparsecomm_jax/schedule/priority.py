@@ -49,7 +49,17 @@ def priority_levels(ids, next_ids):
     """Level of each token position: ``HIGH`` (0) when batch t+1 reads its id, else
     ``LOW`` (1). Works on numpy or jax arrays of any shape."""
     xp = jnp if isinstance(ids, jax.Array) else np
-    return xp.where(xp.isin(ids, next_ids), HIGH, LOW).astype(xp.int32)
+    return xp.where(is_in(ids, next_ids), HIGH, LOW).astype(xp.int32)
+
+
+def is_in(ids, test):
+    """bool per element of ``ids``: it is in ``test`` (numpy or jax). On jax arrays by
+    sorting ``test`` and a binary search, O((n + m) log m): ``jnp.isin``'s default
+    compares every pair, an n x m array, and the pipeline's n and m are every worker's
+    ids (at P = 32 and 2,048 ids a worker, 4.3e9 comparisons a level)."""
+    if isinstance(ids, jax.Array) or isinstance(test, jax.Array):
+        return jnp.isin(ids, test, method="binary_search")
+    return np.isin(ids, test)
 
 
 def next_use_levels(ids, future: Sequence[Any]):
@@ -69,7 +79,7 @@ def next_use_levels(ids, future: Sequence[Any]):
     xp = jnp if isinstance(ids, jax.Array) else np
     levels = xp.full(ids.shape, len(future), xp.int32)
     for level in reversed(range(len(future))):  # the soonest read wins
-        levels = xp.where(xp.isin(ids, xp.ravel(future[level])), level, levels)
+        levels = xp.where(is_in(ids, xp.ravel(future[level])), level, levels)
     return levels
 
 
