@@ -124,8 +124,20 @@ def test_hot_tables_train_as_on_one_device(name):
 PIPELINED = [  # optimizer, the three DLRM tables' layouts, replica groups
     ("sgd", ("hot", "column", "row"), 1),
     ("adam", ("hot", "table", "column"), 2),
-    ("lazy_adam", ("column", "hot", "table"), 1),
+    ("lazy_adam", ("row", "hot", "column"), 2),
 ]
+
+
+def dlrm_beside(seed: int, kinds: tuple[str, ...]):
+    """``(workload, params, layouts)``: the three-table DLRM with ``kinds`` its tables'
+    layouts, the hot one's hot ids 0, 1, 2, 5 and 7."""
+    w = get_workload("dlrm", tables="40,24,9", dim=8, batch=16, multi_hot=2, seed=seed)
+    names = [table_name(p) for p in w.embedding_paths]
+    layouts = dict(zip(names, kinds, strict=True))
+    for name, kind in layouts.items():
+        if kind == "hot":
+            layouts[name] = hot.layout({name: [0, 1, 2, 5, 7]})
+    return w, w.init(jax.random.key(seed)), layouts
 
 
 @pytest.mark.parametrize("name, kinds, count", PIPELINED)
@@ -135,12 +147,7 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     and on 2 x 4 groups: the one-device losses and tables. Only the column table's rows
     are carried to the next step; the others are read within each step."""
     seed = int(np.random.default_rng().integers(1 << 30))
-    w = get_workload("dlrm", tables="40,24,9", dim=8, batch=16, multi_hot=2, seed=seed)
-    params = w.init(jax.random.key(seed))
-    names = [table_name(p) for p in w.embedding_paths]
-    hot_name = names[kinds.index("hot")]
-    layouts = dict(zip(names, kinds, strict=True))
-    layouts[hot_name] = hot.layout({hot_name: [0, 1, 2, 5, 7]})
+    w, params, layouts = dlrm_beside(seed, kinds)
     optimizer, update = OPTIMIZERS[name]
 
     one = workload_step(w, params, 1, optimizer, "embrace", table_update=update)
@@ -165,6 +172,52 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     assert got == pytest.approx(want, rel=1e-5), seed
     assert_trees_close(ts.host_params(state), one.host_params(want_state))
     assert carried == [1, 1, 1, 0]  # the column table's one lookup; none after the last
+
+
+def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
+    """In a middle step's compiled program the hot and row-wise tables' gradients (the
+    hot rows' all-reduce, the cold rows' all-to-all) are sent after every column
+    table's first chunk has arrived, and the next batch's lookup of the column table
+    does not wait for them (the hot rows' read counts, from the ids alone, need not
+    wait). With no column table there is nothing to pipeline: ``embrace``'s step
+    runs."""
+    from sparsecomm_jax.schedule import priority
+
+    w, params, layouts = dlrm_beside(0, ("hot", "column", "row"))
+
+    def step(layouts):
+        return workload_step(
+            w,
+            params,
+            8,
+            optax.sgd(0.1),
+            "embrace_2d",
+            table_layouts=layouts,
+            collectives_overlap=True,
+        )
+
+    ts = step(layouts)
+    state, _ = ts.step(ts.state, sc.place_for_step(ts, w.batch_at, 0, 3))
+    text = hlo.compiled_text(ts.step, state, sc.place_for_step(ts, w.batch_at, 1, 3))
+    instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
+
+    floats = {c.name for c in hlo.parse_collectives(text) if c.shapes[0][0] == "f32"}
+
+    def named(scope, kind):  # the collectives of gradient rows (float) of one scope
+        return [
+            c
+            for c in colls
+            if scope in c.op_name and c.opcode.startswith(kind) and c.name in floats
+        ]
+
+    first = {c.name for c in named(priority.SCOPE_HIGH, "all-to-all")}
+    late = named(priority.SCOPE_LOW, "all-reduce") + named(priority.SCOPE_LOW, "all-to-all")
+    assert first and named(priority.SCOPE_LOW, "all-reduce"), [c.op_name for c in colls]
+    for c in late:
+        assert first <= hlo.ancestors(instrs, c.name), c.name
+    for c in named(priority.SCOPE_NEXT, "all-to-all"):
+        assert not hlo.ancestors(instrs, c.name) & {c.name for c in late}
+    assert step(dict.fromkeys(layouts, "row")).runs_as == "embrace"
 
 
 def test_an_optimizer_that_would_count_each_copy_is_refused():

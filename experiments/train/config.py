@@ -192,7 +192,8 @@ class RunConfig:
     capacity: int = _field(
         0,
         "fixed slots of the tables' exchange buffers (embrace: distinct ids per worker; "
-        "embrace_rowwise: rows per bucket; embrace_2d: its first chunk), an error when a "
+        "embrace_rowwise: rows per bucket; embrace_2d: its first chunk, and each other "
+        "layout's own), an error when a "
         "batch needs more; 0 = sized per batch",
         at_least(0),
     )

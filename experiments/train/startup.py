@@ -32,9 +32,10 @@ import numpy as np
 from experiments.train import histogram
 from experiments.train.config import RunConfig
 from models import get_workload
-from sparsecomm_jax import optimizers, place_for_step, planner, runtime
+from sparsecomm_jax import optimizers, parse_strategy, place_for_step, planner, runtime
 from sparsecomm_jax.comm import costmodel, fusion, wire
 from sparsecomm_jax.comm.costmodel import Link
+from sparsecomm_jax.strategies.registry import Strategy
 from sparsecomm_jax.topk import local_cost
 
 TIMED_STEPS = 3  # per evaluation; the first (warm-up) is not counted
@@ -186,6 +187,33 @@ def interleaved_step_seconds(
     return [runtime.agreed_mean(statistics.median(t)) for t in times]
 
 
+def buildable(plans: list[planner.Plan], strategy: Strategy, stats: list) -> list[planner.Plan]:
+    """The ``plans`` ``strategy`` can build: one that stores tables of its own layout
+    unpadded (``Strategy.unpadded``: ``embrace_2d``'s column tables) cannot take a plan
+    placing there a table whose split dimension does not divide by the workers.
+
+    Raises:
+      ValueError: no plan is left (naming the tables).
+    """
+    if not strategy.unpadded or not plans:
+        return plans
+    own = strategy.layout
+    split = {s.name: (s.vocab, s.dim)[own.split_dim] for s in stats}
+    workers = plans[0].workers
+
+    def fits(plan: planner.Plan) -> bool:
+        return all(c.layout != own.name or split[c.table] % workers == 0 for c in plan.choices)
+
+    if not (kept := [p for p in plans if fits(p)]):
+        odd = sorted(name for name, size in split.items() if size % workers)
+        raise ValueError(
+            f"--strategy {strategy.name} keeps its {own.name}-wise tables unpadded, and every "
+            f"plan of the planner places there tables {odd} whose size does not divide "
+            f"by {workers}: give a plan by hand (--plan '{{...}}')"
+        )
+    return kept
+
+
 def choose_plan(
     config: RunConfig, build: Callable, batches: int = 16
 ) -> tuple[RunConfig, dict[str, Any]]:
@@ -230,6 +258,7 @@ def choose_plan(
     slots = optimizers.get(config.optimizer).slots
     link, codecs = plan_link(config), wire.parse(config.comm_dtype)
     candidates = planner.candidate_plans(stats, config.devices, link, memory, slots, wire=codecs)
+    candidates = buildable(candidates, parse_strategy(config.strategy).strategy, stats)
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:

@@ -307,7 +307,8 @@ def check_divisible(table: Any, num_workers: int) -> None:
         raise ValueError(
             f"embedding table {table.name} has {what} = {size}, not divisible by the "
             f"{num_workers} workers of the {table.layout.name}-wise layout; the pipelined "
-            f"steps do not pad tables (embrace, embrace_rowwise and sparse_allgather do)"
+            f"steps do not pad it (embrace, embrace_rowwise and sparse_allgather do; "
+            f"embrace_2d pads a table of another layout: table_layouts, --plan)"
         )
 
 

@@ -99,11 +99,13 @@ def edge(after, same_over: str | None = None) -> jax.Array:
 
 
 def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> list:
-    """``ctx.reads``, refusing a read of no ids (a bag of width 0): the pipeline plans
-    each table's positions from its reads and has none to plan (``embrace`` takes it)."""
+    """``ctx.reads``, refusing a read of no ids (a bag of width 0) of a table whose rows
+    the pipeline carries: it plans each such table's positions from its reads and has
+    none to plan (``embrace`` takes it, as do the tables read within the step)."""
     reads = ctx.reads(params, data, attend_error)
-    tables = {t.index: t.name for t in ctx.tables}
-    if empty := sorted({tables[r.table] for r in reads if r.ids.size == 0}):
+    carried = carried_tables(ctx)
+    tables = {t.index: t.name for t in ctx.tables if t.index in carried}
+    if empty := sorted({tables[r.table] for r in reads if r.ids.size == 0 and r.table in tables}):
         raise ValueError(
             f"tables {empty} are read with no ids (a bag of width 0): the pipelined step "
             "(embrace_2d, make_overlapped) cannot plan such a read; use embrace"

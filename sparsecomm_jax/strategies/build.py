@@ -142,7 +142,8 @@ def make_train_step(
         ``embrace_2d``'s pipelined schedule only pays where they can: without overlap
         ``embrace``'s step runs instead (every row in one exchange after the backward
         pass; the same losses to float rounding, no lookahead; ``embrace_2d``'s rules
-        still hold: tables read by lookups only, sizes divisible by P). ``True`` builds
+        still hold: tables read by lookups only, column tables' D divisible by P), as
+        it does where no table is column-wise (nothing to pipeline). ``True`` builds
         the pipelined program anyway (to study or test it on CPU).
       replicas: R, replica groups (2-D sparse parallelism, ``embedding.replicas``): the
         mesh's P devices split into R groups of G = P / R consecutive devices; each
@@ -162,8 +163,9 @@ def make_train_step(
 
     Raises:
       ValueError: unknown strategy, axis not in the mesh, embedding strategy without
-        tables, a table not divisible by P under a pipelined strategy (the others pad
-        it), bad capacity or density, a combination the strategy cannot make.
+        tables, a column-wise table whose D does not divide by P under ``embrace_2d``
+        (the others pad it), bad capacity or density, a combination the strategy cannot
+        make.
     """
     name = parse_strategy(strategy)
     ctx = make_context(

@@ -26,8 +26,8 @@ from sparsecomm_jax.strategies.registry import Strategy
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
-    if strategy.serial is not None and not ctx.overlap:  # the pipeline could only lose
-        strategy = strategy.serial
+    if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
+        strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
     unpadded = (strategy.layout.name,) if strategy.unpadded else ()
     state, specs = placement.place_state(ctx, pad=strategy.any_layout, unpadded=unpadded)
     step = strategy.step(ctx, specs)
@@ -96,6 +96,12 @@ def one_step_a_call(strategy: Strategy, what: str) -> Callable:
         )
 
     return refuse
+
+
+def pipelines_a_table(ctx: StepContext, strategy: Strategy) -> bool:
+    """Whether a pipelined strategy has a table to pipeline: one of its own layout
+    (``embrace_2d`` carries column-wise tables; with none, ``embrace``'s step runs)."""
+    return any(t.layout.name == strategy.layout.name for t in ctx.tables)
 
 
 def _capacity_slots(ctx: StepContext, policies) -> tuple:

@@ -64,7 +64,8 @@ class Strategy(NamedTuple):
         ``embrace_2d``'s early chunk, early update and second fetch only pay by hiding
         communication behind compute; where nothing can hide, its pipelined program is
         not built and ``embrace``'s step runs (every row in one exchange after the
-        backward pass), under ``embrace_2d``'s rules (lookups only, no padding).
+        backward pass), under ``embrace_2d``'s rules (lookups only, column tables not
+        padded). So does a step with no column-wise table (nothing to pipeline).
     """
 
     name: str
