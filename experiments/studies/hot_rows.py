@@ -17,10 +17,10 @@ to ``planner.table_stats``; for each H the hot layout's modelled bytes, split in
 cold rows' exchange and the hot rows' all-reduce, the H its pricing picks, and the
 layout the whole planner gives the table (every priced layout, at ``--link-gbit``).
 
-Beside ``embrace_2d``'s priorities (``--what pipelined``): its pipelined program's bytes
-in a middle step, the table column-wise (its rows carried from the step before: none
-before the forward pass) and hot at each H (read within the step: its cold rows'
-fetch before the forward pass).
+In ``embrace_2d`` (``--what pipelined``): its pipelined program's bytes in a middle
+step, the table column-wise (pipelined: its rows carried from the step before, none
+before the forward pass) and hot at each H (read within the step, as a hot table beside
+pipelined column ones is: its cold rows' fetch before the forward pass).
 
 Writes ``hot_rows.json`` and ``.csv`` (compiled bytes), ``hot_rows_planner.json``
 and ``.csv``, and ``hot_rows_pipelined.json`` and ``.csv`` into ``--out-dir``.
@@ -138,9 +138,11 @@ def measure(args, exponent: float, workers: int) -> list[dict]:
 
 def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
-    with the table column-wise (its rows carried to the next step: nothing before the
-    forward pass) and hot (beside the pipeline: its cold rows fetched before the
-    forward pass): the bytes of a middle step, and those before the forward pass."""
+    with the study's one table column-wise (pipelined: its rows carried from the step
+    before, nothing before the forward pass) and hot (read within the step, as a table
+    beside the pipelined ones is: its cold rows fetched before the forward pass,
+    measured by a program of the fetch alone): the bytes of a middle step (the second
+    of five), and those before the forward pass."""
     import optax
 
     import sparsecomm_jax as sc
@@ -164,7 +166,13 @@ def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
             table_update="rows",
             collectives_overlap=True,
         )
-        batch = sc.place_for_step(ts, lambda k: model(stream[k], args.vocab, args.dim)[1], 1, 5)
+
+        def batch_at(k: int) -> dict:
+            return model(stream[k], args.vocab, args.dim)[1]
+
+        # one step first: the middle step's state carries the column rows it fetched
+        state, _ = ts.step(ts.state, sc.place_for_step(ts, batch_at, 0, 5))
+        batch = sc.place_for_step(ts, batch_at, 1, 5)
         before = fetch_bytes(layout, stream[1], args.vocab, args.dim, workers) if h else 0.0
         rows.append(
             {
@@ -172,7 +180,7 @@ def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
                 "workers": workers,
                 "layout": "hot" if h else "column",
                 "hot_rows": h,
-                "bytes": hlo.total_bytes(hlo.collectives(ts.step, ts.state, batch)),
+                "bytes": hlo.total_bytes(hlo.collectives(ts.step, state, batch)),
                 "bytes_before_forward": before,
             }
         )
