@@ -5,6 +5,7 @@ checkpoints onto another count and layout; the command line and its refusals.
 """
 
 import json
+import math
 import shutil
 
 import jax
@@ -122,7 +123,7 @@ def test_hot_tables_train_as_on_one_device(name):
 
 
 PIPELINED = [  # optimizer, the three DLRM tables' layouts, replica groups
-    ("sgd", ("hot", "column", "row"), 1),
+    ("sgd", ("hot", "column", "replicated"), 1),
     ("adam", ("hot", "table", "column"), 2),
     ("lazy_adam", ("row", "hot", "column"), 2),
     # clipping couples rows: the next rows are fetched after the update (no hot table:
@@ -147,7 +148,8 @@ def dlrm_beside(seed: int, kinds: tuple[str, ...]):
 @pytest.mark.parametrize("name, kinds, count", PIPELINED)
 def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
-    with a hot table beside column-wise and row-wise or table-wise ones, on 8 devices
+    with a hot table beside column-wise and replicated or table-wise ones, a row-wise
+    one beside hot and column-wise ones, on 8 devices
     and on 2 x 4 groups, and with an optimizer that couples rows (the next rows fetched
     after the update) beside row-wise and table-wise ones: the one-device losses and
     tables. Only the column table's rows are carried to the next step; the others are
@@ -431,8 +433,9 @@ def test_the_planner_picks_hot_rows_where_they_shrink_the_buckets():
 
 def test_uniform_ids_get_no_hot_rows():
     """Ids spread evenly: no H saves the cold buckets what its all-reduce costs, so the
-    hot pricing's best is H = 0 and the planner gives the table the row layout (the
-    same bytes, fewer messages); without counts the hot layout is not offered."""
+    hot pricing's best is H = 0, priced as never worth choosing (the row layout with two
+    more all-reduces), and the planner gives the table the row layout, nor offers hot
+    rows to be timed; without counts the hot layout is not offered."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng, workers = np.random.default_rng(seed), 4
     uniform = lambda: rng.integers(0, VOCAB, 64 * workers)  # noqa: E731
@@ -440,9 +443,12 @@ def test_uniform_ids_get_no_hot_rows():
     params, batch = one_table(rng, workers, uniform())
     found = stats_of(params, [batch], counts, workers)
     slow = Link.from_bandwidth(1.0)
-    assert planner.layout_cost(found, "hot", workers, slow).setting == "H=0", seed
+    priced = planner.layout_cost(found, "hot", workers, slow)
+    assert priced.setting == "H=0" and priced.seconds == math.inf, seed  # never chosen
     plan = planner.plan_tables([found], workers, slow, layouts=["row", "hot"])
     assert plan.layouts().names() == {"t": "row"}, (seed, plan.table())
+    candidates = planner.candidate_plans([found], workers, slow, layouts=["row", "hot"])
+    assert all(p.layouts().names() == {"t": "row"} for p in candidates)  # nor timed
     unmeasured = stats_of(params, [batch], None, workers)
     assert unmeasured.of("hot") is None and not planner.serves(unmeasured, "hot")
     with pytest.raises(ValueError, match="no layout of \\['hot'\\] serves table t"):

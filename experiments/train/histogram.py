@@ -55,10 +55,12 @@ def check_flags(config: RunConfig) -> None:
             "rows on every worker)"
         )
     if not tables and not planned(config) and (config.hot_rows or config.histogram):
-        flag = "--hot-rows" if config.hot_rows else "--histogram"
+        flag, also = (
+            ("--hot-rows", "") if config.hot_rows else ("--histogram", ", or for --plan auto/model")
+        )
         raise ValueError(
-            f'{flag} is for tables that --plan gives "hot" without their ids, or for --plan '
-            "auto/model; --plan gives none"
+            f'{flag} is for tables that --plan gives "hot" without their ids{also}; --plan '
+            "gives none"
         )
     if config.histogram:
         path = Path(config.histogram)

@@ -49,6 +49,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -360,7 +361,9 @@ def option_price(
 
 def price(stats, workers: int, link, slots: int, wire=comm_wire.DEFAULT) -> Price:
     """The table's price at the H of least modelled time (``option_price`` of each
-    ``Option`` measured), the hot ids of that H its ``config``.
+    ``Option`` measured), the hot ids of that H its ``config``. Where that H is 0, the
+    layout is the row layout with two more (empty) all-reduces, never worth choosing:
+    its time is infinite, so a plan gives the table another layout.
 
     Raises:
       ValueError: the table was measured without a histogram (``stats.of("hot")`` is
@@ -375,7 +378,8 @@ def price(stats, workers: int, link, slots: int, wire=comm_wire.DEFAULT) -> Pric
     priced = [(option_price(stats, o, workers, link, slots, wire), o) for o in found.options]
     best, option = min(priced, key=lambda x: x[0].seconds)
     hot = sorted(int(i) for i in found.frequent[: option.rows])
-    return best._replace(config=hot, setting=f"H={option.rows}")
+    seconds = best.seconds if option.rows else math.inf
+    return best._replace(seconds=seconds, config=hot, setting=f"H={option.rows}")
 
 
 # The cold rows' exchange (3(P-1)) and the all-reduces of the hot rows and their

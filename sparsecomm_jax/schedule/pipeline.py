@@ -404,8 +404,8 @@ def patched_take(shard: jax.Array, patch: RowGrad, ids: jax.Array) -> jax.Array:
 
 def next_rows_body(ctx: StepContext):
     """Step 3 per worker: batch t+1's rows from the tables with the early update added;
-    the full gradient made to wait for those reads (the update then writes the tables
-    in place)."""
+    the carried tables' full gradient made to wait for those reads (the update then
+    writes those tables in place)."""
     widths, axis = ctx.widths, ctx.axis_name
 
     def body(params, patches, data, fulls):
@@ -422,7 +422,16 @@ def next_rows_body(ctx: StepContext):
                 )
                 rows.append(fetch(tables[read.table], read.ids, axis, take))
         read = edge(rows, ctx.replica_axis)  # once for every leaf
-        fulls = jax.tree.map(lambda g: waits_for(g, read) if _is_float(g) else g, fulls)
+        # the carried tables' gradients only: they are read here (a table read within
+        # the step is not, and one typed replicated, such as a replicated table's,
+        # must not take this worker's edge)
+        carried = carried_tables(ctx)
+        fulls = {
+            i: jax.tree.map(lambda g: waits_for(g, read) if _is_float(g) else g, f)
+            if i in carried
+            else f
+            for i, f in fulls.items()
+        }
         return tuple(rows), fulls
 
     return body
