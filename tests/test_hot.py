@@ -84,11 +84,15 @@ def test_hot_ids_that_cannot_be_are_refused(layouts, message):
 
 
 HOT = hot.layout({"a": [0, 1, 2, 5, 30], "b": [3], "c": list(range(9))})  # c: all hot
+# Adam's default eps turns a near-zero gradient's rounding into a step of the whole
+# learning rate (m / sqrt(v) near +-1 whatever its size): after four steps on 8 devices
+# a dense weight was 7.7e-5 off the one-device run, and `embrace` on the same plan is
+# off by as much. eps=1e-3 keeps a rounding a rounding, as the equivalence tests do.
 OPTIMIZERS = {
     "sgd": (optax.sgd(0.1), "dense"),
-    "adam": (optax.adam(0.02), "dense"),
+    "adam": (optax.adam(0.02, eps=1e-3), "dense"),
     "adagrad": (optax.adagrad(0.1), "rows"),
-    "lazy_adam": (lazy_adam(0.02), "rows"),
+    "lazy_adam": (lazy_adam(0.02, eps=1e-3), "rows"),
 }
 
 
@@ -130,7 +134,10 @@ PIPELINED = [  # optimizer, the three DLRM tables' layouts, replica groups
     # clipping would count each copy of a hot row)
     ("clipped", ("row", "column", "table"), 1),
 ]
-CLIPPED = (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), "dense")
+PIPELINE_OPTIMIZERS = {
+    **OPTIMIZERS,
+    "clipped": (optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)), "dense"),
+}
 
 
 def dlrm_beside(seed: int, kinds: tuple[str, ...]):
@@ -156,7 +163,8 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     read within each step."""
     seed = int(np.random.default_rng().integers(1 << 30))
     w, params, layouts = dlrm_beside(seed, kinds)
-    optimizer, update = CLIPPED if name == "clipped" else OPTIMIZERS[name]
+    optimizer, update = PIPELINE_OPTIMIZERS[name]
+    print(f"seed {seed}")  # shown with a failure
 
     one = workload_step(w, params, 1, optimizer, "embrace", table_update=update)
     want_state, want = run_placed(one, w.batch_at, 4)
