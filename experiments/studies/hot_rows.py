@@ -265,12 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def grid_rows(args, jobs: list[tuple[float, int]], rows_of, desc: str, name: str) -> list[dict]:
+    """``rows_of(args, exponent, P)`` at every point of ``jobs``, their rows in one list,
+    saved as ``name`` (json and csv) in ``--out-dir``."""
+    rows = []
+    for got in harness.grid(jobs, lambda s, p: {"rows": rows_of(args, s, p)}, desc):
+        rows.extend(got.get("rows", []))
+    harness.save_rows(rows, args.out_dir, name, {"setup": vars(args)})
+    return rows
+
+
 def show_bytes(args, jobs: list[tuple[float, int]]) -> None:
     """The compiled bytes of every layout, saved and printed."""
-    rows = []
-    for got in harness.grid(jobs, lambda s, p: {"rows": measure(args, s, p)}, "hot rows"):
-        rows.extend(got.get("rows", []))
-    harness.save_rows(rows, args.out_dir, "hot_rows", {"setup": vars(args)})
+    rows = grid_rows(args, jobs, measure, "hot rows", "hot_rows")
     print(f"V={args.vocab:,} D={args.dim} lookups/worker={args.lookups}: KB a worker sends")
     print("   s   P  layout      H  hot share  step KB  before forward KB")
     for r in rows:
@@ -284,10 +291,7 @@ def show_bytes(args, jobs: list[tuple[float, int]]) -> None:
 def show_pipelined(args, jobs: list[tuple[float, int]]) -> None:
     """The compiled bytes of ``embrace_2d`` with the table column-wise and hot, saved
     and printed."""
-    rows = []
-    for got in harness.grid(jobs, lambda s, p: {"rows": pipelined_rows(args, s, p)}, "2d"):
-        rows.extend(got.get("rows", []))
-    harness.save_rows(rows, args.out_dir, "hot_rows_pipelined", {"setup": vars(args)})
+    rows = grid_rows(args, jobs, pipelined_rows, "2d", "hot_rows_pipelined")
     print(f"embrace_2d, V={args.vocab:,} D={args.dim}: KB a worker sends in a middle step")
     print("   s   P  layout      H  step KB  before forward KB")
     for r in rows:
@@ -299,10 +303,7 @@ def show_pipelined(args, jobs: list[tuple[float, int]]) -> None:
 
 def show_planner(args, jobs: list[tuple[float, int]]) -> None:
     """The planner's modelled bytes of each H, saved and printed."""
-    rows = []
-    for got in harness.grid(jobs, lambda s, p: {"rows": plan_rows(args, s, p)}, "planner"):
-        rows.extend(got.get("rows", []))
-    harness.save_rows(rows, args.out_dir, "hot_rows_planner", {"setup": vars(args)})
+    rows = grid_rows(args, jobs, plan_rows, "planner", "hot_rows_planner")
     print(f"the planner's model, {args.link_gbit} Gbit/s: KB a worker sends a step")
     print(
         "   s   P       H  cold C  cold KB  hot all-reduce KB  total KB  column KB  hot picks  plan"
