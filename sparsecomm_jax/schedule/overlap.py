@@ -470,7 +470,7 @@ def build(ctx: StepContext) -> Overlapped:
             "layouts (table_layouts): use make_train_step(..., 'embrace_2d'), which reads "
             "them within each step"
         )
-    state, specs = placement.place_state(ctx, pad=False)
+    state, specs = placement.place_state(ctx, unpadded=(COLUMN.name,))
     kinds = split_roles(ctx, state.opt_state)
     progs = _programs(ctx, specs, kinds)
     place = placement.batch_placer(

@@ -512,23 +512,20 @@ def stored_together(ctx: StepContext) -> tuple:
     )
 
 
-def place_state(
-    ctx: StepContext, pad: bool = True, unpadded: tuple[str, ...] = ()
-) -> tuple[TrainState, TrainState]:
+def place_state(ctx: StepContext, unpadded: tuple[str, ...] = ()) -> tuple[TrainState, TrainState]:
     """The initial state on the devices, and its ``PartitionSpec`` tree (the carry of
-    a pipelined step is per worker).
+    a pipelined step is per worker). A table whose split dimension does not divide by
+    the G workers is stored padded (``pad_tables``).
 
     Args:
       ctx: the step's context.
-      pad: store a table whose split dimension does not divide by P padded
-        (``pad_tables``); ``False`` refuses it (the pipelined steps).
-      unpadded: names of layouts whose tables are refused so even where ``pad``
-        (``embrace_2d``'s column tables, whose stored rows its pipeline reads whole).
+      unpadded: names of layouts whose tables are refused such a size instead (the
+        pipelined steps' column tables, whose stored rows their pipeline reads whole).
     """
     specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
     for t in ctx.tables:
-        if not pad or t.layout.name in unpadded:
+        if t.layout.name in unpadded:
             check_divisible(t, ctx.group_size)
     host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))

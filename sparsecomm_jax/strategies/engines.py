@@ -29,7 +29,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
         strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
     unpadded = (strategy.layout.name,) if strategy.unpadded else ()
-    state, specs = placement.place_state(ctx, pad=strategy.any_layout, unpadded=unpadded)
+    state, specs = placement.place_state(ctx, unpadded)
     step = strategy.step(ctx, specs)
     policies = placement.layout_policies(ctx, strategy.capacity, strategy.layout)
     capacity = placement.capacity_fn(ctx, policies) if policies else None
