@@ -69,12 +69,18 @@ def test_overlapped_step_from_the_command_line():
 
 def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
     """On this CPU mesh ``embrace_2d`` runs as ``embrace`` (the record says so, and so
-    does the comparison's table); ``--collectives-overlap yes`` builds its pipelined
-    program: the same losses, more collectives."""
+    do the command's line and the comparison's table); ``--collectives-overlap yes``
+    builds its pipelined program: the same losses, more collectives."""
     from experiments import compare
 
     small = dict(SMALL, sampled_softmax=8, optimizer="sgd", lr=0.5)
-    auto = train_and_evaluate(RunConfig(strategy="embrace_2d", **small), progress=False)
+    flags = ["--vocab", "300", "--dim", "16", "--hidden", "16", "--seq-len", "8"]
+    flags += ["--batch", "16", "--warmup", "1", "--sampled-softmax", "8"]
+    out = tmp_path / "auto.json"
+    run_flags = ["--steps", "3", "--optimizer", "sgd", "--lr", "0.5", "--out", str(out)]
+    assert main([*flags, *run_flags, "--strategy", "embrace_2d"]) == 0
+    assert "embrace_2d (ran as embrace): final loss" in capsys.readouterr().out
+    auto = json.loads(out.read_text())
     ref = train_and_evaluate(RunConfig(strategy="embrace", **small), progress=False)
     yes = RunConfig(strategy="embrace_2d", collectives_overlap="yes", **small)
     piped = train_and_evaluate(yes, progress=False)
@@ -86,13 +92,9 @@ def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
     assert auto["losses"] == ref["losses"] and auto["collectives"] == ref["collectives"]
     np.testing.assert_allclose(piped["losses"], ref["losses"], rtol=1e-5)
     assert len(piped["collectives"]) > len(ref["collectives"])
-    flags = ["--vocab", "300", "--dim", "16", "--hidden", "16", "--seq-len", "8"]
-    flags += ["--batch", "16", "--steps", "2", "--warmup", "1", "--sampled-softmax", "8"]
     capsys.readouterr()
-    assert (
-        compare.main([*flags, "--strategies", "embrace,embrace_2d", "--out-dir", str(tmp_path)])
-        == 0
-    )
+    both = ["--steps", "2", "--strategies", "embrace,embrace_2d", "--out-dir", str(tmp_path)]
+    assert compare.main([*flags, *both]) == 0
     said = capsys.readouterr().out
     assert "embrace_2d ran as embrace" in said and said.count("ran as") == 1
 

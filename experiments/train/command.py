@@ -59,13 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     if record["rank"] == 0:
         items = next(k for k in record if k.endswith("_per_s"))
         print(
-            f"{config.strategy}: final loss {record['losses'][-1]:.4f}, "
+            f"{ran_as(config.strategy, record)}: final loss {record['losses'][-1]:.4f}, "
             f"step {record['step_time_s'] * 1e3:.1f} ms "
             f"({(record['wall_time_s'] or record['step_time_s']) * 1e3:.1f} ms wall), "
             f"{items} {record[items]:.0f}, "
             f"comm {record['comm_bytes_per_step'] / 1e6:.3f} MB/step/worker"
         )
     return 0
+
+
+def ran_as(strategy: str, record: dict) -> str:
+    """``strategy``, and the strategy that ran where the record says another did
+    (``embrace_2d`` runs as ``embrace`` where nothing overlaps)."""
+    runs_as = record.get("runs_as", strategy)
+    return strategy if runs_as == strategy else f"{strategy} (ran as {runs_as})"
 
 
 def cli() -> None:
