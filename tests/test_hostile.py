@@ -119,6 +119,25 @@ def test_a_resume_that_cannot_be_on_the_new_count_is_one_line(
     assert checkpoint.saved_steps(str(tmp_path)) == saved and 2 in saved
 
 
+def test_a_resume_says_the_plan_it_cannot_place_came_from_the_checkpoint(tmp_path, capsys):
+    """``--plan model`` on ``--resume`` keeps the plan the checkpoints were made with (a
+    search anew could store the tables another way). Where that plan cannot be placed
+    on the new count, the one line names the table and the count, and says the plan came
+    from the checkpoint folder and how to give another."""
+    args = ["--model", "dlrm", "--tables", "64,48", "--dim", "8", "--batch", "24"]
+    args += ["--strategy", "embrace_2d", "--checkpoint-dir", str(tmp_path)]
+    plan = {"params/sparse_0/embedding": "column", "params/sparse_1/embedding": "row"}
+    assert main([*args, "--plan", json.dumps(plan), "--devices", "2", "--steps", "2"]) == 0
+    capsys.readouterr()
+    resume = ["--plan", "model", "--devices", "3", "--steps", "3", "--resume"]
+    assert main([*args, *resume]) == 2
+    line = one_line(capsys)
+    assert "sparse_0/embedding has D (columns) = 8, not divisible by the 3 workers" in line
+    assert f"the checkpoints in --checkpoint-dir {tmp_path} were made with" in line
+    assert "kept for --plan model on --resume; give --plan with a plan for 3 devices" in line
+    assert 2 in checkpoint.saved_steps(str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -145,6 +145,19 @@ def _make_train_step(config: RunConfig, workload, mesh, params, optimizer, commo
     )
 
 
+def plan_origin(asked: RunConfig, config: RunConfig) -> str:
+    """Where a resumed run's plan came from, when ``resumed_config`` took it from the
+    checkpoint folder in place of the ``--plan`` asked (``""`` otherwise): what a refusal
+    to build that plan adds, since the user did not write the plan."""
+    if config.plan == asked.plan:
+        return ""
+    return (
+        f" (this plan is the one the checkpoints in --checkpoint-dir {config.checkpoint_dir} "
+        f"were made with, kept for --plan {asked.plan} on --resume; give --plan with a plan "
+        f"for {config.devices} devices to resume with another)"
+    )
+
+
 def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, Any]:
     """Runs ``config`` and returns the result record (see the module doc).
 
@@ -176,7 +189,7 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
     validate(dataclasses.replace(config, **early))
     check_outputs(config)
     runlog.check_run_io(config)
-    config = resumed_config(config)
+    asked, config = config, resumed_config(config)
     lock = claim_checkpoint_dir(config)
     ckpt, log_lock = None, None
     try:
@@ -190,7 +203,10 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
             config, plan = choose_plan(config, build)
         if config.bucket_mb == "auto":  # the fusion threshold of least measured step time
             config, search = choose_bucket(config, build)
-        workload, ts = build(config)
+        try:
+            workload, ts = build(config)
+        except ValueError as e:
+            raise ValueError(f"{e}{plan_origin(asked, config)}") from None
         show = progress and rank == 0
         if config.overlap:
             _, log = run_overlapped(config, ts, workload, show)
