@@ -86,12 +86,19 @@ from sparsecomm_jax.comm.costmodel import Link
 from sparsecomm_jax.embedding import access, row
 from sparsecomm_jax.embedding import layouts as registry
 from sparsecomm_jax.embedding.dense import DENSE
-from sparsecomm_jax.embedding.layout import Layout, Price, TableStats, distinct_per_worker
+from sparsecomm_jax.embedding.layout import (
+    Layout,
+    Price,
+    TableStats,
+    distinct_per_worker,
+    split_size,
+)
 from sparsecomm_jax.embedding.layouts import TablePlan
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 __all__ = [
     "Choice",
+    "May",
     "Plan",
     "TableStats",
     "candidate_plans",
@@ -104,6 +111,7 @@ __all__ = [
     "save",
     "serves",
     "table_stats",
+    "unpadded",
 ]
 
 
@@ -291,6 +299,37 @@ def serves(stats: TableStats, layout: str | Layout) -> bool:
     return registry.get(layout).pricing.serves(stats)
 
 
+#: ``may(stats, layout)``: whether a table may take a layout in the plans the planner
+#: makes (beside ``serves``): a constraint of the step that will run the plan.
+May = Callable[[TableStats, Layout], bool]
+
+
+def unpadded(layouts: Iterable[str | Layout], workers: int) -> May:
+    """A ``may`` for a step that stores the tables of ``layouts`` unpadded (``embrace_2d``
+    its column-wise ones): a table takes one of them only where the dimension it splits
+    divides by ``workers``.
+
+    Example:
+        >>> from sparsecomm_jax.embedding.column import COLUMN
+        >>> may = unpadded(["column"], 4)
+        >>> a, b = TableStats("a", 100, 8, 16, 10, 4), TableStats("b", 100, 6, 16, 10, 4)
+        >>> may(a, COLUMN), may(b, COLUMN)  # D = 8 divides by 4, D = 6 does not
+        (True, False)
+    """
+    names = {registry.get(x).name for x in layouts}
+
+    def may(stats: TableStats, layout: Layout) -> bool:
+        size = split_size(layout, stats.vocab, stats.dim)
+        return layout.name not in names or size is None or size % workers == 0
+
+    return may
+
+
+def _options(stats: TableStats, layouts: Iterable[Layout], may: May | None) -> list[Layout]:
+    """The layouts of ``layouts`` that serve the table and that it may take."""
+    return [x for x in layouts if x.pricing.serves(stats) and (may is None or may(stats, x))]
+
+
 def plan_tables(
     stats: Sequence[TableStats],
     workers: int,
@@ -299,6 +338,7 @@ def plan_tables(
     optimizer_slots: int = 1,
     layouts: Sequence[str | Layout] | None = None,
     wire: comm_wire.Wire = comm_wire.DEFAULT,
+    may: May | None = None,
 ) -> Plan:
     """Each table's layout, minimising the modelled step time within ``memory_bytes``
     of tables (and their optimizer state) per worker.
@@ -312,14 +352,18 @@ def plan_tables(
       layouts: the layouts to choose from (``None``: every one the planner can price,
         ``priced()``).
       wire: the codecs rows and their gradients travel in (``comm.wire.parse``).
+      may: which layouts a table may take (``None``: any that serves it; ``unpadded``
+        for a step that does not pad its own layout's tables).
 
     Returns:
       The ``Plan`` of least modelled time (the first of ``candidate_plans``).
 
     Raises:
-      ValueError: no assignment fits ``memory_bytes``.
+      ValueError: no assignment fits ``memory_bytes``, or no layout may serve a table.
     """
-    plans = candidate_plans(stats, workers, link, memory_bytes, optimizer_slots, layouts, wire=wire)
+    plans = candidate_plans(
+        stats, workers, link, memory_bytes, optimizer_slots, layouts, wire=wire, may=may
+    )
     return plans[0]
 
 
@@ -332,6 +376,7 @@ def candidate_plans(
     layouts: Sequence[str | Layout] | None = None,
     within: float = 10.0,
     wire: comm_wire.Wire = comm_wire.DEFAULT,
+    may: May | None = None,
 ) -> list[Plan]:
     """The plans worth timing (``choose_measured``), least modelled time first: the best
     modelled plan of each set of sharded exchanges (none, column, row, table-wise and
@@ -354,12 +399,14 @@ def candidate_plans(
       within: candidates modelled slower than this many times the best are left out
         (a 1M-row table data parallel is not worth a compile).
       wire: the codecs rows and their gradients travel in.
+      may: which layouts a table may take (``None``: any that serves it): a table goes
+        to its best layout among those it may take, in every candidate.
 
     Returns:
       One ``Plan`` or more.
 
     Raises:
-      ValueError: no assignment fits ``memory_bytes``.
+      ValueError: no assignment fits ``memory_bytes``, or no layout may serve a table.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
@@ -375,10 +422,10 @@ def candidate_plans(
     allowed += [([x], (x,) if x.sharded else ()) for x in chosen]  # one layout alone
     found: dict[str, Plan] = {}
     for names, group in allowed:
-        plan = _plan_within(stats, workers, link, optimizer_slots, wire, names)
+        plan = _plan_within(stats, workers, link, optimizer_slots, wire, names, may)
         if plan is not None:
             plan = _fit_memory(
-                plan, stats, workers, link, optimizer_slots, wire, group, memory_bytes
+                plan, stats, workers, link, optimizer_slots, wire, group, memory_bytes, may
             )
         if plan is None:
             continue
@@ -386,10 +433,11 @@ def candidate_plans(
         if key not in found or plan.seconds < found[key].seconds:
             found[key] = plan
     if not found and memory_bytes is None:
-        unserved = [s.name for s in stats if not any(x.pricing.serves(s) for x in chosen)]
+        unserved = [s.name for s in stats if not _options(s, chosen, may)]
+        where = "" if may is None else " where it may go (may)"
         raise ValueError(
-            f"no layout of {[x.name for x in chosen]} serves table {unserved[0]}; allow "
-            "another layout"
+            f"no layout of {[x.name for x in chosen]} serves table {unserved[0]}{where}; "
+            "allow another layout"
         )
     if not found:
         raise ValueError(
@@ -436,15 +484,16 @@ def choose_measured(
     return candidates[best], seconds
 
 
-def _plan_within(stats, workers, link, slots, wire, allowed: list[Layout]) -> Plan | None:
+def _plan_within(
+    stats, workers, link, slots, wire, allowed: list[Layout], may: May | None
+) -> Plan | None:
     if not allowed:
         return None
     choices = []
     for s in stats:
         options = [
             _choice(s, x, x.pricing.table(s, workers, link, slots, wire))
-            for x in allowed
-            if x.pricing.serves(s)
+            for x in _options(s, allowed, may)
         ]
         if not options:  # a softmax table, table-wise only
             return None
@@ -469,7 +518,9 @@ def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int, w
     return Plan(tuple(choices), seconds, sum(c.memory for c in choices), workers)
 
 
-def _fit_memory(plan, stats, workers, link, slots, wire, group, memory_bytes) -> Plan | None:
+def _fit_memory(
+    plan, stats, workers, link, slots, wire, group, memory_bytes, may: May | None
+) -> Plan | None:
     """Moves tables to a sharded layout of ``group``, the most memory saved per second
     added first, until the plan fits (``None`` when it cannot)."""
     if memory_bytes is None or plan.memory <= memory_bytes:
@@ -480,7 +531,7 @@ def _fit_memory(plan, stats, workers, link, slots, wire, group, memory_bytes) ->
         for i, (c, s) in enumerate(zip(choices, stats, strict=True)):
             if registry.get(c.layout).sharded:
                 continue
-            for x in (x for x in group if x.pricing.serves(s)):
+            for x in _options(s, group, may):
                 new = _choice(s, x, x.pricing.table(s, workers, link, slots, wire))
                 saved = c.memory - new.memory
                 moves.append((saved / max(new.seconds - c.seconds, 1e-12), i, new))

@@ -42,6 +42,28 @@ def stats(name, vocab, dim=16, reads=256, distinct=None, bucket=None):
     return planner.TableStats(name, vocab, dim, reads, distinct, bucket)
 
 
+def test_a_table_takes_only_the_layouts_it_may():
+    """``may`` (here ``unpadded``, for a step that stores its column tables unpadded):
+    no candidate places a table whose D does not divide by P column-wise; a candidate
+    that would have gives that table its best other layout, and the other table stays
+    column-wise (it is re-planned, not dropped). Without it both go column-wise."""
+    two = [stats("a", 100_000, 64, 512, 400, 60), stats("b", 100_000, 62, 512, 400, 60)]
+    link, column = Link.from_bandwidth(1.0), layouts.get("column")
+
+    def columns(plans) -> list[set[str]]:
+        return [{c.table for c in p.choices if c.layout == "column"} for p in plans]
+
+    assert {"a", "b"} in columns(planner.candidate_plans(two, 4, link))
+    may = planner.unpadded(["column"], 4)
+    kept = planner.candidate_plans(two, 4, link, may=may)
+    assert {"a"} in columns(kept) and all("b" not in c for c in columns(kept))
+    assert planner.unpadded(["column"], 2)(two[1], column)  # 62 divides by 2
+    only = planner.plan_tables(two, 4, link, layouts=["column", "dense"], may=may)
+    assert {t: x.name for t, x in only.layouts().items()} == {"a": "column", "b": "dense"}
+    with pytest.raises(ValueError, match=r"serves table b where it may go"):
+        planner.candidate_plans(two, 4, link, layouts=["column"], may=may)
+
+
 def test_tiny_tables_stay_data_parallel_and_big_ones_are_sharded():
     plan = planner.plan_tables([stats("big", 1_000_000), stats("tiny", 8)], 4, SLOW)
     assert names(plan)["big"] in SHARDED and names(plan)["tiny"] == "dense"

@@ -95,22 +95,16 @@ def test_calibrated_adaptive_link_carries_local_work(monkeypatch):
     assert startup.adaptive_link(dataclasses.replace(config, link_gbit=1.0)).local is None
 
 
-def test_plans_embrace_2d_cannot_build_are_left_out():
-    """``embrace_2d`` keeps its column tables unpadded: of the planner's plans, those
-    placing a table whose D does not divide by P column-wise are left out; none left
-    is one error naming the table. Another strategy keeps every plan."""
-    from sparsecomm_jax import STRATEGIES, planner
+def test_embrace_2d_keeps_the_planner_from_unpadded_column_tables():
+    """``embrace_2d`` keeps its column tables unpadded: its planner constraint lets a
+    table take the column layout only where D divides by P. ``embrace`` pads, and puts
+    no constraint."""
+    from sparsecomm_jax import STRATEGIES
+    from sparsecomm_jax.embedding.column import COLUMN
     from sparsecomm_jax.embedding.layout import TableStats
+    from sparsecomm_jax.embedding.row import ROW
 
-    stats = [TableStats("a", 100, 8, 16, 10, 4), TableStats("b", 100, 6, 16, 10, 4)]
-
-    def plan(a: str, b: str) -> planner.Plan:
-        choices = tuple(planner.Choice(t, x, 0.0, 0.0, 0.0) for t, x in (("a", a), ("b", b)))
-        return planner.Plan(choices, 0.0, 0.0, 4)
-
-    plans = [plan("column", "column"), plan("column", "row"), plan("row", "column")]
-    kept = startup.buildable(plans, STRATEGIES["embrace_2d"], stats)
-    assert kept == [plans[1]]
-    assert startup.buildable(plans, STRATEGIES["embrace"], stats) == plans
-    with pytest.raises(ValueError, match=r"tables \['b'\] whose size does not divide by 4"):
-        startup.buildable([plans[0]], STRATEGIES["embrace_2d"], stats)
+    may = startup.step_may(STRATEGIES["embrace_2d"], 4)
+    eight, six = TableStats("a", 100, 8, 16, 10, 4), TableStats("b", 100, 6, 16, 10, 4)
+    assert (may(eight, COLUMN), may(six, COLUMN), may(six, ROW)) == (True, False, True)
+    assert startup.step_may(STRATEGIES["embrace"], 4) is None

@@ -187,31 +187,11 @@ def interleaved_step_seconds(
     return [runtime.agreed_mean(statistics.median(t)) for t in times]
 
 
-def buildable(plans: list[planner.Plan], strategy: Strategy, stats: list) -> list[planner.Plan]:
-    """The ``plans`` ``strategy`` can build: one that stores tables of its own layout
-    unpadded (``Strategy.unpadded``: ``embrace_2d``'s column tables) cannot take a plan
-    placing there a table whose split dimension does not divide by the workers.
-
-    Raises:
-      ValueError: no plan is left (naming the tables).
-    """
-    if not strategy.unpadded or not plans:
-        return plans
-    own = strategy.layout
-    split = {s.name: (s.vocab, s.dim)[own.split_dim] for s in stats}
-    workers = plans[0].workers
-
-    def fits(plan: planner.Plan) -> bool:
-        return all(c.layout != own.name or split[c.table] % workers == 0 for c in plan.choices)
-
-    if not (kept := [p for p in plans if fits(p)]):
-        odd = sorted(name for name, size in split.items() if size % workers)
-        raise ValueError(
-            f"--strategy {strategy.name} keeps its {own.name}-wise tables unpadded, and every "
-            f"plan of the planner places there tables {odd} whose size does not divide "
-            f"by {workers}: give a plan by hand (--plan '{{...}}')"
-        )
-    return kept
+def step_may(strategy: Strategy, workers: int) -> planner.May | None:
+    """What the step of ``strategy`` constrains the planner to: one that stores the
+    tables of its own layout unpadded (``Strategy.unpadded``: ``embrace_2d``'s column
+    tables) takes there only tables whose split dimension divides by the workers."""
+    return planner.unpadded([strategy.layout], workers) if strategy.unpadded else None
 
 
 def choose_plan(
@@ -257,8 +237,10 @@ def choose_plan(
     memory = config.plan_memory_mb * 2**20 or None
     slots = optimizers.get(config.optimizer).slots
     link, codecs = plan_link(config), wire.parse(config.comm_dtype)
-    candidates = planner.candidate_plans(stats, config.devices, link, memory, slots, wire=codecs)
-    candidates = buildable(candidates, parse_strategy(config.strategy).strategy, stats)
+    may = step_may(parse_strategy(config.strategy).strategy, config.devices)
+    candidates = planner.candidate_plans(
+        stats, config.devices, link, memory, slots, wire=codecs, may=may
+    )
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:

@@ -296,13 +296,19 @@ def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
+def split_size(layout: Layout, vocab: int, dim: int) -> int | None:
+    """The size of a V x D table along the dimension ``layout`` splits (``None``: it
+    splits none)."""
+    return None if layout.split_dim is None else (vocab, dim)[layout.split_dim]
+
+
 def check_divisible(table: Any, num_workers: int) -> None:
     """``ValueError`` unless the dimension a table's layout splits divides by P (the
     pipelined steps, which do not pad)."""
-    dim = table.layout.split_dim
-    if dim is None:
+    size = split_size(table.layout, table.vocab, table.dim)
+    if size is None:
         return
-    size, what = (table.dim, "D (columns)") if dim == 1 else (table.vocab, "V (rows)")
+    what = "D (columns)" if table.layout.split_dim == 1 else "V (rows)"
     if size % num_workers:
         raise ValueError(
             f"embedding table {table.name} has {what} = {size}, not divisible by the "
