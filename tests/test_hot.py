@@ -130,6 +130,9 @@ PIPELINED = [  # optimizer, the three DLRM tables' layouts, replica groups
     ("sgd", ("hot", "column", "replicated"), 1),
     ("adam", ("hot", "table", "column"), 2),
     ("lazy_adam", ("row", "hot", "column"), 2),
+    # row-wise tables carried without a column one; Adam's dense update moves every row
+    # batch t+1 reads early
+    ("adam", ("row", "row", "hot"), 1),
     # clipping couples rows: the next rows are fetched after the update (no hot table:
     # clipping would count each copy of a hot row)
     ("clipped", ("row", "column", "table"), 1),
@@ -156,11 +159,11 @@ def dlrm_beside(seed: int, kinds: tuple[str, ...]):
 def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
     with a hot table beside column-wise and replicated or table-wise ones, a row-wise
-    one beside hot and column-wise ones, on 8 devices
-    and on 2 x 4 groups, and with an optimizer that couples rows (the next rows fetched
-    after the update) beside row-wise and table-wise ones: the one-device losses and
-    tables. Only the column table's rows are carried to the next step; the others are
-    read within each step."""
+    one beside hot and column-wise ones, two row-wise ones beside a hot one, on 8
+    devices and on 2 x 4 groups, and with an optimizer that couples rows (the next rows
+    fetched after the update) beside row-wise and table-wise ones: the one-device
+    losses and tables. The column-wise and row-wise tables' rows are carried to the
+    next step; the others are read within each step."""
     seed = int(np.random.default_rng().integers(1 << 30))
     w, params, layouts = dlrm_beside(seed, kinds)
     optimizer, update = PIPELINE_OPTIMIZERS[name]
@@ -187,16 +190,17 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
         carried.append(len(state.carry))
     assert got == pytest.approx(want, rel=1e-5), seed
     assert_trees_close(ts.host_params(state), one.host_params(want_state))
-    assert carried == [1, 1, 1, 0]  # the column table's one lookup; none after the last
+    pipelined = sum(kind in ("column", "row") for kind in kinds)  # one lookup each
+    assert carried == [pipelined] * 3 + [0]  # none after the last step
 
 
 def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
-    """In a middle step's compiled program the hot and row-wise tables' gradients (the
-    hot rows' all-reduce, the cold rows' all-to-all) are sent after every column
-    table's first chunk has arrived, and the next batch's lookup of the column table
-    does not wait for them (the hot rows' read counts, from the ids alone, need not
-    wait). With no column table there is nothing to pipeline: ``embrace``'s step
-    runs."""
+    """In a middle step's compiled program the hot table's gradients (the hot rows'
+    all-reduce, the cold rows' all-to-all) and the late chunks of the column-wise and
+    row-wise tables are sent after every first chunk has arrived, and the next batch's
+    lookups of the carried tables do not wait for them (the hot rows' read counts, from
+    the ids alone, need not wait). With no column-wise or row-wise table there is
+    nothing to pipeline: ``embrace``'s step runs."""
     from sparsecomm_jax.schedule import priority
 
     w, params, layouts = dlrm_beside(0, ("hot", "column", "row"))
@@ -233,7 +237,8 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
         assert first <= hlo.ancestors(instrs, c.name), c.name
     for c in named(priority.SCOPE_NEXT, "all-to-all"):
         assert not hlo.ancestors(instrs, c.name) & {c.name for c in late}
-    assert step(dict.fromkeys(layouts, "row")).runs_as == "embrace"
+    assert len(first) >= 2  # the column table's first chunk and the row-wise one's
+    assert step(dict.fromkeys(layouts, "table")).runs_as == "embrace"
 
 
 def test_an_optimizer_that_would_count_each_copy_is_refused():

@@ -31,6 +31,8 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,7 +153,14 @@ def fetch_one(shard, ids, axis: str, capacity: int, wire=comm_wire.DEFAULT):
     return rows, lambda g: back([g])[0]
 
 
-def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=comm_wire.DEFAULT):
+def fetch_many(
+    shards: list,
+    ids: list,
+    capacities: list[int],
+    axis: str,
+    wire=comm_wire.DEFAULT,
+    take: Callable | None = None,
+):
     """``fetch_one`` for several reads (of one or several tables) through one exchange:
     the buckets of every read side by side in one all-to-all of ids, the rows found in
     one all-to-all back, and the gradients in one all-to-all on the way back.
@@ -164,12 +173,17 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
       capacities: per read, C (slots per (worker, owner) bucket).
       axis: the mesh axis.
       wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
+      take: ``take(shard, local) -> rows``, how an owner reads the rows asked of it
+        (``local`` int[P, C] in its shard, ``V/P`` for an empty slot: a zero row);
+        default ``take_rows`` (the pipelined step reads the rows with its early update
+        added).
 
     Returns:
       ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(grads)`` -> per
       read ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``; per read
       bool[]: some id found no slot (C too small; its rows are NaN).
     """
+    take = take or take_rows
     num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     caps = [min(c, i.size) for c, i in zip(capacities, ids, strict=True)]
     skips = [i.reshape(-1) < 0 for i in ids]  # ids the caller does not want: no row
@@ -183,10 +197,7 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
         jnp.where(a >= 0, a - me * t.shape[0], t.shape[0])
         for t, a in zip(shards, _split(asked, starts), strict=True)
     ]  # per read int[P, C]
-    found = [
-        jnp.take(t, loc, axis=0, mode="fill", fill_value=0)
-        for t, loc in zip(shards, local, strict=True)
-    ]  # per read float[P, C, D]
+    found = [take(t, loc) for t, loc in zip(shards, local, strict=True)]  # [P, C, D] each
     widths = [t.shape[1] for t in shards]
     got = comm_wire.a2a_rows(found, axis, wire.forward)  # per read float[P, C, D]
     rows = [  # each in its table's dtype (tables of several dtypes travel together)
@@ -200,8 +211,7 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
 
     def back(grads):  # duplicates summed before the reverse exchange
         sums = [
-            jnp.zeros((num * c, w), F32).at[pos].add(g.reshape(-1, w)).reshape(num, c, w)
-            for g, c, w, (_, pos) in zip(grads, caps, widths, plans, strict=True)
+            bucket_sums(g, pos, num, c) for g, c, (_, pos) in zip(grads, caps, plans, strict=True)
         ]
         back_got = comm_wire.a2a_rows(sums, axis, wire.backward)  # per read [P, C, D]
         return [
@@ -215,19 +225,71 @@ def fetch_many(shards: list, ids: list, capacities: list[int], axis: str, wire=c
     return rows, back, missed
 
 
+def bucket_sums(grads, position, num_workers: int, capacity: int):
+    """float32[P, C, D]: the gradient rows ``grads`` (``float[..., D]``) summed into the
+    slots ``position`` gives them (``bucket_plan``; a position past the buckets sends
+    nothing)."""
+    width = grads.shape[-1]
+    flat = jnp.zeros((num_workers * capacity, width), F32)
+    flat = flat.at[position].add(grads.reshape(-1, width).astype(F32), mode="drop")
+    return flat.reshape(num_workers, capacity, width)
+
+
+def send_gradients(ids, grads, capacity: int, axis: str, rows_per: int, codec=comm_wire.FLOAT32):
+    """This worker's gradient rows summed per id and sent to the ids' owners: the way
+    back of ``fetch_many`` on its own (one all-to-all of ids, one of rows), for a step
+    that sends a table's gradient in chunks (``schedule.rowwise``).
+
+    Per worker (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; C=1)::
+
+        before:      w0 ids [5, 5, -1] grads [a, b, c]    w1 ids [1] grads [d]
+        buckets:     w0 [[-], [5: a+b]]                   w1 [[1: d], [-]]
+        all_to_all:  w0 holds (1, d)                      w1 holds (5 - 4, a+b)
+
+    Args:
+      ids: int[n] rows of the table (< P * ``rows_per``); a negative id sends nothing.
+      grads: float[n, D], the gradient at each position.
+      capacity: C, slots per (worker, owner) bucket.
+      axis: the mesh axis.
+      rows_per: the rows of each worker's shard.
+      codec: the codec the rows travel in.
+
+    Returns:
+      ``((ids in my shard int[P*C], rows float32[P*C, D]), missed)``: the pairs at this
+      owner (``rows_per`` in an empty slot); ``missed`` bool[n]: a position whose id
+      found no slot (its gradient was not sent).
+    """
+    num = jax.lax.axis_size(axis)
+    vocab, c = rows_per * num, max(1, min(capacity, ids.shape[0]))
+    send, pos = bucket_plan(jnp.where(ids < 0, vocab, ids), vocab, num, c)
+    asked = jax.lax.all_to_all(send, axis, 0, 0)  # int[P, C]: the ids sent to me
+    (got,) = comm_wire.a2a_rows([bucket_sums(grads, pos, num, c)], axis, codec)
+    local = jnp.where(asked >= 0, asked - jax.lax.axis_index(axis) * rows_per, rows_per)
+    return (local.reshape(-1), got.reshape(num * c, -1)), (pos == num * c) & (ids >= 0)
+
+
 def _split(x, bounds) -> list:
     """The column blocks ``x[:, bounds[k]:bounds[k + 1]]``."""
     return [x[:, int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def fetch_shared_one(shard, ids, axis: str, wire=comm_wire.DEFAULT):
-    """Rows for ids every worker holds identically: owners fill theirs, one sum; the
-    gradient is every worker's, summed (one sum)."""
-    rows_per = shard.shape[0]
+def take_rows(shard, local):
+    """``shard[local]`` along the rows; a row past the shard (an empty slot) reads zeros."""
+    return jnp.take(shard, local, axis=0, mode="fill", fill_value=0)
+
+
+def owned_rows(ids, rows_per: int, axis: str):
+    """Each id's row in this worker's shard of ``rows_per`` rows; ``rows_per`` (no row)
+    for an id another worker owns."""
     local = ids - jax.lax.axis_index(axis) * rows_per
-    owned = (local >= 0) & (local < rows_per)
-    at = jnp.where(owned, local, rows_per)
-    mine = jnp.take(shard, at, axis=0, mode="fill", fill_value=0)
+    return jnp.where((local >= 0) & (local < rows_per), local, rows_per)
+
+
+def fetch_shared_one(shard, ids, axis: str, wire=comm_wire.DEFAULT, take: Callable | None = None):
+    """Rows for ids every worker holds identically: owners fill theirs, one sum; the
+    gradient is every worker's, summed (one sum). ``take`` as ``fetch_many`` takes it."""
+    at = owned_rows(ids, shard.shape[0], axis)
+    mine = (take or take_rows)(shard, at)
     rows = comm_wire.psum(mine, axis, wire.forward)  # one owner per id
 
     def back(g):

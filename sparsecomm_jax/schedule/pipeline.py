@@ -1,7 +1,7 @@
 """EmbRace's 2D scheduling as a train step: ``embrace_2d``.
 
 One pipelined step (batch t, with batches t+1..t+``LOOKAHEAD`` known), for column-wise
-tables:
+tables (row-wise ones below):
 
 1. **exchange** (one ``shard_map``): batch t's forward and backward read rows fetched
    during step t-1 (or now, at the first step); the dense layers go through the
@@ -19,13 +19,15 @@ tables:
    or a skipped step, makes the step fetch the next rows again from the final tables
    (exact, slower).
 
-Tables of other layouts (``table_layouts``: row-wise, table-wise, hot rows) run beside
-the pipelined column-wise ones: their rows are fetched in step t's exchange, before
-the forward pass, through their layout, and their gradients return after every column
-table's first chunk, as ``embrace`` reads them (``carried_tables``). A hot table's hot
-rows need no exchange before the forward pass; its cold rows are fetched as the row
-layout fetches them. The chunks, the early update and the next fetch are built on the
-column exchange: only column tables carry rows across steps.
+Row-wise tables (``table_layouts``) are pipelined too (``schedule.rowwise``): their
+gradient travels to the owners in two chunks, the positions batch t+1 reads first and
+the rest once every first chunk has arrived, and batch t+1's rows are fetched from
+the owners with the early update added, then carried. Tables of other layouts
+(table-wise, hot rows, replicated) run beside the pipelined ones: their rows are
+fetched in step t's exchange, before the forward pass, through their layout, and their
+gradients return after every first chunk, as ``embrace`` reads them
+(``carried_tables``). A hot table's hot rows need no exchange before the forward pass;
+its cold rows are fetched as the row layout fetches them.
 
 With replica groups (``replicas=R``) each group exchanges its chunks within itself;
 the priorities are those of every group's next batches (a row any group reads next
@@ -59,12 +61,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.vma import vary
-from sparsecomm_jax.embedding import access, column, replicas
+from sparsecomm_jax.embedding import access, column, replicas, row
 from sparsecomm_jax.embedding.gradients import fetch_all
+from sparsecomm_jax.embedding.layout import CapacityPolicy
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.embedding.update import row_gradient
-from sparsecomm_jax.schedule import chunks, priority
+from sparsecomm_jax.schedule import chunks, priority, rowwise
 from sparsecomm_jax.step import finish, placement
 from sparsecomm_jax.step.finish import Gradients, aggregate, apply_gradients
 from sparsecomm_jax.step.placement import PlacedBatch
@@ -113,10 +116,29 @@ def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> l
     return reads
 
 
+def first_chunk(layout_policy) -> CapacityPolicy:
+    """A column-wise table's plan of the ids in the pipeline: its first chunk's
+    positions (``priority.PRIORITY_CAPACITY``, in place of the layout's)."""
+    del layout_policy
+    return priority.PRIORITY_CAPACITY
+
+
+#: The layouts whose tables the pipeline carries across steps, each with its plan of
+#: their ids (capacity), made from the layout's own: a column-wise table's first chunk
+#: (``priority``), a row-wise table's buckets for two batches (``rowwise``).
+CARRIED_CAPACITY = {column.COLUMN.name: first_chunk, row.ROW.name: rowwise.two_batches}
+
+
 def carried_tables(ctx: StepContext) -> set[int]:
-    """The tables whose rows the pipeline carries across steps: the column-wise ones.
-    The others are read through their layouts within the step (``step_rows``)."""
-    return {t.index for t in ctx.tables if t.layout.name == column.COLUMN.name}
+    """The tables whose rows the pipeline carries across steps: the column-wise and
+    row-wise ones (``CARRIED_CAPACITY``). The others (table-wise, hot rows, replicated)
+    are read through their layouts within the step (``step_rows``)."""
+    return {t.index for t in ctx.tables if t.layout.name in CARRIED_CAPACITY}
+
+
+def row_wise(ctx: StepContext) -> set[int]:
+    """The carried tables that are row-wise (``schedule.rowwise``); the others column-wise."""
+    return {t.index for t in ctx.tables if t.layout.name == row.ROW.name}
 
 
 def carried_reads(ctx: StepContext, reads: list) -> list:
@@ -142,7 +164,7 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
         got = list(carry)
     else:
         tables = {i: leaves[i] for i in carried}
-        got = prefetch(tables, [reads[k] for k in mine], ctx.axis_name)
+        got = prefetch(ctx, tables, [reads[k] for k in mine], slots)
     rows = dict(zip(mine, got, strict=True))
     back, missed = (lambda g_rows: []), {}
     if others:
@@ -157,13 +179,23 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
     return [rows[k] for k in range(len(reads))], back, missed
 
 
-def prefetch(tables: dict[int, Any], reads: list, axis: str, take=None) -> list:
-    """Rows for each logged read, from the (column-sharded) ``tables`` (through
-    ``take(shard, ids)`` when given: the pipelined step's patched reads)."""
-    out = []
+def prefetch(
+    ctx: StepContext, tables: dict[int, Any], reads: list, slots: dict[int, int], patches=None
+) -> list:
+    """Rows for each logged read of a carried table, from ``tables`` (column-wise or
+    row-wise; ``slots`` a row-wise table's capacity); with ``patches`` (table index ->
+    ``RowGrad``) each row read with its early update added (``patched_take``)."""
+    out, axis, by_rows = [], ctx.axis_name, row_wise(ctx)
     for read in reads:
+        shard = tables[read.table]
+        take = None
+        if patches is not None:
+            take = functools.partial(_take_patched, patch=patches[read.table])
+        if read.table in by_rows:
+            out.append(rowwise.fetch(shard, read, slots[read.table], axis, take))
+            continue
         fetch = column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
-        out.append(fetch(tables[read.table], read.ids, axis, take))
+        out.append(fetch(shard, read.ids, axis, take))
     return out
 
 
@@ -258,6 +290,15 @@ def _future_ids(future: list, i: int, axis) -> list:
     return out
 
 
+def row_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int, shard):
+    """``rowwise.RowPlan`` of row-wise table ``i``: its reads of batch t and their
+    gradients, and every id batch t+1 reads of it on every worker (every group's)."""
+    mine = [k for k, r in enumerate(reads) if r.table == i]
+    fut = _future_ids(future, i, ctx.batch_axes)[0] if future else None
+    got = [reads[k] for k in mine], [g_rows[k] for k in mine]
+    return rowwise.plan(*got, fut, capacity, shard, ctx.axis_name)
+
+
 def first_pairs(ctx: StepContext, plan: Plan) -> list:
     """The first chunk and the first shared positions of a table, as (ids, rows) pairs
     of my columns from every worker (ids int[m], rows float[m, D/P])."""
@@ -330,18 +371,30 @@ def exchange_body(ctx: StepContext):
             rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [pipelined_reads(ctx, params, b) for b in ahead]
+        by_rows = row_wise(ctx)
         planned = {
             i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i)
-            for i in sorted(carried_tables(ctx))
+            for i in sorted(carried_tables(ctx) - by_rows)
         }
-        plans = {i: plan for i, (plan, _) in planned.items()}
-        spill = functools.reduce(jnp.logical_or, [s for _, s in planned.values()], jnp.array(False))
+        row_plans = {
+            i: row_plan(ctx, reads, g_rows, future, slots[i], i, tables[i]) for i in sorted(by_rows)
+        }
+        plans = {i: plan for i, (plan, _) in planned.items()} | row_plans
+        flags = [s for _, s in planned.values()]
         with jax.named_scope(priority.SCOPE_HIGH):
-            firsts = {i: first_pairs(ctx, plan) for i, plan in plans.items()}
+            firsts, sent = {i: first_pairs(ctx, plans[i]) for i in planned}, {}
+            for i, rp in row_plans.items():
+                firsts[i], sent[i] = rowwise.first_pairs(rp, ctx.axis_name)
+                flags.append(rowwise.spill(rp, sent[i]))
             firsts = across_groups(ctx, firsts, tables)
+        spill = functools.reduce(jnp.logical_or, flags, jnp.array(False))
         with jax.named_scope(priority.SCOPE_LOW):
             after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
-            later = {i: later_pairs(ctx, p, after) for i, p in plans.items()}
+            later = {i: later_pairs(ctx, plans[i], after) for i in planned}
+            for i, rp in row_plans.items():
+                late = rp._replace(grads=waits_for(rp.grads, after))
+                later[i], lost = rowwise.later_pairs(late, sent[i], ctx.axis_name)
+                missed[i] = missed[i] | lost if i in missed else lost
             later = across_groups(ctx, later | in_step_pairs(back, g_rows, after), tables)
         num = ctx.num_workers
         fulls = {
@@ -388,39 +441,34 @@ def patched_take(shard: jax.Array, patch: RowGrad, ids: jax.Array) -> jax.Array:
     the early update gives, read without writing a table.
 
     Args:
-      shard: float[V, D/P].
-      patch: ascending ids int[m] (padding ``V`` last) and their update rows float[m, D/P].
-      ids: int[...] rows to read, in [0, V).
+      shard: float[V, D/P] (a column-wise shard), or float[V/P, D] (a row-wise one).
+      patch: ascending ids int[m] (padding, the shard's rows, last) and their update
+        rows.
+      ids: int[...] rows to read; one past the shard (an empty slot of the row-wise
+        exchange) reads a zero row.
 
     Returns:
-      ``float[*ids.shape, D/P]``.
+      ``float[*ids.shape, D/P]`` (``[*ids.shape, D]`` row-wise).
     """
-    rows = jnp.take(shard, ids, axis=0)
+    rows = jnp.take(shard, ids, axis=0, mode="fill", fill_value=0)
     pos = jnp.clip(jnp.searchsorted(patch.ids, ids), 0, patch.ids.shape[0] - 1)
-    hit = jnp.take(patch.ids, pos) == ids
+    hit = (jnp.take(patch.ids, pos) == ids) & (ids < shard.shape[0])
     delta = jnp.take(patch.rows, pos, axis=0).astype(shard.dtype)
     return rows + jnp.where(hit[..., None], delta, 0)
 
 
-def next_rows_body(ctx: StepContext):
+def next_rows_body(ctx: StepContext, slots: dict[int, int] | None = None):
     """Step 3 per worker: batch t+1's rows from the tables with the early update added;
     the carried tables' full gradient made to wait for those reads (the update then
-    writes those tables in place)."""
-    widths, axis = ctx.widths, ctx.axis_name
+    writes those tables in place). ``slots``: the row-wise tables' capacities."""
+    widths = ctx.widths
 
     def body(params, patches, data, fulls):
         leaves = jax.tree.leaves(params)
         reads = carried_reads(ctx, pipelined_reads(ctx, params, data))
         tables = {i: leaves[i] for i in widths}
         with jax.named_scope(priority.SCOPE_NEXT):
-            rows = []
-            for read in reads:
-                patch = patches[read.table]
-                take = functools.partial(_take_patched, patch=patch)
-                fetch = (
-                    column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
-                )
-                rows.append(fetch(tables[read.table], read.ids, axis, take))
+            rows = prefetch(ctx, tables, reads, slots or {}, patches)
         read = edge(rows, ctx.replica_axis)  # once for every leaf
         # the carried tables' gradients only: they are read here (a table read within
         # the step is not, and one typed replicated, such as a replicated table's,
@@ -448,25 +496,25 @@ def _take_patched(shard, ids, patch):
 # ----------------------------------------------------------------- 5. the guard
 
 
-def fetch_body(ctx: StepContext):
+def fetch_body(ctx: StepContext, slots: dict[int, int] | None = None):
     """Rows of every read of ``data`` the pipeline carries (per worker), from the
-    tables."""
+    tables (``slots``: the row-wise tables' capacities)."""
 
     def body(params, data):
         reads = carried_reads(ctx, pipelined_reads(ctx, params, data, NO_ATTEND_2D))
         leaves = jax.tree.leaves(params)
-        return tuple(prefetch({i: leaves[i] for i in ctx.widths}, reads, ctx.axis_name))
+        return tuple(prefetch(ctx, {i: leaves[i] for i in ctx.widths}, reads, slots or {}))
 
     return body
 
 
-def guard_body(ctx: StepContext):
+def guard_body(ctx: StepContext, slots: dict[int, int] | None = None):
     """Step 5 per worker: the carried rows, or (when they may be stale) the same rows
     fetched again from the step's final tables: when a row batch t+1 reads did not fit
     in the first chunk (the device-side guard), or when the step was skipped (its early
     update may hold NaN/Inf; the tables were kept). Every worker takes the same branch
-    (both flags are reduced over the axis)."""
-    widths, axis = ctx.widths, ctx.axis_name
+    (both flags are reduced over the axis). ``slots``: the row-wise tables' capacities."""
+    widths = ctx.widths
 
     def body(params, carry, stale, data):
         leaves = jax.tree.leaves(params)
@@ -475,7 +523,7 @@ def guard_body(ctx: StepContext):
 
         def refetch():
             with jax.named_scope(priority.SCOPE_REFETCH):
-                return tuple(prefetch(tables, reads, axis))
+                return tuple(prefetch(ctx, tables, reads, slots or {}))
 
         return jax.lax.cond(stale, refetch, lambda: carry)
 
@@ -507,6 +555,7 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
 
     def step(state: TrainState, batch: PlacedBatch):
         batch_specs = placement.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
+        slots = batch.slots(ctx.tables)  # the row-wise tables' fetch of batch t+1
         state_in = specs._replace(carry=per if state.carry != () else ())
         out = Exchanged(grad_specs, first_specs, P())
         ex = smap(exchange_body(ctx), (state_in, batch_specs), out)(state, batch)
@@ -515,7 +564,7 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
             patches = early_patches(ctx, state, ex.firsts)
             fulls = finish.table_leaves(ctx, grads.grads)
             carry, fulls = smap(
-                next_rows_body(ctx),
+                next_rows_body(ctx, slots),
                 (specs.params, first_specs, batch_specs.next, table_specs),
                 (per, table_specs),
             )(state.params, patches, batch.next, fulls)
@@ -525,10 +574,10 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
         if batch.next is None:
             return new, loss
         if not early:  # the next rows from the updated tables
-            fetch = smap(fetch_body(ctx), (specs.params, batch_specs.next), per)
+            fetch = smap(fetch_body(ctx, slots), (specs.params, batch_specs.next), per)
             return new._replace(carry=fetch(new.params, batch.next)), loss
         stale = ex.spill | ~grads.ok if ctx.nonfinite != "off" else ex.spill
-        guard = smap(guard_body(ctx), (specs.params, per, P(), batch_specs.next), per)
+        guard = smap(guard_body(ctx, slots), (specs.params, per, P(), batch_specs.next), per)
         return new._replace(carry=guard(new.params, carry, stale, batch.next)), loss
 
     return step

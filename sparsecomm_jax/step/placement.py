@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
-from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout, check_divisible, cut_spec
+from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
 from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.errors import few
@@ -232,15 +232,18 @@ def put_batch(ctx: StepContext, batch: Batch) -> dict:
 
 
 def layout_policies(
-    ctx: StepContext, own: CapacityPolicy | None = None, layout: Layout | None = None
+    ctx: StepContext, own: Mapping[str, Callable] | None = None
 ) -> list[tuple[CapacityPolicy, tuple]]:
-    """Each capacity policy of the tables' layouts with the tables it plans; ``own``,
-    when given, plans the tables of ``layout`` instead of that layout's policy (a
-    strategy's own plan of the ids: ``embrace_2d``'s first chunk for its column tables).
-    """
+    """Each capacity policy of the tables' layouts with the tables it plans; ``own``
+    (layout name -> ``policy(layout's policy)``) plans the tables of those layouts its
+    own way (a strategy's own plan of the ids: ``embrace_2d``'s first chunk for its
+    column tables, two batches' buckets for its row-wise ones)."""
     out: dict[str, tuple[CapacityPolicy, list]] = {}
+    own = own or {}
     for t in ctx.tables:
-        policy = own if own is not None and t.layout.name == layout.name else t.layout.capacity
+        policy = t.layout.capacity
+        if t.layout.name in own:
+            policy = own[t.layout.name](policy)
         if policy is not None:
             out.setdefault(t.layout.name, (policy, []))[1].append(t)
     return [(policy, tuple(tables)) for policy, tables in out.values()]

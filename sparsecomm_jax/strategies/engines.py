@@ -31,7 +31,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     unpadded = (strategy.layout.name,) if strategy.unpadded else ()
     state, specs = placement.place_state(ctx, unpadded)
     step = strategy.step(ctx, specs)
-    policies = placement.layout_policies(ctx, strategy.capacity, strategy.layout)
+    policies = placement.layout_policies(ctx, strategy.capacity)
     capacity = placement.capacity_fn(ctx, policies) if policies else None
     scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
     return TrainStep(
@@ -99,9 +99,10 @@ def one_step_a_call(strategy: Strategy, what: str) -> Callable:
 
 
 def pipelines_a_table(ctx: StepContext, strategy: Strategy) -> bool:
-    """Whether a pipelined strategy has a table to pipeline: one of its own layout
-    (``embrace_2d`` carries column-wise tables; with none, ``embrace``'s step runs)."""
-    return any(t.layout.name == strategy.layout.name for t in ctx.tables)
+    """Whether a pipelined strategy has a table to pipeline: one of a layout it plans
+    itself (``Strategy.capacity``: ``embrace_2d`` carries column-wise and row-wise
+    tables; with neither, ``embrace``'s step runs)."""
+    return any(t.layout.name in strategy.capacity for t in ctx.tables)
 
 
 def _capacity_slots(ctx: StepContext, policies) -> tuple:

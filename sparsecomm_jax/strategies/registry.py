@@ -19,13 +19,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.dense import DENSE
-from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout
+from sparsecomm_jax.embedding.layout import Layout
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
 from sparsecomm_jax.schedule import pipeline, priority
@@ -43,8 +44,10 @@ class Strategy(NamedTuple):
       layout: where its tables live (``embedding.column.COLUMN``, ...); the
         data-parallel ``embedding.dense.DENSE`` when it gives tables no special
         treatment (``dense``, ``dense_pmap``, the top-k strategies).
-      capacity: a plan of the ids of its own, instead of its layout's (the pipelined
-        step's first chunk), or ``None``.
+      capacity: its own plans of the ids for the tables of some layouts: layout name ->
+        ``policy(the layout's policy)`` (the pipelined step's, for the tables it
+        carries: a column-wise table's first chunk, a row-wise table's buckets for two
+        batches); a pipelined strategy with none of those tables runs as ``serial``.
       lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
       needs_tables: the strategy needs at least one embedding table.
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
@@ -65,13 +68,14 @@ class Strategy(NamedTuple):
         communication behind compute; where nothing can hide, its pipelined program is
         not built and ``embrace``'s step runs (every row in one exchange after the
         backward pass), under ``embrace_2d``'s rules (lookups only, column tables not
-        padded). So does a step with no column-wise table (nothing to pipeline).
+        padded). So does a step with no column-wise or row-wise table (nothing to
+        pipeline).
     """
 
     name: str
     step: Callable
     layout: Layout = DENSE
-    capacity: CapacityPolicy | None = None
+    capacity: Mapping[str, Callable] = MappingProxyType({})
     lookahead: int = 0
     needs_tables: bool = False
     combines: bool = True
@@ -144,7 +148,7 @@ STRATEGIES: dict[str, Strategy] = {
             "embrace_2d",
             pipeline.pipelined_step,
             layout=COLUMN,
-            capacity=priority.PRIORITY_CAPACITY,
+            capacity=MappingProxyType(pipeline.CARRIED_CAPACITY),
             lookahead=priority.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
