@@ -190,7 +190,7 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
         carried.append(len(state.carry))
     assert got == pytest.approx(want, rel=1e-5), seed
     assert_trees_close(ts.host_params(state), one.host_params(want_state))
-    pipelined = sum(kind in ("column", "row") for kind in kinds)  # one lookup each
+    pipelined = sum(kind in ("column", "row", "hot") for kind in kinds)  # one lookup each
     assert carried == [pipelined] * 3 + [0]  # none after the last step
 
 
@@ -199,8 +199,9 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
     all-reduce, the cold rows' all-to-all) and the late chunks of the column-wise and
     row-wise tables are sent after every first chunk has arrived, and the next batch's
     lookups of the carried tables do not wait for them (the hot rows' read counts, from
-    the ids alone, need not wait). With no column-wise or row-wise table there is
-    nothing to pipeline: ``embrace``'s step runs."""
+    the ids alone, need not wait). A middle step fetches nothing before its forward
+    pass (the first step fetches every table's rows). With no column-wise, row-wise or
+    hot table there is nothing to pipeline: ``embrace``'s step runs."""
     from sparsecomm_jax.schedule import priority
 
     w, params, layouts = dlrm_beside(0, ("hot", "column", "row"))
@@ -217,9 +218,15 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
         )
 
     ts = step(layouts)
-    state, _ = ts.step(ts.state, sc.place_for_step(ts, w.batch_at, 0, 3))
+    first_step = sc.place_for_step(ts, w.batch_at, 0, 3)
+    before = hlo.scheduled_collectives(hlo.compiled_text(ts.step, ts.state, first_step))
+    state, _ = ts.step(ts.state, first_step)
     text = hlo.compiled_text(ts.step, state, sc.place_for_step(ts, w.batch_at, 1, 3))
     instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
+    # the first step fetches the three tables' rows before its forward pass; a middle
+    # step reads them carried (the hot rows where they are): nothing before it
+    assert any(priority.SCOPE_ROWS in c.op_name for c in before)
+    assert not [c for c in colls if priority.SCOPE_ROWS in c.op_name]
 
     floats = {c.name for c in hlo.parse_collectives(text) if c.shapes[0][0] == "f32"}
 

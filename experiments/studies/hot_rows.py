@@ -18,9 +18,10 @@ cold rows' exchange and the hot rows' all-reduce, the H its pricing picks, and t
 layout the whole planner gives the table (every priced layout, at ``--link-gbit``).
 
 In ``embrace_2d`` (``--what pipelined``): its pipelined program's bytes in a middle
-step, the table column-wise (pipelined: its rows carried from the step before, none
-before the forward pass) and hot at each H (read within the step, as a hot table beside
-pipelined column ones is: its cold rows' fetch before the forward pass).
+step, the table column-wise, row-wise and hot at each H (each pipelined: its rows, a hot
+table's cold rows, carried from the step before), and the bytes of the collectives the
+program issues before its forward pass (``priority.SCOPE_ROWS``), both read from the
+compiled program.
 
 Writes ``hot_rows.json`` and ``.csv`` (compiled bytes), ``hot_rows_planner.json``
 and ``.csv``, and ``hot_rows_pipelined.json`` and ``.csv`` into ``--out-dir``.
@@ -138,23 +139,24 @@ def measure(args, exponent: float, workers: int) -> list[dict]:
 
 def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
-    with the study's one table column-wise (pipelined: its rows carried from the step
-    before, nothing before the forward pass) and hot (read within the step, as a table
-    beside the pipelined ones is: its cold rows fetched before the forward pass,
-    measured by a program of the fetch alone): the bytes of a middle step (the second
-    of five), and those before the forward pass."""
+    with the study's one table column-wise, row-wise and hot at each H (each pipelined:
+    its rows carried from the step before): the bytes of a middle step (the second of
+    five), and those of its collectives before the forward pass (the step's fetch of
+    rows it does not carry, ``priority.SCOPE_ROWS``), from the compiled program."""
     import optax
 
     import sparsecomm_jax as sc
     from sparsecomm_jax import runtime
     from sparsecomm_jax.comm import hlo
     from sparsecomm_jax.embedding import hot
+    from sparsecomm_jax.schedule import priority
 
     counts, stream = study_ids(args, exponent, workers, after=5)
     params, _ = model(stream[0], args.vocab, args.dim)
     rows = []
-    for h in [0, *args.hot]:
-        layout = hot.layout({"t": hot.from_counts(counts, h)}) if h else "column"
+    options = [("column", 0, "column"), ("row", 0, "row")]
+    options += [("hot", h, hot.layout({"t": hot.from_counts(counts, h)})) for h in args.hot]
+    for name, h, layout in options:
         ts = sc.make_train_step(
             loss,
             optax.sgd(0.1),
@@ -170,18 +172,20 @@ def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
         def batch_at(k: int) -> dict:
             return model(stream[k], args.vocab, args.dim)[1]
 
-        # one step first: the middle step's state carries the column rows it fetched
+        # one step first: the middle step's state carries the rows it fetched
         state, _ = ts.step(ts.state, sc.place_for_step(ts, batch_at, 0, 5))
-        batch = sc.place_for_step(ts, batch_at, 1, 5)
-        before = fetch_bytes(layout, stream[1], args.vocab, args.dim, workers) if h else 0.0
+        text = hlo.compiled_text(ts.step, state, sc.place_for_step(ts, batch_at, 1, 5))
+        colls = hlo.scheduled_collectives(text)
+        before = [c.name for c in colls if priority.SCOPE_ROWS in c.op_name]
+        sent = {c.name: c for c in hlo.parse_collectives(text)}
         rows.append(
             {
                 "exponent": exponent,
                 "workers": workers,
-                "layout": "hot" if h else "column",
+                "layout": name,
                 "hot_rows": h,
-                "bytes": hlo.total_bytes(hlo.collectives(ts.step, state, batch)),
-                "bytes_before_forward": before,
+                "bytes": hlo.total_bytes(list(sent.values())),
+                "bytes_before_forward": hlo.total_bytes([sent[n] for n in before]),
             }
         )
     return rows
@@ -289,8 +293,8 @@ def show_bytes(args, jobs: list[tuple[float, int]]) -> None:
 
 
 def show_pipelined(args, jobs: list[tuple[float, int]]) -> None:
-    """The compiled bytes of ``embrace_2d`` with the table column-wise and hot, saved
-    and printed."""
+    """The compiled bytes of ``embrace_2d`` with the table column-wise, row-wise and
+    hot, saved and printed."""
     rows = grid_rows(args, jobs, pipelined_rows, "2d", "hot_rows_pipelined")
     print(f"embrace_2d, V={args.vocab:,} D={args.dim}: KB a worker sends in a middle step")
     print("   s   P  layout      H  step KB  before forward KB")

@@ -395,54 +395,72 @@ PRICING = Pricing(
 # ------------------------------------------------------- 2. fetch rows, 3. send back
 
 
+def split_ids(rows: HotRows, ids):
+    """Where each id of a read is found (jit-able).
+
+    Returns:
+      ``(is_hot, hot_at, cold)``: bool per id, it is hot; its row in this worker's
+      block where hot (``H`` otherwise: a zero row); its stored row where cold, for the
+      row-wise exchange (-1 where hot: no row asked; the row past the leaf for an id
+      outside the table: its row NaN and missed, as the row-wise layout does).
+    """
+    ids = ids.astype(jnp.int32)
+    inside = (ids >= 0) & (ids < rows.vocab)
+    is_hot = inside & rows.is_hot(ids)
+    at = rows.stored_row(jnp.where(inside, ids, 0))
+    nowhere = rows.workers * rows.block
+    cold = jnp.where(is_hot, -1, jnp.where(inside, at, nowhere))
+    return is_hot, jnp.where(is_hot, at, rows.hot.size), cold
+
+
+def hot_gradients(
+    rows: dict[int, HotRows], reads: list[Read], hot_at: list, grads: list, shards, axis, codec
+) -> list:
+    """The hot rows' gradients of ``reads`` (at ``hot_at``, ``split_ids``; ``grads`` per
+    read), summed over the workers: ``[(table index, (rows int[H], float[H, D]))]``, the
+    same on every worker; a hot row no worker read is padding (past the block)."""
+    mine = [i for i in sorted({r.table for r in reads}) if rows[i].hot.size]
+    summed, counts = {}, {}
+    for i in mine:
+        width = shards[i].shape[1]
+        summed[i] = jnp.zeros((rows[i].hot.size, width), F32)  # float[H, D]
+        counts[i] = jnp.zeros((rows[i].hot.size,), jnp.int32)  # int[H]
+        for r, at, g in zip(reads, hot_at, grads, strict=True):
+            if r.table == i:
+                flat = at.reshape(-1)
+                summed[i] = summed[i].at[flat].add(g.reshape(-1, width).astype(F32), mode="drop")
+                counts[i] = counts[i].at[flat].add(1, mode="drop")
+    summed, counts = _sum_hot(summed, counts, axis, codec)
+    out = []
+    for i in mine:
+        read = jnp.where(counts[i] > 0, jnp.arange(rows[i].hot.size), rows[i].block)
+        out.append((i, (read, summed[i])))
+    return out
+
+
 def _fetch(rows: dict[int, HotRows]):
     def fetch(
         shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
     ):
         """Hot ids from this worker's block; the cold ones through ``row.fetch`` (a hot id
-        asks it for no row); an id outside its table for the row past the leaf (its row
-        NaN and missed, as the row-wise layout does)."""
-        hot, cold = [], []
-        for r in reads:
-            h = rows[r.table]
-            ids = r.ids.astype(jnp.int32)
-            inside = (ids >= 0) & (ids < h.vocab)
-            is_hot = inside & h.is_hot(ids)
-            at = h.stored_row(jnp.where(inside, ids, 0))
-            nowhere = h.workers * h.block
-            hot.append((is_hot, jnp.where(is_hot, at, h.hot.size)))  # hot row, or padding
-            cold.append(
-                Read(r.kind, r.table, jnp.where(is_hot, -1, jnp.where(inside, at, nowhere)))
-            )
+        asks it for no row; ``split_ids``)."""
+        split = [split_ids(rows[r.table], r.ids) for r in reads]
+        cold = [Read(r.kind, r.table, c) for r, (_, _, c) in zip(reads, split, strict=True)]
         got = row.fetch(shards, cold, capacity, axis, wire)
         out = []
-        for r, (is_hot, at), far in zip(reads, hot, got.rows, strict=True):
+        for r, (is_hot, at, _), far in zip(reads, split, got.rows, strict=True):
             near = jnp.take(shards[r.table], at, axis=0, mode="fill", fill_value=0)
             out.append(jnp.where(is_hot[..., None], near, far))  # float[*ids.shape, D]
 
         def back(grads):
             far = [
                 jnp.where(is_hot[..., None], 0, g)
-                for (is_hot, _), g in zip(hot, grads, strict=True)
+                for (is_hot, _, _), g in zip(split, grads, strict=True)
             ]
-            pairs = got.back(far)
-            mine = [i for i in sorted({r.table for r in reads}) if rows[i].hot.size]
-            summed, counts = {}, {}
-            for i in mine:
-                width = shards[i].shape[1]
-                summed[i] = jnp.zeros((rows[i].hot.size, width), F32)  # float[H, D]
-                counts[i] = jnp.zeros((rows[i].hot.size,), jnp.int32)  # int[H]
-                for r, (_, at), g in zip(reads, hot, grads, strict=True):
-                    if r.table == i:
-                        flat = at.reshape(-1)
-                        rows_g = g.reshape(-1, width).astype(F32)
-                        summed[i] = summed[i].at[flat].add(rows_g, mode="drop")
-                        counts[i] = counts[i].at[flat].add(1, mode="drop")
-            summed, counts = _sum_hot(summed, counts, axis, wire.backward)
-            for i in mine:  # a hot row no worker read is padding (past the block)
-                read = jnp.where(counts[i] > 0, jnp.arange(rows[i].hot.size), rows[i].block)
-                pairs.append((i, (read, summed[i])))
-            return pairs
+            at = [a for _, a, _ in split]
+            return got.back(far) + hot_gradients(
+                rows, reads, at, grads, shards, axis, wire.backward
+            )
 
         return Fetched(out, back, got.missed)
 
@@ -527,6 +545,12 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         configure=layout,
     )
     return value
+
+
+def rows_of(table, workers: int) -> HotRows:
+    """The ``HotRows`` of a hot table (``tables.Table`` of the hot layout) on ``workers``
+    (none given for it: the row-wise layout's rows)."""
+    return HotRows.of((table.layout.config or {}).get(table.name, ()), table.vocab, workers)
 
 
 def _id_list(table, ids) -> list[int]:

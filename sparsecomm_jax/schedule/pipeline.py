@@ -61,7 +61,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.vma import vary
-from sparsecomm_jax.embedding import access, column, replicas, row
+from sparsecomm_jax.embedding import access, column, hot, replicas, row
 from sparsecomm_jax.embedding.gradients import fetch_all
 from sparsecomm_jax.embedding.layout import CapacityPolicy
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
@@ -125,20 +125,55 @@ def first_chunk(layout_policy) -> CapacityPolicy:
 
 #: The layouts whose tables the pipeline carries across steps, each with its plan of
 #: their ids (capacity), made from the layout's own: a column-wise table's first chunk
-#: (``priority``), a row-wise table's buckets for two batches (``rowwise``).
-CARRIED_CAPACITY = {column.COLUMN.name: first_chunk, row.ROW.name: rowwise.two_batches}
+#: (``priority``), a row-wise or hot table's buckets for two batches (``rowwise``; a
+#: hot table's cold rows).
+CARRIED_CAPACITY = {
+    column.COLUMN.name: first_chunk,
+    row.ROW.name: rowwise.two_batches,
+    hot.HOT.name: rowwise.two_batches,
+}
 
 
 def carried_tables(ctx: StepContext) -> set[int]:
-    """The tables whose rows the pipeline carries across steps: the column-wise and
-    row-wise ones (``CARRIED_CAPACITY``). The others (table-wise, hot rows, replicated)
-    are read through their layouts within the step (``step_rows``)."""
+    """The tables whose rows the pipeline carries across steps: the column-wise,
+    row-wise and hot ones (``CARRIED_CAPACITY``; a hot table's cold rows). The others
+    (table-wise, replicated) are read through their layouts within the step
+    (``step_rows``)."""
     return {t.index for t in ctx.tables if t.layout.name in CARRIED_CAPACITY}
 
 
 def row_wise(ctx: StepContext) -> set[int]:
-    """The carried tables that are row-wise (``schedule.rowwise``); the others column-wise."""
-    return {t.index for t in ctx.tables if t.layout.name == row.ROW.name}
+    """The carried tables exchanged row-wise (``schedule.rowwise``): the row-wise and
+    hot ones; the others are column-wise."""
+    return {t.index for t in ctx.tables if t.layout.name in (row.ROW.name, hot.HOT.name)}
+
+
+def hot_tables(ctx: StepContext) -> dict[int, hot.HotRows]:
+    """The carried hot tables' ``HotRows`` (where each id lives, on a group's devices)."""
+    return {
+        t.index: hot.rows_of(t, ctx.group_size) for t in ctx.tables if t.layout.name == hot.HOT.name
+    }
+
+
+def exchanged(ctx: StepContext, read):
+    """``read`` as the row-wise exchange sees it: a hot table's ids as their stored rows
+    where cold, -1 (no row asked) where hot (``hot.split_ids``); another table's as it is."""
+    rows_of = hot_tables(ctx)
+    if read.table not in rows_of:
+        return read
+    return read._replace(ids=hot.split_ids(rows_of[read.table], read.ids)[2])
+
+
+def with_hot_rows(ctx: StepContext, read, got, shard):
+    """A hot table's rows for ``read``: the carried cold rows (zero where hot) with the hot
+    rows read from this worker's block of ``shard``, as the step's tables hold them (a
+    hot row is updated by the step's update, never early); another table's ``got``."""
+    rows_of = hot_tables(ctx)
+    if read.table not in rows_of:
+        return got
+    is_hot, at, _ = hot.split_ids(rows_of[read.table], read.ids)
+    near = jnp.take(shard, at, axis=0, mode="fill", fill_value=0)
+    return jnp.where(is_hot[..., None], near.astype(got.dtype), got)
 
 
 def carried_reads(ctx: StepContext, reads: list) -> list:
@@ -165,6 +200,10 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
     else:
         tables = {i: leaves[i] for i in carried}
         got = prefetch(ctx, tables, [reads[k] for k in mine], slots)
+    got = [
+        with_hot_rows(ctx, reads[k], g, leaves[reads[k].table])
+        for k, g in zip(mine, got, strict=True)
+    ]
     rows = dict(zip(mine, got, strict=True))
     back, missed = (lambda g_rows: []), {}
     if others:
@@ -183,7 +222,8 @@ def prefetch(
     ctx: StepContext, tables: dict[int, Any], reads: list, slots: dict[int, int], patches=None
 ) -> list:
     """Rows for each logged read of a carried table, from ``tables`` (column-wise or
-    row-wise; ``slots`` a row-wise table's capacity); with ``patches`` (table index ->
+    row-wise; ``slots`` a row-wise table's capacity; a hot table's cold rows, zero where
+    hot: ``with_hot_rows`` reads those in the step); with ``patches`` (table index ->
     ``RowGrad``) each row read with its early update added (``patched_take``)."""
     out, axis, by_rows = [], ctx.axis_name, row_wise(ctx)
     for read in reads:
@@ -192,7 +232,7 @@ def prefetch(
         if patches is not None:
             take = functools.partial(_take_patched, patch=patches[read.table])
         if read.table in by_rows:
-            out.append(rowwise.fetch(shard, read, slots[read.table], axis, take))
+            out.append(rowwise.fetch(shard, exchanged(ctx, read), slots[read.table], axis, take))
             continue
         fetch = column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
         out.append(fetch(shard, read.ids, axis, take))
@@ -295,7 +335,9 @@ def row_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int, sha
     gradients, and every id batch t+1 reads of it on every worker (every group's)."""
     mine = [k for k, r in enumerate(reads) if r.table == i]
     fut = _future_ids(future, i, ctx.batch_axes)[0] if future else None
-    got = [reads[k] for k in mine], [g_rows[k] for k in mine]
+    if fut is not None and i in hot_tables(ctx):  # batch t+1's cold rows, as stored
+        fut = hot.split_ids(hot_tables(ctx)[i], fut)[2]
+    got = [exchanged(ctx, reads[k]) for k in mine], [g_rows[k] for k in mine]
     return rowwise.plan(*got, fut, capacity, shard, ctx.axis_name)
 
 
@@ -334,6 +376,24 @@ def across_groups(ctx: StepContext, pairs: dict[int, list], tables: dict) -> dic
     return replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
 
 
+def hot_pairs(ctx: StepContext, reads, g_rows, tables, after, later: dict) -> dict[int, list]:
+    """The carried hot tables' late pairs (``later``) with their hot rows' gradients
+    added: summed over the workers (``hot.hot_gradients``, one all-reduce), sent once
+    ``after`` (every first chunk) has arrived."""
+    rows_of, out = hot_tables(ctx), {}
+    mine = [k for k, r in enumerate(reads) if r.table in rows_of]
+    if not mine:
+        return out
+    at = [hot.split_ids(rows_of[reads[k].table], reads[k].ids)[1] for k in mine]
+    grads = [waits_for(g_rows[k], after) for k in mine]
+    summed = hot.hot_gradients(
+        rows_of, [reads[k] for k in mine], at, grads, tables, ctx.axis_name, ctx.wire.backward
+    )
+    for i, pair in summed:
+        out[i] = [*out.get(i, later[i]), pair]
+    return out
+
+
 def in_step_pairs(back, g_rows: list, after) -> dict[int, list]:
     """The gradients of the tables read within the step (``step_rows``) at their
     owners, table index -> pairs, sent once ``after`` (every column table's first
@@ -363,7 +423,8 @@ def exchange_body(ctx: StepContext):
         params, leaves = state.params, jax.tree.leaves(state.params)
         reads = pipelined_reads(ctx, params, batch.data, NO_ATTEND_2D)
         tables, slots = {i: leaves[i] for i in widths}, batch.slots(ctx.tables)
-        rows, back, missed = step_rows(ctx, state.carry, reads, leaves, slots)
+        with jax.named_scope(priority.SCOPE_ROWS):  # nothing for carried rows after step 0
+            rows, back, missed = step_rows(ctx, state.carry, reads, leaves, slots)
         varying = vary((params, rows), ctx.batch_axes)  # each worker's own gradient
         grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
         loss, (g_params, g_rows) = grad_fn(*varying)
@@ -395,6 +456,7 @@ def exchange_body(ctx: StepContext):
                 late = rp._replace(grads=waits_for(rp.grads, after))
                 later[i], lost = rowwise.later_pairs(late, sent[i], ctx.axis_name)
                 missed[i] = missed[i] | lost if i in missed else lost
+            later |= hot_pairs(ctx, reads, g_rows, tables, after, later)
             later = across_groups(ctx, later | in_step_pairs(back, g_rows, after), tables)
         num = ctx.num_workers
         fulls = {

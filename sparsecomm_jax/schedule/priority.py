@@ -40,6 +40,7 @@ HIGH, LOW = 0, 1
 SCOPE_HIGH, SCOPE_LOW, SCOPE_NEXT = "embrace2d_high", "embrace2d_low", "embrace2d_next_lookup"
 SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
 SCOPE_DENSE = "embrace2d_dense"  # the dense layers' mean (no data edge to the tables')
+SCOPE_ROWS = "embrace2d_step_rows"  # rows fetched in the step, before its forward pass
 
 
 # --------------------------------------------------------------------------- planning
