@@ -230,7 +230,8 @@ class RunConfig:
     plan: str | TablePlan = _field(
         "",
         "a layout per embedding table (embrace, embrace_rowwise, sparse_allgather, "
-        "embrace_2d: its column tables pipelined, the others read within each step): auto "
+        "embrace_2d: its column, row and hot tables pipelined, the others read within each "
+        "step): auto "
         "(the planner's candidates, on --link-gbit/--link-alpha-us and --plan-memory-mb, "
         "each timed a few steps here, the fastest kept; hot rows priced from --histogram "
         "or the first 16 batches), "
