@@ -134,7 +134,7 @@ def test_row_reads_of_two_tables_share_one_exchange_and_match_blocks():
 
 
 def test_gradients_sent_alone_reach_their_owners_as_the_blocks_say():
-    """``row.send_gradients`` (the pipelined step's chunks): each owner gets, per id it
+    """``row.send_gradients`` (the pipelined step's chunks), one table: each owner gets, per id it
     owns, the sum of every worker's gradient rows at that id; a negative id sends
     nothing; with too few slots, the ids past a bucket's C are flagged missed and sent
     nowhere. Reference: per worker, its block of ids, bucketed in ascending order."""
@@ -145,7 +145,7 @@ def test_gradients_sent_alone_reach_their_owners_as_the_blocks_say():
     mesh, data = runtime.data_mesh(N), P("data")
 
     def body(i, g):
-        (local, rows), missed = row.send_gradients(i, g, cap, "data", v // N)
+        [((local, rows), missed)] = row.send_gradients([i], [g], [cap], "data", [v // N])
         return jnp.zeros((v // N, d)).at[local].add(rows, mode="drop"), missed
 
     fn = jax.jit(

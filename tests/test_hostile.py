@@ -347,6 +347,45 @@ def test_an_id_the_model_computes_outside_its_table_skips_the_step(strategy):
         np.testing.assert_array_equal(value, before[name])
 
 
+@pytest.mark.parametrize("layout", ["row", "hot"])
+def test_embrace_2d_skips_only_the_step_whose_computed_id_is_outside(layout):
+    """In ``embrace_2d``'s pipelined program a carried table's rows for batch t+1 are
+    fetched during step t, so an id the model computes outside the table in batch t+1
+    reads a NaN row there: step t must train as ``embrace``'s does, step t+1 is skipped
+    (loss +inf, parameters unchanged), and the step after it trains again, to
+    ``embrace``'s losses and tables."""
+    from sparsecomm_jax.embedding import hot
+
+    item = hot.layout({"item": [0, 1]}) if layout == "hot" else layout
+    layouts = {"user": "row", "item": item}
+
+    def batch_at(k: int) -> dict:  # batch 1: an item id of V exactly (a row-wise
+        batch = {**two_table_batch(), "shift": np.zeros(N, np.int32)}  # padding row)
+        batch["shift"][2] = ITEM - batch["item"][2] if k == 1 else 0
+        return batch
+
+    kw = dict(id_keys=("user", "item"), loss=shifted, table_layouts=layouts)
+    ref = two_table_step("embrace", **kw)
+    ts = two_table_step("embrace_2d", collectives_overlap=True, **kw)
+    assert ts.runs_as == "embrace_2d"
+    want_state, got_state, want, got = ref.state, ts.state, [], []
+    for k in range(3):
+        want_state, loss = ref.step(want_state, ref.place_batch(batch_at(k)))
+        want.append(sc.loss_value(loss))
+        before = ts.host_params(got_state)
+        got_state, loss = ts.step(got_state, sc.place_for_step(ts, batch_at, k, 3))
+        got.append(sc.loss_value(loss))
+        if k == 1:  # skipped: nothing moved
+            for name, value in ts.host_params(got_state).items():
+                np.testing.assert_array_equal(value, before[name])
+        for name, value in ts.host_params(got_state).items():
+            np.testing.assert_allclose(
+                value, ref.host_params(want_state)[name], rtol=1e-5, atol=1e-6
+            )
+    assert want[1] == got[1] == np.inf and np.isfinite([want[0], want[2]]).all()
+    assert got == pytest.approx(want, rel=1e-5)
+
+
 def test_bool_ids_are_named_not_the_float_label():
     """A flax model given bool token ids: the error names the id key (it named the
     float label, the only float key, before)."""

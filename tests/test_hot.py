@@ -194,6 +194,29 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     assert carried == [pipelined] * 3 + [0]  # none after the last step
 
 
+@pytest.mark.parametrize("kind, count", [("row", 1), ("hot", 2)])
+def test_a_pipelined_table_read_by_shared_negatives_equals_embrace(kind, count):
+    """A language model's tied table read by a lookup and by shared negatives (a
+    sampled softmax: every worker holds the same ids), row-wise on 8 devices and hot on
+    2 x 4 groups, carried by ``embrace_2d``'s pipelined program: ``embrace``'s losses
+    and tables. (The shared negatives' rows are summed over the workers; the carry and
+    the guard's refetch are typed alike.)"""
+    w = get_workload(
+        "gpt2", vocab=40, dim=8, layers=1, heads=2, seq_len=8, batch=8, sampled_softmax=4
+    )
+    params = w.init(jax.random.key(0))
+    [name] = [table_name(p) for p in w.embedding_paths]
+    layouts = {name: hot.layout({name: [0, 3]}) if kind == "hot" else kind}
+    kw = dict(table_layouts=layouts, replicas=count, id_keys=w.id_keys)
+    ref = workload_step(w, params, 8, optax.sgd(0.5), "embrace", **kw)
+    ts = workload_step(w, params, 8, optax.sgd(0.5), "embrace_2d", collectives_overlap=True, **kw)
+    assert ts.runs_as == "embrace_2d"
+    want_state, want = run_placed(ref, w.batch_at, 3)
+    state, got = run_placed(ts, w.batch_at, 3)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert_trees_close(ts.host_params(state), ref.host_params(want_state))
+
+
 def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
     """In a middle step's compiled program the hot table's gradients (the hot rows'
     all-reduce, the cold rows' all-to-all) and the late chunks of the column-wise and
@@ -244,7 +267,7 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
         assert first <= hlo.ancestors(instrs, c.name), c.name
     for c in named(priority.SCOPE_NEXT, "all-to-all"):
         assert not hlo.ancestors(instrs, c.name) & {c.name for c in late}
-    assert len(first) >= 2  # the column table's first chunk and the row-wise one's
+    assert len(first) == 2  # the column table's first chunk; the hot and row-wise ones
     assert step(dict.fromkeys(layouts, "table")).runs_as == "embrace"
 
 

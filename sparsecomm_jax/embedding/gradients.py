@@ -130,7 +130,7 @@ def table_gradients(
     return loss, grads, pairs, missed
 
 
-def _outside(tables, reads) -> dict[int, jax.Array]:
+def outside(tables, reads) -> dict[int, jax.Array]:
     """Table index -> bool[]: some id this worker reads of it lies outside [0, V). The
     host checks a batch's ids before a step; this catches the ids a model computes
     (an offset added, a hash taken), which it cannot see: the step is marked as one
@@ -167,7 +167,7 @@ def fetch_all(
             continue
         layout = next(t.layout for t in tables if t.index == reads[k].table)
         groups.setdefault(layout.name, (layout, []))[1].append(k)
-    backs, missed = [], _outside(tables, [reads[k] for k in order])
+    backs, missed = [], outside(tables, [reads[k] for k in order])
     shards = {t.index: leaves[t.index] for t in tables}  # a pack: another table's leaf
     for layout, ks in groups.values():
         fetched = layout.fetch(shards, [reads[k] for k in ks], capacity, axis, wire)

@@ -400,7 +400,8 @@ def split_ids(rows: HotRows, ids):
 
     Returns:
       ``(is_hot, hot_at, cold)``: bool per id, it is hot; its row in this worker's
-      block where hot (``H`` otherwise: a zero row); its stored row where cold, for the
+      block where hot (``H`` otherwise: a row past the hot ones, for the caller to
+      mask, or to drop from a ``float[H, D]`` sum); its stored row where cold, for the
       row-wise exchange (-1 where hot: no row asked; the row past the leaf for an id
       outside the table: its row NaN and missed, as the row-wise layout does).
     """

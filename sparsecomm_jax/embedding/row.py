@@ -31,7 +31,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -159,7 +159,7 @@ def fetch_many(
     capacities: list[int],
     axis: str,
     wire=comm_wire.DEFAULT,
-    take: Callable | None = None,
+    take: Callable | Sequence[Callable] | None = None,
 ):
     """``fetch_one`` for several reads (of one or several tables) through one exchange:
     the buckets of every read side by side in one all-to-all of ids, the rows found in
@@ -174,16 +174,16 @@ def fetch_many(
       axis: the mesh axis.
       wire: the codecs rows (``forward``) and their gradients (``backward``) travel in.
       take: ``take(shard, local) -> rows``, how an owner reads the rows asked of it
-        (``local`` int[P, C] in its shard, ``V/P`` for an empty slot: a zero row);
-        default ``take_rows`` (the pipelined step reads the rows with its early update
-        added).
+        (``local`` int[P, C] in its shard, ``V/P`` for an empty slot: a zero row), or
+        one per read; default ``take_rows`` (the pipelined step reads the rows with
+        their early update added).
 
     Returns:
       ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(grads)`` -> per
       read ``(ids in my shard int[P*C], summed gradient rows float[P*C, D])``; per read
       bool[]: some id found no slot (C too small; its rows are NaN).
     """
-    take = take or take_rows
+    takes = list(take) if isinstance(take, Sequence) else [take or take_rows] * len(shards)
     num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     caps = [min(c, i.size) for c, i in zip(capacities, ids, strict=True)]
     skips = [i.reshape(-1) < 0 for i in ids]  # ids the caller does not want: no row
@@ -197,7 +197,7 @@ def fetch_many(
         jnp.where(a >= 0, a - me * t.shape[0], t.shape[0])
         for t, a in zip(shards, _split(asked, starts), strict=True)
     ]  # per read int[P, C]
-    found = [take(t, loc) for t, loc in zip(shards, local, strict=True)]  # [P, C, D] each
+    found = [f(t, loc) for f, t, loc in zip(takes, shards, local, strict=True)]  # [P, C, D]
     widths = [t.shape[1] for t in shards]
     got = comm_wire.a2a_rows(found, axis, wire.forward)  # per read float[P, C, D]
     rows = [  # each in its table's dtype (tables of several dtypes travel together)
@@ -235,37 +235,58 @@ def bucket_sums(grads, position, num_workers: int, capacity: int):
     return flat.reshape(num_workers, capacity, width)
 
 
-def send_gradients(ids, grads, capacity: int, axis: str, rows_per: int, codec=comm_wire.FLOAT32):
-    """This worker's gradient rows summed per id and sent to the ids' owners: the way
-    back of ``fetch_many`` on its own (one all-to-all of ids, one of rows), for a step
-    that sends a table's gradient in chunks (``schedule.rowwise``).
+def send_gradients(
+    ids: list,
+    grads: list,
+    capacities: list[int],
+    axis: str,
+    rows_per: list[int],
+    codec=comm_wire.FLOAT32,
+) -> list:
+    """Gradient rows summed per id and sent to the ids' owners, for several tables at
+    once: the way back of ``fetch_many`` on its own (one all-to-all of every table's
+    ids, one of their rows), for a step that sends the gradients in chunks
+    (``schedule.rowwise``).
 
-    Per worker (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; C=1)::
+    Per worker (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; C=1; one table)::
 
         before:      w0 ids [5, 5, -1] grads [a, b, c]    w1 ids [1] grads [d]
         buckets:     w0 [[-], [5: a+b]]                   w1 [[1: d], [-]]
         all_to_all:  w0 holds (1, d)                      w1 holds (5 - 4, a+b)
 
     Args:
-      ids: int[n] rows of the table (< P * ``rows_per``); a negative id sends nothing.
-      grads: float[n, D], the gradient at each position.
-      capacity: C, slots per (worker, owner) bucket.
+      ids: per table, int[n] rows (< P * its ``rows_per``); a negative id sends nothing.
+      grads: per table, float[n, D] the gradient at each position (the widths may
+        differ).
+      capacities: per table, C, slots per (worker, owner) bucket.
       axis: the mesh axis.
-      rows_per: the rows of each worker's shard.
+      rows_per: per table, the rows of each worker's shard.
       codec: the codec the rows travel in.
 
     Returns:
-      ``((ids in my shard int[P*C], rows float32[P*C, D]), missed)``: the pairs at this
-      owner (``rows_per`` in an empty slot); ``missed`` bool[n]: a position whose id
-      found no slot (its gradient was not sent).
+      Per table ``((ids in my shard int[P*C], rows float32[P*C, D]), missed)``: the
+      pairs at this owner (``rows_per`` in an empty slot); ``missed`` bool[n], a
+      position whose id found no slot (its gradient was not sent).
     """
-    num = jax.lax.axis_size(axis)
-    vocab, c = rows_per * num, max(1, min(capacity, ids.shape[0]))
-    send, pos = bucket_plan(jnp.where(ids < 0, vocab, ids), vocab, num, c)
-    asked = jax.lax.all_to_all(send, axis, 0, 0)  # int[P, C]: the ids sent to me
-    (got,) = comm_wire.a2a_rows([bucket_sums(grads, pos, num, c)], axis, codec)
-    local = jnp.where(asked >= 0, asked - jax.lax.axis_index(axis) * rows_per, rows_per)
-    return (local.reshape(-1), got.reshape(num * c, -1)), (pos == num * c) & (ids >= 0)
+    num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    caps = [min(c, i.shape[0]) for c, i in zip(capacities, ids, strict=True)]
+    plans = [
+        bucket_plan(jnp.where(i < 0, r * num, i), r * num, num, c)
+        if c
+        else (jnp.zeros((num, 0), i.dtype), jnp.zeros(i.shape, jnp.int32))
+        for i, r, c in zip(ids, rows_per, caps, strict=True)
+    ]  # per table (int[P, C], int[n])
+    asked = jax.lax.all_to_all(jnp.concatenate([s for s, _ in plans], 1), axis, 0, 0)
+    sums = [bucket_sums(g, pos, num, c) for g, (_, pos), c in zip(grads, plans, caps, strict=True)]
+    got = comm_wire.a2a_rows(sums, axis, codec)  # per table float32[P, C, D]
+    out = []
+    for block, got_ids, i, r, c, (_, pos) in zip(
+        got, _split(asked, np.cumsum([0, *caps])), ids, rows_per, caps, plans, strict=True
+    ):
+        local = jnp.where(got_ids >= 0, got_ids - me * r, r)
+        missed = (pos == num * c) & (i >= 0)
+        out.append(((local.reshape(-1), block.reshape(num * c, -1)), missed))
+    return out
 
 
 def _split(x, bounds) -> list:

@@ -467,8 +467,8 @@ def build(ctx: StepContext) -> Overlapped:
     if others := [t.name for t in ctx.tables if t.layout.name != COLUMN.name]:
         raise ValueError(
             f"make_overlapped exchanges column-wise tables only; {few(others)} have other "
-            "layouts (table_layouts): use make_train_step(..., 'embrace_2d'), which reads "
-            "them within each step"
+            "layouts (table_layouts): use make_train_step(..., 'embrace_2d'), which "
+            "takes a layout per table"
         )
     state, specs = placement.place_state(ctx, unpadded=(COLUMN.name,))
     kinds = split_roles(ctx, state.opt_state)

@@ -19,15 +19,16 @@ tables (row-wise ones below):
    or a skipped step, makes the step fetch the next rows again from the final tables
    (exact, slower).
 
-Row-wise tables (``table_layouts``) are pipelined too (``schedule.rowwise``): their
-gradient travels to the owners in two chunks, the positions batch t+1 reads first and
-the rest once every first chunk has arrived, and batch t+1's rows are fetched from
-the owners with the early update added, then carried. Tables of other layouts
-(table-wise, hot rows, replicated) run beside the pipelined ones: their rows are
-fetched in step t's exchange, before the forward pass, through their layout, and their
-gradients return after every first chunk, as ``embrace`` reads them
-(``carried_tables``). A hot table's hot rows need no exchange before the forward pass;
-its cold rows are fetched as the row layout fetches them.
+Row-wise and hot tables (``table_layouts``) are pipelined too (``schedule.rowwise``):
+their gradient travels to the owners in two chunks, the positions batch t+1 reads first
+and the rest once every first chunk has arrived (the lookups of every such table in
+one exchange), and batch t+1's rows are fetched from the owners with the early update
+added, then carried. A hot table's cold rows travel so; its hot rows are read where
+they are at the start of each step (the step's update moves them, never early), and
+their all-reduce goes with the late chunks. Table-wise and replicated tables run beside
+the pipelined ones: their rows are fetched in step t's exchange, before the forward
+pass, through their layout, and their gradients return after every first chunk, as
+``embrace`` reads them (``carried_tables``).
 
 With replica groups (``replicas=R``) each group exchanges its chunks within itself;
 the priorities are those of every group's next batches (a row any group reads next
@@ -62,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.vma import vary
 from sparsecomm_jax.embedding import access, column, hot, replicas, row
-from sparsecomm_jax.embedding.gradients import fetch_all
+from sparsecomm_jax.embedding.gradients import fetch_all, outside
 from sparsecomm_jax.embedding.layout import CapacityPolicy
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
 from sparsecomm_jax.embedding.tables import split_tables
@@ -84,30 +85,33 @@ def waits_for(x, after, same_over: str | None = None):
     """``x``, made to wait for every array in ``after``: a real data edge ``x + (a - a)``
     with ``a`` the sum of one element of each (``edge``). (XLA:CPU drops
     ``optimization_barrier`` before scheduling, and does not fold ``a - a`` for floats;
-    for finite ``a`` this adds exactly zero, and a non-finite ``after`` poisons the step
-    anyway.)"""
+    ``a`` is made finite, so this adds exactly zero: a NaN row of the next batch, such
+    as an id outside its table reads, leaves this step's values alone.)"""
     a = edge(after, same_over)
     return x + (a - a).astype(x.dtype)
 
 
 def edge(after, same_over: str | None = None) -> jax.Array:
-    """float32[]: the sum of one element of every array in ``after``, for ``waits_for``.
+    """float32[]: the sum of one element of every array in ``after`` (0 where that is not
+    finite), for ``waits_for``.
 
     ``same_over``: a mesh axis the waiting values are the same over while ``after`` is
     not (the replica groups): the sum is reduced over it (a scalar all-reduce), so
     they stay typed the same over it."""
     firsts = [leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(after)]
     a = sum(firsts, jnp.zeros((), jnp.float32))
+    a = jnp.where(jnp.isfinite(a), a, 0.0)  # a NaN row read next must not reach this step
     return jax.lax.pmax(a, same_over) if same_over is not None else a
 
 
 def pipelined_reads(ctx: StepContext, params, data, attend_error: str = "") -> list:
-    """``ctx.reads``, refusing a read of no ids (a bag of width 0) of a table whose rows
+    """``ctx.reads``, refusing a read of no ids (a bag of width 0) of a column-wise table
     the pipeline carries: it plans each such table's positions from its reads and has
-    none to plan (``embrace`` takes it, as do the tables read within the step)."""
+    none to plan (``embrace`` takes it, as do the row-wise and hot tables, which send
+    nothing for it, and the tables read within the step)."""
     reads = ctx.reads(params, data, attend_error)
-    carried = carried_tables(ctx)
-    tables = {t.index: t.name for t in ctx.tables if t.index in carried}
+    columns = carried_tables(ctx) - row_wise(ctx)
+    tables = {t.index: t.name for t in ctx.tables if t.index in columns}
     if empty := sorted({tables[r.table] for r in reads if r.ids.size == 0 and r.table in tables}):
         raise ValueError(
             f"tables {empty} are read with no ids (a bag of width 0): the pipelined step "
@@ -183,9 +187,10 @@ def carried_reads(ctx: StepContext, reads: list) -> list:
 
 
 def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[int, int]):
-    """Every read's rows for the step's forward pass: a column table's carried from
-    step t-1 (or fetched now, at the first step), another layout's fetched now through
-    that layout (``gradients.fetch_all``).
+    """Every read's rows for the step's forward pass: a carried table's (column-wise,
+    row-wise, hot) carried from step t-1 (or fetched now, at the first step; a hot
+    table's hot rows read here), another layout's fetched now through that layout
+    (``gradients.fetch_all``).
 
     Returns:
       ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(g_rows)`` ->
@@ -221,22 +226,39 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
 def prefetch(
     ctx: StepContext, tables: dict[int, Any], reads: list, slots: dict[int, int], patches=None
 ) -> list:
-    """Rows for each logged read of a carried table, from ``tables`` (column-wise or
-    row-wise; ``slots`` a row-wise table's capacity; a hot table's cold rows, zero where
-    hot: ``with_hot_rows`` reads those in the step); with ``patches`` (table index ->
-    ``RowGrad``) each row read with its early update added (``patched_take``)."""
-    out, axis, by_rows = [], ctx.axis_name, row_wise(ctx)
-    for read in reads:
-        shard = tables[read.table]
-        take = None
-        if patches is not None:
-            take = functools.partial(_take_patched, patch=patches[read.table])
+    """Rows for each logged read of a carried table, from ``tables``: a column-wise
+    table's by its exchange, the row-wise and hot tables' lookups by one exchange for
+    all of them (``rowwise.fetch``; ``slots`` their capacities; a hot table's cold rows,
+    zero where hot: ``with_hot_rows`` reads those in the step). With ``patches`` (table
+    index -> ``RowGrad``) each row is read with its early update added
+    (``patched_take``). Typed as varying over the batch axes, as the carry is."""
+    axis, by_rows = ctx.axis_name, row_wise(ctx)
+    out: list = [None] * len(reads)
+    for k, read in enumerate(reads):
         if read.table in by_rows:
-            out.append(rowwise.fetch(shard, exchanged(ctx, read), slots[read.table], axis, take))
             continue
+        take = (
+            None if patches is None else functools.partial(_take_patched, patch=patches[read.table])
+        )
         fetch = column.fetch_rows if read.kind == access.LOOKUP else column.fetch_shared_rows
-        out.append(fetch(shard, read.ids, axis, take))
-    return out
+        out[k] = fetch(tables[read.table], read.ids, axis, take)
+    mine = [k for k, r in enumerate(reads) if r.table in by_rows]
+    if mine:
+        takes = None
+        if patches is not None:
+            takes = [
+                functools.partial(_take_patched_rows, patch=patches[reads[k].table]) for k in mine
+            ]
+        got = rowwise.fetch(
+            [tables[reads[k].table] for k in mine],
+            [exchanged(ctx, reads[k]) for k in mine],
+            [slots[reads[k].table] for k in mine],
+            axis,
+            takes,
+        )
+        for k, rows in zip(mine, got, strict=True):
+            out[k] = rows
+    return vary(out, ctx.batch_axes)  # a sum over the workers (shared ids) is typed the same
 
 
 # ----------------------------------------------------------- 1. the exchange
@@ -334,11 +356,12 @@ def row_plan(ctx: StepContext, reads, g_rows, future, capacity: int, i: int, sha
     """``rowwise.RowPlan`` of row-wise table ``i``: its reads of batch t and their
     gradients, and every id batch t+1 reads of it on every worker (every group's)."""
     mine = [k for k, r in enumerate(reads) if r.table == i]
-    fut = _future_ids(future, i, ctx.batch_axes)[0] if future else None
-    if fut is not None and i in hot_tables(ctx):  # batch t+1's cold rows, as stored
-        fut = hot.split_ids(hot_tables(ctx)[i], fut)[2]
+    fut = _future_ids(future[:1], i, ctx.batch_axes)[0] if future else None  # t+1 alone
+    rows_of = hot_tables(ctx)
+    if fut is not None and i in rows_of:  # batch t+1's cold rows, as stored
+        fut = hot.split_ids(rows_of[i], fut)[2]
     got = [exchanged(ctx, reads[k]) for k in mine], [g_rows[k] for k in mine]
-    return rowwise.plan(*got, fut, capacity, shard, ctx.axis_name)
+    return rowwise.plan(*got, fut, capacity, shard.shape[0], ctx.axis_name)
 
 
 def first_pairs(ctx: StepContext, plan: Plan) -> list:
@@ -390,13 +413,13 @@ def hot_pairs(ctx: StepContext, reads, g_rows, tables, after, later: dict) -> di
         rows_of, [reads[k] for k in mine], at, grads, tables, ctx.axis_name, ctx.wire.backward
     )
     for i, pair in summed:
-        out[i] = [*out.get(i, later[i]), pair]
+        out[i] = [*later[i], pair]
     return out
 
 
 def in_step_pairs(back, g_rows: list, after) -> dict[int, list]:
     """The gradients of the tables read within the step (``step_rows``) at their
-    owners, table index -> pairs, sent once ``after`` (every column table's first
+    owners, table index -> pairs, sent once ``after`` (every carried table's first
     chunk) has arrived."""
     pairs: dict[int, list] = {}
     for i, pair in back([waits_for(g, after) for g in g_rows]):
@@ -408,14 +431,15 @@ class Exchanged(NamedTuple):
     """What the exchange program hands on (global arrays once out of ``shard_map``)."""
 
     grads: Gradients  # loss, finite flag, the step's mean gradient, agg_state, missed
-    firsts: dict  # column table index -> RowGrad: the first chunk's mean gradient
+    firsts: dict  # carried table index -> RowGrad: the first chunk's mean gradient
     spill: jax.Array  # on every worker: a row batch t+1 reads missed the first chunk
 
 
 def exchange_body(ctx: StepContext):
     """Step 1 per worker: forward/backward on the carried rows (and the rows of the
-    tables read within the step), the dense layers' aggregation, every column table's
-    chunks in priority order, then the other tables' gradients."""
+    tables read within the step), the dense layers' aggregation, every carried table's
+    first chunk (column-wise by position, row-wise and hot in one exchange), then the
+    late chunks, the hot rows' all-reduce and the other tables' gradients."""
     widths, mask = ctx.widths, ctx.table_mask
     loss_of_rows = access.answered_loss(ctx.loss_fn, mask, attend_error=NO_ATTEND_2D)
 
@@ -425,6 +449,10 @@ def exchange_body(ctx: StepContext):
         tables, slots = {i: leaves[i] for i in widths}, batch.slots(ctx.tables)
         with jax.named_scope(priority.SCOPE_ROWS):  # nothing for carried rows after step 0
             rows, back, missed = step_rows(ctx, state.carry, reads, leaves, slots)
+        # an id the model computes outside its table (the host checks the batch's): the
+        # step is marked, as the layouts' own fetch marks it
+        for i, flag in outside(ctx.tables, carried_reads(ctx, reads)).items():
+            missed[i] = missed[i] | flag if i in missed else flag
         varying = vary((params, rows), ctx.batch_axes)  # each worker's own gradient
         grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
         loss, (g_params, g_rows) = grad_fn(*varying)
@@ -443,19 +471,23 @@ def exchange_body(ctx: StepContext):
         plans = {i: plan for i, (plan, _) in planned.items()} | row_plans
         flags = [s for _, s in planned.values()]
         with jax.named_scope(priority.SCOPE_HIGH):
-            firsts, sent = {i: first_pairs(ctx, plans[i]) for i in planned}, {}
-            for i, rp in row_plans.items():
-                firsts[i], sent[i] = rowwise.first_pairs(rp, ctx.axis_name)
-                flags.append(rowwise.spill(rp, sent[i]))
+            firsts = {i: first_pairs(ctx, plans[i]) for i in planned}
+            row_firsts, sent = rowwise.first_pairs(row_plans, ctx.axis_name)
+            firsts |= row_firsts
+            flags += [rowwise.spill(rp, sent[i]) for i, rp in row_plans.items()]
             firsts = across_groups(ctx, firsts, tables)
         spill = functools.reduce(jnp.logical_or, flags, jnp.array(False))
         with jax.named_scope(priority.SCOPE_LOW):
             after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
             later = {i: later_pairs(ctx, plans[i], after) for i in planned}
-            for i, rp in row_plans.items():
-                late = rp._replace(grads=waits_for(rp.grads, after))
-                later[i], lost = rowwise.later_pairs(late, sent[i], ctx.axis_name)
-                missed[i] = missed[i] | lost if i in missed else lost
+            late = {  # ids and rows wait for every first chunk
+                i: rp._replace(ids=waits_for(rp.ids, after), grads=waits_for(rp.grads, after))
+                for i, rp in row_plans.items()
+            }
+            row_later, lost = rowwise.later_pairs(late, sent, ctx.axis_name)
+            later |= row_later
+            for i, flag in lost.items():
+                missed[i] = missed[i] | flag if i in missed else flag
             later |= hot_pairs(ctx, reads, g_rows, tables, after, later)
             later = across_groups(ctx, later | in_step_pairs(back, g_rows, after), tables)
         num = ctx.num_workers
@@ -506,15 +538,15 @@ def patched_take(shard: jax.Array, patch: RowGrad, ids: jax.Array) -> jax.Array:
       shard: float[V, D/P] (a column-wise shard), or float[V/P, D] (a row-wise one).
       patch: ascending ids int[m] (padding, the shard's rows, last) and their update
         rows.
-      ids: int[...] rows to read; one past the shard (an empty slot of the row-wise
-        exchange) reads a zero row.
+      ids: int[...] rows to read, in [0, rows); an id outside reads NaN (``jnp.take``),
+        as the layout's own fetch does.
 
     Returns:
       ``float[*ids.shape, D/P]`` (``[*ids.shape, D]`` row-wise).
     """
-    rows = jnp.take(shard, ids, axis=0, mode="fill", fill_value=0)
+    rows = jnp.take(shard, ids, axis=0)
     pos = jnp.clip(jnp.searchsorted(patch.ids, ids), 0, patch.ids.shape[0] - 1)
-    hit = (jnp.take(patch.ids, pos) == ids) & (ids < shard.shape[0])
+    hit = jnp.take(patch.ids, pos) == ids
     delta = jnp.take(patch.rows, pos, axis=0).astype(shard.dtype)
     return rows + jnp.where(hit[..., None], delta, 0)
 
@@ -553,6 +585,13 @@ def _is_float(x) -> bool:
 
 def _take_patched(shard, ids, patch):
     return patched_take(shard, patch, ids)
+
+
+def _take_patched_rows(shard, local, patch):
+    """``patched_take`` for an owner of the row-wise exchange: an empty slot of a bucket
+    (``local`` = the shard's rows) reads a zero row."""
+    rows = patched_take(shard, patch, local)
+    return jnp.where((local < shard.shape[0])[..., None], rows, 0)
 
 
 # ----------------------------------------------------------------- 5. the guard

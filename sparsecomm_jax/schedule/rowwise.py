@@ -35,7 +35,6 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -85,31 +84,38 @@ def plan(
     g_rows: list,
     future_ids: jax.Array | None,
     capacity: int,
-    shard: jax.Array,
+    rows_per: int,
     axis: str,
 ) -> RowPlan:
     """One table's gradient exchange in the pipelined step (inside ``shard_map``).
 
     Args:
       reads: the table's reads of batch t (``access.Read``; a hot table's ids as their
-        stored rows, -1 where hot).
+        stored rows, -1 where hot); a read of no ids (a bag of width 0) sends nothing.
       g_rows: per read, its gradient rows ``float[*ids.shape, D]``.
       future_ids: int[m], every row batch t+1 reads of the table, on every worker (of
         every replica group); ``None`` at the last step (one chunk, the late one).
       capacity: C, slots per (worker, owner) bucket (``two_batches``).
-      shard: float[V/P, D], this worker's rows of the table.
+      rows_per: the rows of each worker's shard of the table.
       axis: the mesh axis the table is sharded over.
 
     Returns:
       The ``RowPlan``: which positions go first, and the rows of my shard batch t+1
       reads (the early update's ``next_ids``).
     """
-    ids, grads, shared = [], [], []
-    for read, g in zip(reads, g_rows, strict=True):
-        flat = (read.ids.reshape(-1), g.reshape(read.ids.size, -1))
-        (ids if read.kind == access.LOOKUP else shared).append(flat)
-    ids, grads = jnp.concatenate([i for i, _ in ids]), jnp.concatenate([g for _, g in ids])
-    rows_per = shard.shape[0]
+    width = g_rows[0].shape[-1]
+    looked = [
+        (r.ids.reshape(-1), g.reshape(r.ids.size, width))
+        for r, g in zip(reads, g_rows, strict=True)
+        if r.kind == access.LOOKUP
+    ]
+    shared = [
+        (r.ids.reshape(-1), g.reshape(r.ids.size, width))
+        for r, g in zip(reads, g_rows, strict=True)
+        if r.kind != access.LOOKUP and r.ids.size
+    ]
+    ids = jnp.concatenate([i for i, _ in looked] or [jnp.zeros((0,), jnp.int32)])
+    grads = jnp.concatenate([g for _, g in looked] or [jnp.zeros((0, width), g_rows[0].dtype)])
     if future_ids is None:  # the last step: every position in the late chunk alone
         first, next_ids = jnp.zeros(ids.shape, bool), None
     else:
@@ -118,43 +124,62 @@ def plan(
     return RowPlan(ids, grads, first, shared, capacity, rows_per, next_ids)
 
 
-def first_pairs(rp: RowPlan, axis: str) -> tuple[list, jax.Array]:
-    """The first chunk, at the owners (inside ``shard_map``).
+def _send(plans: dict[int, RowPlan], which: dict, axis: str) -> dict:
+    """Table index -> ``((ids, rows), missed)``: each table's positions where ``which``
+    is true, sent to their owners by one exchange for every table (none: no table)."""
+    if not plans:
+        return {}
+    got = row.send_gradients(
+        [jnp.where(which[i], p.ids, -1) for i, p in plans.items()],
+        [p.grads for p in plans.values()],
+        [p.capacity for p in plans.values()],
+        axis,
+        [p.rows_per for p in plans.values()],
+    )
+    return dict(zip(plans, got, strict=True))
+
+
+def first_pairs(plans: dict[int, RowPlan], axis: str) -> tuple[dict, dict]:
+    """The first chunk of every row-wise table, at the owners (inside ``shard_map``): one
+    exchange for all of them (``row.send_gradients``).
 
     Args:
-      rp: the table's ``RowPlan``.
+      plans: table index -> its ``RowPlan``.
       axis: the mesh axis.
 
     Returns:
-      ``(pairs, sent)``: ``[(ids in my shard int[k], rows float32[k, D])]``, the
-      positions batch t+1 reads and every shared lookup (summed over the workers);
-      ``sent`` bool[n], the positions it carried (a first position that found no slot
-      goes late). At the last step (nothing read next) the shared lookups alone.
+      ``(pairs, sent)``: table index -> ``[(ids in my shard int[k], rows float32[k,
+      D])]``, the positions batch t+1 reads and every shared lookup (summed over the
+      workers); table index -> bool[n], the positions the chunk carried (a first
+      position that found no slot goes late). At the last step (nothing read next)
+      the shared lookups alone.
     """
-    pairs, sent = [], jnp.zeros(rp.ids.shape, bool)
-    if rp.next_ids is not None:
-        (pair, missed) = row.send_gradients(
-            jnp.where(rp.first, rp.ids, -1), rp.grads, rp.capacity, axis, rp.rows_per
-        )
-        pairs, sent = [pair], rp.first & ~missed
-    for ids, g in rp.shared:  # the same ids everywhere: every worker's sum, at the owner
-        pairs.append((row.owned_rows(ids, rp.rows_per, axis), jax.lax.psum(g, axis)))
+    pairs = {i: [] for i in plans}
+    sent = {i: jnp.zeros(p.ids.shape, bool) for i, p in plans.items()}
+    ahead = {i: p for i, p in plans.items() if p.next_ids is not None}
+    if ahead:
+        for i, (pair, missed) in _send(ahead, {i: p.first for i, p in ahead.items()}, axis).items():
+            pairs[i], sent[i] = [pair], ahead[i].first & ~missed
+    for i, p in plans.items():  # the same ids everywhere: every worker's sum, at the owner
+        for ids, g in p.shared:
+            pairs[i].append((row.owned_rows(ids, p.rows_per, axis), jax.lax.psum(g, axis)))
     return pairs, sent
 
 
-def later_pairs(rp: RowPlan, sent: jax.Array, axis: str) -> tuple[list, jax.Array]:
-    """The late chunk, at the owners (inside ``shard_map``): every position the first
-    chunk did not carry (``sent``, from ``first_pairs``).
+def later_pairs(plans: dict[int, RowPlan], sent: dict, axis: str) -> tuple[dict, dict]:
+    """The late chunk of every row-wise table, at the owners (inside ``shard_map``): every
+    position the first chunk did not carry (``sent``, from ``first_pairs``), one
+    exchange for all of them.
 
     Returns:
-      ``([(ids in my shard int[P*C], rows float32[P*C, D])], missed)``; ``missed``
-      bool[], a position found no slot (the step's rows did not all arrive: it is
-      marked so).
+      ``(pairs, missed)``: table index -> ``[(ids in my shard int[P*C], rows float32[P*C,
+      D])]``; table index -> bool[], a position found no slot (the step's rows did not
+      all arrive: it is marked so).
     """
-    (pair, missed) = row.send_gradients(
-        jnp.where(sent, -1, rp.ids), rp.grads, rp.capacity, axis, rp.rows_per
-    )
-    return [pair], jnp.any(missed)
+    got = _send(plans, {i: ~sent[i] for i in plans}, axis)
+    return {i: [pair] for i, (pair, _) in got.items()}, {
+        i: jnp.any(missed) for i, (_, missed) in got.items()
+    }
 
 
 def spill(rp: RowPlan, sent: jax.Array) -> jax.Array:
@@ -164,24 +189,39 @@ def spill(rp: RowPlan, sent: jax.Array) -> jax.Array:
 
 
 def fetch(
-    shard: jax.Array, read, capacity: int, axis: str, take: Callable | None = None
-) -> jax.Array:
-    """Rows of one read of a row-wise table (inside ``shard_map``): ``row.fetch_many``,
-    or ``row.fetch_shared_one`` for ids every worker holds.
+    shards: list, reads: list, capacities: list[int], axis: str, takes: list | None = None
+) -> list:
+    """Rows of reads of row-wise tables (inside ``shard_map``): the lookups of every table
+    through one exchange (``row.fetch_many``), each read of ids every worker holds
+    through its own sum (``row.fetch_shared_one``).
 
     Args:
-      shard: float[V/P, D], this worker's rows.
-      read: an ``access.Read`` (a negative id reads a zero row).
-      capacity: C, slots per (worker, owner) bucket.
+      shards: per read, float[V/P, D], this worker's rows of the table it reads.
+      reads: ``access.Read`` s (a negative id reads a zero row; a read of no ids, none).
+      capacities: per read, C, slots per (worker, owner) bucket.
       axis: the mesh axis.
-      take: how an owner reads the rows asked of it (``row.fetch_many``; the pipelined
-        step's reads add the early update); default the shard as it is.
+      takes: per read, how an owner reads the rows asked of it (``row.fetch_many``; the
+        pipelined step's reads add the early update); default the shards as they are.
 
     Returns:
-      ``float[*read.ids.shape, D]``.
+      Per read ``float[*ids.shape, D]``.
     """
-    if read.kind == access.LOOKUP:
-        (rows,), _, _ = row.fetch_many([shard], [read.ids], [capacity], axis, take=take)
-        return rows
-    rows, _ = row.fetch_shared_one(shard, read.ids, axis, take=take)
-    return rows
+    takes = takes or [row.take_rows] * len(reads)
+    out: list = [
+        jnp.zeros((*r.ids.shape, s.shape[1]), s.dtype) for r, s in zip(reads, shards, strict=True)
+    ]
+    look = [k for k, r in enumerate(reads) if r.kind == access.LOOKUP and r.ids.size]
+    if look:
+        got, _, _ = row.fetch_many(
+            [shards[k] for k in look],
+            [reads[k].ids for k in look],
+            [capacities[k] for k in look],
+            axis,
+            take=[takes[k] for k in look],
+        )
+        for k, rows in zip(look, got, strict=True):
+            out[k] = rows
+    for k, r in enumerate(reads):
+        if r.kind != access.LOOKUP and r.ids.size:
+            out[k], _ = row.fetch_shared_one(shards[k], r.ids, axis, take=takes[k])
+    return out

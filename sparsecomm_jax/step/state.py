@@ -86,7 +86,7 @@ class TrainStep(NamedTuple):
       runs_as: the strategy whose step was built, as a full name: ``strategy`` itself,
         but ``"embrace"`` for ``"embrace_2d"`` (``"embrace+topk_a2a"`` for
         ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU)
-        or no table is column-wise or row-wise (nothing to pipeline).
+        or no table is column-wise, row-wise or hot (nothing to pipeline).
       stored_together: the tables a layout stores together (``Layout.storage``, e.g.
         table-wise packs): per group ``(layout name, ((table name, V, D), ...), P)``. A
         checkpoint records it beside ``form``; one written before forms were recorded

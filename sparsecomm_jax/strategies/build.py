@@ -143,7 +143,7 @@ def make_train_step(
         ``embrace``'s step runs instead (every row in one exchange after the backward
         pass; the same losses to float rounding, no lookahead; ``embrace_2d``'s rules
         still hold: tables read by lookups only, column tables' D divisible by P), as
-        it does where no table is column-wise or row-wise (nothing to pipeline).
+        it does where no table is column-wise, row-wise or hot (nothing to pipeline).
         ``True`` builds the pipelined program anyway (to study or test it on CPU).
       replicas: R, replica groups (2-D sparse parallelism, ``embedding.replicas``): the
         mesh's P devices split into R groups of G = P / R consecutive devices; each

@@ -100,8 +100,8 @@ def one_step_a_call(strategy: Strategy, what: str) -> Callable:
 
 def pipelines_a_table(ctx: StepContext, strategy: Strategy) -> bool:
     """Whether a pipelined strategy has a table to pipeline: one of a layout it plans
-    itself (``Strategy.capacity``: ``embrace_2d`` carries column-wise and row-wise
-    tables; with neither, ``embrace``'s step runs)."""
+    itself (``Strategy.capacity``: ``embrace_2d`` carries column-wise, row-wise and
+    hot tables; with none, ``embrace``'s step runs)."""
     return any(t.layout.name in strategy.capacity for t in ctx.tables)
 
 

@@ -46,8 +46,9 @@ class Strategy(NamedTuple):
         treatment (``dense``, ``dense_pmap``, the top-k strategies).
       capacity: its own plans of the ids for the tables of some layouts: layout name ->
         ``policy(the layout's policy)`` (the pipelined step's, for the tables it
-        carries: a column-wise table's first chunk, a row-wise table's buckets for two
-        batches); a pipelined strategy with none of those tables runs as ``serial``.
+        carries: a column-wise table's first chunk, a row-wise or hot table's buckets
+        for two batches); a pipelined strategy with none of those tables runs as
+        ``serial``.
       lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
       needs_tables: the strategy needs at least one embedding table.
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
@@ -68,8 +69,8 @@ class Strategy(NamedTuple):
         communication behind compute; where nothing can hide, its pipelined program is
         not built and ``embrace``'s step runs (every row in one exchange after the
         backward pass), under ``embrace_2d``'s rules (lookups only, column tables not
-        padded). So does a step with no column-wise or row-wise table (nothing to
-        pipeline).
+        padded). So does a step with no column-wise, row-wise or hot table (nothing
+        to pipeline).
     """
 
     name: str
