@@ -206,7 +206,21 @@ def test_a_bag_of_width_zero_reads_nothing_under_every_layout(layout):
     np.testing.assert_array_equal(clicks, params["params"]["clicks"]["embedding"])
 
 
+def test_a_pipelined_row_wise_table_takes_a_bag_of_width_zero():
+    """``embrace_2d`` carries row-wise tables too; a bag of width 0 of one sends nothing
+    (it plans such a table's buckets from its ids, not its positions): the table stays
+    as it was, the rest trains as on one device."""
+    params = Bags().init(jax.random.key(1), bag_batch(0))
+    ts, state, _ = _bags_against_single_device(
+        params, "row", lambda s: bag_batch(s, 0), "embrace_2d"
+    )
+    assert ts.runs_as == "embrace_2d"
+    clicks = ts.host_params(state)["params"]["clicks"]["embedding"]
+    np.testing.assert_array_equal(clicks, params["params"]["clicks"]["embedding"])
+
+
 def test_the_pipelined_step_refuses_a_bag_of_width_zero_by_name():
+    """A column-wise table, whose chunks are planned from positions: refused."""
     params = Bags().init(jax.random.key(1), bag_batch(0))
     ts = sc.make_train_step(
         nn.loss_with_embeddings(bag_loss),
@@ -220,8 +234,8 @@ def test_the_pipelined_step_refuses_a_bag_of_width_zero_by_name():
         ts.step(ts.state, ts.place_batch(bag_batch(0, 0), bag_batch(1, 0)))
 
 
-def _bags_against_single_device(params, layout, batch_of):
-    """Three SGD steps of ``Bags`` on ``batch_of(step)`` under ``embrace`` with every
+def _bags_against_single_device(params, layout, batch_of, strategy: str = "embrace"):
+    """Three SGD steps of ``Bags`` on ``batch_of(step)`` under ``strategy`` with every
     table laid out as ``layout``, checked against single-device training; returns
     ``(ts, state, reference params)``."""
     opt = optax.sgd(0.5)
@@ -236,14 +250,14 @@ def _bags_against_single_device(params, layout, batch_of):
         opt,
         runtime.data_mesh(N),
         params,
-        "embrace",
+        strategy,
         embedding_paths=paths,
         table_layouts={p: layout for p in paths},
     )
     assert ts.table_update == "rows"
     state = ts.state
-    for s in range(3):
-        state, _ = ts.step(state, ts.place_batch(batch_of(s)))
+    for s in range(3):  # each batch with those it looks ahead to (a pipelined step's)
+        state, _ = ts.step(state, sc.place_for_step(ts, batch_of, s, 3))
     assert_trees_close(ts.host_params(state), ref, rtol=1e-5, atol=1e-6)
     return ts, state, ref
 

@@ -270,22 +270,27 @@ def send_gradients(
     """
     num, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
     caps = [min(c, i.shape[0]) for c, i in zip(capacities, ids, strict=True)]
-    plans = [
-        bucket_plan(jnp.where(i < 0, r * num, i), r * num, num, c)
-        if c
-        else (jnp.zeros((num, 0), i.dtype), jnp.zeros(i.shape, jnp.int32))
-        for i, r, c in zip(ids, rows_per, caps, strict=True)
-    ]  # per table (int[P, C], int[n])
-    asked = jax.lax.all_to_all(jnp.concatenate([s for s, _ in plans], 1), axis, 0, 0)
-    sums = [bucket_sums(g, pos, num, c) for g, (_, pos), c in zip(grads, plans, caps, strict=True)]
+    out = [  # a table with no slot (no position, or C = 0) sends nothing
+        ((jnp.zeros((0,), jnp.int32), jnp.zeros((0, g.shape[-1]), F32)), i >= 0)
+        for i, g in zip(ids, grads, strict=True)
+    ]
+    live = [k for k, c in enumerate(caps) if c]
+    if not live:
+        return out
+    plans = {
+        k: bucket_plan(
+            jnp.where(ids[k] < 0, rows_per[k] * num, ids[k]), rows_per[k] * num, num, caps[k]
+        )
+        for k in live
+    }  # per table (int[P, C], int[n])
+    asked = jax.lax.all_to_all(jnp.concatenate([plans[k][0] for k in live], 1), axis, 0, 0)
+    sums = [bucket_sums(grads[k], plans[k][1], num, caps[k]) for k in live]
     got = comm_wire.a2a_rows(sums, axis, codec)  # per table float32[P, C, D]
-    out = []
-    for block, got_ids, i, r, c, (_, pos) in zip(
-        got, _split(asked, np.cumsum([0, *caps])), ids, rows_per, caps, plans, strict=True
-    ):
-        local = jnp.where(got_ids >= 0, got_ids - me * r, r)
-        missed = (pos == num * c) & (i >= 0)
-        out.append(((local.reshape(-1), block.reshape(num * c, -1)), missed))
+    bounds = np.cumsum([0, *(caps[k] for k in live)])
+    for k, block, got_ids in zip(live, got, _split(asked, bounds), strict=True):
+        local = jnp.where(got_ids >= 0, got_ids - me * rows_per[k], rows_per[k])
+        missed = (plans[k][1] == num * caps[k]) & (ids[k] >= 0)
+        out[k] = ((local.reshape(-1), block.reshape(num * caps[k], -1)), missed)
     return out
 
 

@@ -98,7 +98,8 @@ def edge(after, same_over: str | None = None) -> jax.Array:
     ``same_over``: a mesh axis the waiting values are the same over while ``after`` is
     not (the replica groups): the sum is reduced over it (a scalar all-reduce), so
     they stay typed the same over it."""
-    firsts = [leaf.reshape(-1)[0].astype(jnp.float32) for leaf in jax.tree.leaves(after)]
+    leaves = [leaf for leaf in jax.tree.leaves(after) if leaf.size]  # an empty one: nothing
+    firsts = [leaf.reshape(-1)[0].astype(jnp.float32) for leaf in leaves]
     a = sum(firsts, jnp.zeros((), jnp.float32))
     a = jnp.where(jnp.isfinite(a), a, 0.0)  # a NaN row read next must not reach this step
     return jax.lax.pmax(a, same_over) if same_over is not None else a
@@ -342,8 +343,11 @@ def _future_ids(future: list, i: int, axis) -> list:
     ]
     sizes = [sum(x.size for x in ids) for ids in local]
     flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
-    every = jax.lax.all_gather(flat, axis, to="invarying")  # int[(R,) G, sum(sizes)]
-    every = every.reshape(-1, flat.shape[0])  # int[P, sum(sizes)]
+    if flat.size:  # (a row-wise table read by bags of width 0 alone: no ids)
+        every = jax.lax.all_gather(flat, axis, to="invarying")  # int[(R,) G, sum(sizes)]
+        every = every.reshape(-1, flat.shape[0])  # int[P, sum(sizes)]
+    else:
+        every = jnp.zeros((1, 0), flat.dtype)
     bounds = np.cumsum([0, *sizes])
     out = []
     for k, reads in enumerate(future):
