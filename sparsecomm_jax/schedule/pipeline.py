@@ -196,7 +196,8 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
     Returns:
       ``(rows, back, missed)``: per read ``float[*ids.shape, D]``; ``back(g_rows)`` ->
       ``[(table index, (ids, rows)), ...]``, the other layouts' gradients at their
-      owners (``g_rows`` every read's); their ``missed`` flags (``Fetched.missed``).
+      owners (``g_rows`` every read's); table index -> ``missed`` flag (the other
+      layouts' ``Fetched.missed``, and a carried table's id outside it).
     """
     carried = carried_tables(ctx)
     mine = [k for k, r in enumerate(reads) if r.table in carried]
@@ -221,7 +222,18 @@ def step_rows(ctx: StepContext, carry, reads: list, leaves: list, slots: dict[in
         def back(g_rows):
             return back_of([g_rows[k] for k in others])
 
+    # an id the model computes outside a carried table (the host checks the batch's):
+    # the step is marked, as the layouts' own fetch marks it
+    missed = or_flags(missed, outside(ctx.tables, [reads[k] for k in mine]))
     return [rows[k] for k in range(len(reads))], back, missed
+
+
+def or_flags(flags: dict, more: dict) -> dict:
+    """Table index -> bool[]: ``flags`` or'ed with ``more``, table by table."""
+    out = dict(flags)
+    for i, flag in more.items():
+        out[i] = out[i] | flag if i in out else flag
+    return out
 
 
 def prefetch(
@@ -431,6 +443,51 @@ def in_step_pairs(back, g_rows: list, after) -> dict[int, list]:
     return pairs
 
 
+def carried_plans(ctx: StepContext, reads, g_rows, future, slots, tables) -> tuple[dict, Any]:
+    """Every carried table's plan: ``(table index -> Plan or rowwise.RowPlan, spill)``;
+    ``spill`` bool[], a column-wise table's position batch t+1 reads did not fit its
+    first chunk."""
+    by_rows = row_wise(ctx)
+    planned = {
+        i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i)
+        for i in sorted(carried_tables(ctx) - by_rows)
+    }
+    rows = {
+        i: row_plan(ctx, reads, g_rows, future, slots[i], i, tables[i]) for i in sorted(by_rows)
+    }
+    spill = functools.reduce(jnp.logical_or, [s for _, s in planned.values()], jnp.array(False))
+    return {i: plan for i, (plan, _) in planned.items()} | rows, spill
+
+
+def chunks_of(ctx: StepContext, plans: dict, spill, tables) -> tuple[dict, dict, dict, Any]:
+    """Every carried table's chunks at the owners (summed across replica groups): the
+    first chunks (column-wise tables' by position, the row-wise and hot ones' in one
+    exchange), then the late ones, which wait for every first chunk.
+
+    Returns:
+      ``(firsts, later, missed, spill)``: table index -> first-chunk pairs, -> late pairs
+      (before the groups' sum: the caller adds the other tables'), -> bool[] a late
+      position found no slot; ``spill`` with the row-wise first chunks' misses added.
+    """
+    by_rows = {i: p for i, p in plans.items() if isinstance(p, rowwise.RowPlan)}
+    columns = {i: p for i, p in plans.items() if i not in by_rows}
+    with jax.named_scope(priority.SCOPE_HIGH):
+        firsts = {i: first_pairs(ctx, p) for i, p in columns.items()}
+        row_firsts, sent = rowwise.first_pairs(by_rows, ctx.axis_name)
+        firsts = across_groups(ctx, firsts | row_firsts, tables)
+    flags = [rowwise.spill(p, sent[i]) for i, p in by_rows.items()]
+    spill = functools.reduce(jnp.logical_or, flags, spill)
+    with jax.named_scope(priority.SCOPE_LOW):
+        after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
+        later = {i: later_pairs(ctx, p, after) for i, p in columns.items()}
+        late = {  # ids and rows wait for every first chunk
+            i: p._replace(ids=waits_for(p.ids, after), grads=waits_for(p.grads, after))
+            for i, p in by_rows.items()
+        }
+        row_later, missed = rowwise.later_pairs(late, sent, ctx.axis_name)
+    return firsts, later | row_later, missed, spill
+
+
 class Exchanged(NamedTuple):
     """What the exchange program hands on (global arrays once out of ``shard_map``)."""
 
@@ -453,10 +510,6 @@ def exchange_body(ctx: StepContext):
         tables, slots = {i: leaves[i] for i in widths}, batch.slots(ctx.tables)
         with jax.named_scope(priority.SCOPE_ROWS):  # nothing for carried rows after step 0
             rows, back, missed = step_rows(ctx, state.carry, reads, leaves, slots)
-        # an id the model computes outside its table (the host checks the batch's): the
-        # step is marked, as the layouts' own fetch marks it
-        for i, flag in outside(ctx.tables, carried_reads(ctx, reads)).items():
-            missed[i] = missed[i] | flag if i in missed else flag
         varying = vary((params, rows), ctx.batch_axes)  # each worker's own gradient
         grad_fn = jax.value_and_grad(lambda p, r: loss_of_rows(p, batch.data, r), argnums=(0, 1))
         loss, (g_params, g_rows) = grad_fn(*varying)
@@ -464,34 +517,11 @@ def exchange_body(ctx: StepContext):
             rest, agg_state = aggregate(ctx, split_tables(g_params, mask)[1], state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [pipelined_reads(ctx, params, b) for b in ahead]
-        by_rows = row_wise(ctx)
-        planned = {
-            i: exchange_plan(ctx, reads, g_rows, future, slots.get(i, 0), i)
-            for i in sorted(carried_tables(ctx) - by_rows)
-        }
-        row_plans = {
-            i: row_plan(ctx, reads, g_rows, future, slots[i], i, tables[i]) for i in sorted(by_rows)
-        }
-        plans = {i: plan for i, (plan, _) in planned.items()} | row_plans
-        flags = [s for _, s in planned.values()]
-        with jax.named_scope(priority.SCOPE_HIGH):
-            firsts = {i: first_pairs(ctx, plans[i]) for i in planned}
-            row_firsts, sent = rowwise.first_pairs(row_plans, ctx.axis_name)
-            firsts |= row_firsts
-            flags += [rowwise.spill(rp, sent[i]) for i, rp in row_plans.items()]
-            firsts = across_groups(ctx, firsts, tables)
-        spill = functools.reduce(jnp.logical_or, flags, jnp.array(False))
+        plans, spill = carried_plans(ctx, reads, g_rows, future, slots, tables)
+        firsts, later, lost, spill = chunks_of(ctx, plans, spill, tables)
+        missed = or_flags(missed, lost)
         with jax.named_scope(priority.SCOPE_LOW):
             after = tuple(rows for pairs in firsts.values() for _, rows in pairs)
-            later = {i: later_pairs(ctx, plans[i], after) for i in planned}
-            late = {  # ids and rows wait for every first chunk
-                i: rp._replace(ids=waits_for(rp.ids, after), grads=waits_for(rp.grads, after))
-                for i, rp in row_plans.items()
-            }
-            row_later, lost = rowwise.later_pairs(late, sent, ctx.axis_name)
-            later |= row_later
-            for i, flag in lost.items():
-                missed[i] = missed[i] | flag if i in missed else flag
             later |= hot_pairs(ctx, reads, g_rows, tables, after, later)
             later = across_groups(ctx, later | in_step_pairs(back, g_rows, after), tables)
         num = ctx.num_workers
