@@ -138,6 +138,25 @@ def test_a_resume_says_the_plan_it_cannot_place_came_from_the_checkpoint(tmp_pat
     assert 2 in checkpoint.saved_steps(str(tmp_path))
 
 
+def test_a_planner_memory_limit_nothing_fits_names_the_flag(capsys):
+    """``--plan model`` within a ``--plan-memory-mb`` no layout fits: one line naming the
+    flag, its value as typed and the device count, exit 2."""
+    args = ["--model", "dlrm", "--tables", "64,48", "--dim", "8", "--batch", "24"]
+    flags = [
+        "--strategy",
+        "embrace",
+        "--devices",
+        "2",
+        "--plan",
+        "model",
+        "--plan-memory-mb",
+        "0.001",
+    ]
+    assert main([*args, *flags]) == 2
+    line = one_line(capsys)
+    assert "--plan-memory-mb 0.001 on 2 devices: no layout of the tables fits" in line
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -238,9 +238,16 @@ def choose_plan(
     slots = optimizers.get(config.optimizer).slots
     link, codecs = plan_link(config), wire.parse(config.comm_dtype)
     may = step_may(parse_strategy(config.strategy).strategy, config.devices)
-    candidates = planner.candidate_plans(
-        stats, config.devices, link, memory, slots, wire=codecs, may=may
-    )
+    try:
+        candidates = planner.candidate_plans(
+            stats, config.devices, link, memory, slots, wire=codecs, may=may
+        )
+    except ValueError as e:  # the memory the flag gives, as the user typed it
+        if memory is None:
+            raise
+        raise ValueError(
+            f"--plan-memory-mb {config.plan_memory_mb:g} on {config.devices} devices: {e}"
+        ) from None
     if config.plan == "model":
         plan, measured = candidates[0], []
     else:

@@ -314,7 +314,8 @@ def check_divisible(table: Any, num_workers: int) -> None:
             f"embedding table {table.name} has {what} = {size}, not divisible by the "
             f"{num_workers} workers of the {table.layout.name}-wise layout; the pipelined "
             f"steps do not pad it (embrace, embrace_rowwise and sparse_allgather do; "
-            f"embrace_2d pads a table of another layout: table_layouts, --plan)"
+            f"embrace_2d pads a table given another layout by table_layouts or --plan, "
+            f"where a table left out is column-wise)"
         )
 
 
