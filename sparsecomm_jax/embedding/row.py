@@ -31,7 +31,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -194,8 +194,7 @@ def fetch_many(
     asked = jax.lax.all_to_all(jnp.concatenate([s for s, _ in plans], 1), axis, 0, 0)
     starts = np.cumsum([0, *caps])  # asked: int[P, sum C], the ids others want of me
     local = [
-        jnp.where(a >= 0, a - me * t.shape[0], t.shape[0])
-        for t, a in zip(shards, _split(asked, starts), strict=True)
+        asked_rows(a, t.shape[0], me) for t, a in zip(shards, _split(asked, starts), strict=True)
     ]  # per read int[P, C]
     found = [f(t, loc) for f, t, loc in zip(takes, shards, local, strict=True)]  # [P, C, D]
     widths = [t.shape[1] for t in shards]
@@ -288,10 +287,16 @@ def send_gradients(
     got = comm_wire.a2a_rows(sums, axis, codec)  # per table float32[P, C, D]
     bounds = np.cumsum([0, *(caps[k] for k in live)])
     for k, block, got_ids in zip(live, got, _split(asked, bounds), strict=True):
-        local = jnp.where(got_ids >= 0, got_ids - me * rows_per[k], rows_per[k])
+        local = asked_rows(got_ids, rows_per[k], me)
         missed = (plans[k][1] == num * caps[k]) & (ids[k] >= 0)
         out[k] = ((local.reshape(-1), block.reshape(num * caps[k], -1)), missed)
     return out
+
+
+def asked_rows(asked, rows_per: int, me):
+    """The rows of my shard that the ids asked of me (``bucket_plan``'s ``send_ids``
+    after the all-to-all) name; ``rows_per`` (no row) in an empty slot (-1)."""
+    return jnp.where(asked >= 0, asked - me * rows_per, rows_per)
 
 
 def _split(x, bounds) -> list:
@@ -326,10 +331,17 @@ def fetch_shared_one(shard, ids, axis: str, wire=comm_wire.DEFAULT, take: Callab
 
 
 def fetch(
-    shards, reads: list[Read], capacity: dict[int, int], axis: str, wire=comm_wire.DEFAULT
+    shards,
+    reads: list[Read],
+    capacity: dict[int, int],
+    axis: str,
+    wire=comm_wire.DEFAULT,
+    take: Mapping[int, Callable] | None = None,
 ) -> Fetched:
     """Every read of the row-wise tables: the lookups of every table through one exchange
-    (``fetch_many``), each shared read through its own sum."""
+    (``fetch_many``), each shared read through its own sum. ``take``: table index -> how
+    its owners read the rows asked of them (``fetch_many``; default ``take_rows``)."""
+    take = take or {}
     look = [k for k, r in enumerate(reads) if r.kind == LOOKUP]
     shared = [k for k, r in enumerate(reads) if r.kind != LOOKUP]
     rows: dict[int, jax.Array] = {}
@@ -341,6 +353,7 @@ def fetch(
             [capacity[reads[k].table] for k in look],
             axis,
             wire,
+            [take.get(reads[k].table, take_rows) for k in look],
         )
         rows.update(zip(look, got, strict=True))
         for k, m in zip(look, miss, strict=True):
@@ -349,7 +362,7 @@ def fetch(
     shared_backs = {}
     for k in shared:
         rows[k], shared_backs[k] = fetch_shared_one(
-            shards[reads[k].table], reads[k].ids, axis, wire
+            shards[reads[k].table], reads[k].ids, axis, wire, take.get(reads[k].table)
         )
 
     def back(grads):

@@ -259,16 +259,9 @@ def prefetch(
     if mine:
         takes = None
         if patches is not None:
-            takes = [
-                functools.partial(_take_patched_rows, patch=patches[reads[k].table]) for k in mine
-            ]
-        got = rowwise.fetch(
-            [tables[reads[k].table] for k in mine],
-            [exchanged(ctx, reads[k]) for k in mine],
-            [slots[reads[k].table] for k in mine],
-            axis,
-            takes,
-        )
+            takes = {i: functools.partial(_take_patched_rows, patch=patches[i]) for i in by_rows}
+        exchange = [exchanged(ctx, reads[k]) for k in mine]
+        got = rowwise.fetch(tables, exchange, slots, axis, takes)
         for k, rows in zip(mine, got, strict=True):
             out[k] = rows
     return vary(out, ctx.batch_axes)  # a sum over the workers (shared ids) is typed the same

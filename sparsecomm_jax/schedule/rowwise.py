@@ -189,39 +189,29 @@ def spill(rp: RowPlan, sent: jax.Array) -> jax.Array:
 
 
 def fetch(
-    shards: list, reads: list, capacities: list[int], axis: str, takes: list | None = None
+    shards: dict, reads: list, capacity: dict[int, int], axis: str, take: dict | None = None
 ) -> list:
-    """Rows of reads of row-wise tables (inside ``shard_map``): the lookups of every table
-    through one exchange (``row.fetch_many``), each read of ids every worker holds
-    through its own sum (``row.fetch_shared_one``).
+    """Rows of reads of row-wise tables (inside ``shard_map``), through the row layout's
+    own fetch (``row.fetch``: the lookups of every table in one exchange); a read of no
+    ids (a bag of width 0) reads nothing.
 
     Args:
-      shards: per read, float[V/P, D], this worker's rows of the table it reads.
-      reads: ``access.Read`` s (a negative id reads a zero row; a read of no ids, none).
-      capacities: per read, C, slots per (worker, owner) bucket.
+      shards: table index -> float[V/P, D], this worker's rows of the table.
+      reads: ``access.Read`` s (a negative id reads a zero row).
+      capacity: table index -> C, slots per (worker, owner) bucket.
       axis: the mesh axis.
-      takes: per read, how an owner reads the rows asked of it (``row.fetch_many``; the
-        pipelined step's reads add the early update); default the shards as they are.
+      take: table index -> how its owners read the rows asked of them (the pipelined
+        step's reads add the early update); default the shards as they are.
 
     Returns:
       Per read ``float[*ids.shape, D]``.
     """
-    takes = takes or [row.take_rows] * len(reads)
-    out: list = [
-        jnp.zeros((*r.ids.shape, s.shape[1]), s.dtype) for r, s in zip(reads, shards, strict=True)
+    out = [
+        jnp.zeros((*r.ids.shape, shards[r.table].shape[1]), shards[r.table].dtype) for r in reads
     ]
-    look = [k for k, r in enumerate(reads) if r.kind == access.LOOKUP and r.ids.size]
-    if look:
-        got, _, _ = row.fetch_many(
-            [shards[k] for k in look],
-            [reads[k].ids for k in look],
-            [capacities[k] for k in look],
-            axis,
-            take=[takes[k] for k in look],
-        )
-        for k, rows in zip(look, got, strict=True):
+    live = [k for k, r in enumerate(reads) if r.ids.size]
+    if live:
+        got = row.fetch(shards, [reads[k] for k in live], capacity, axis, take=take).rows
+        for k, rows in zip(live, got, strict=True):
             out[k] = rows
-    for k, r in enumerate(reads):
-        if r.kind != access.LOOKUP and r.ids.size:
-            out[k], _ = row.fetch_shared_one(shards[k], r.ids, axis, take=takes[k])
     return out
