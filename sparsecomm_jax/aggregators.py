@@ -32,8 +32,8 @@ References:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple
 
 import jax
@@ -314,6 +314,52 @@ def error_feedback(
     return Aggregator(init, update, update_carrying if carries else None)
 
 
+def of_exchange(
+    exchange: str | exchanges.Exchange,
+    density: float,
+    axis_name: str = "data",
+    selector: str | Selector = "auto",
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    **options: Any,
+) -> Aggregator:
+    """The top-k aggregator of a registered exchange (``topk.exchanges.EXCHANGES``): its
+    selection wrapped in error feedback and fusion (``error_feedback``), carrying the
+    step's scalars where the exchange can (``Exchange.carries``) and counting what it
+    defers (``Exchange.defers``). Every top-k aggregator is one; ``AGGREGATORS`` holds
+    one for each registered exchange.
+
+    Args:
+      exchange: an ``Exchange`` or its name.
+      density: fraction of each bucket sent, in (0, 1].
+      axis_name: the data-parallel mesh axis.
+      selector: a ``topk.selectors.Selector`` or its name in ``SELECTORS``.
+      bucket_bytes: fusion threshold (``None``: one bucket).
+      **options: the exchange's own options (``Exchange.options``, e.g.
+        ``capacity_factor``).
+
+    Returns:
+      An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
+
+    Raises:
+      ArgumentError: an option the exchange does not take, or a value it refuses.
+
+    Example:
+        >>> of_exchange("topk_a2a", 0.01).init({"w": jnp.zeros(3)}).residual["w"].shape
+        (3,)
+    """
+    exchange = exchanges.get(exchange)
+    if unknown := sorted(set(options) - set(exchange.options)):
+        raise ArgumentError(
+            unknown[0],
+            options[unknown[0]],
+            f"is no option of {exchange.name}; it takes {list(exchange.options) or 'none'}",
+        )
+    made = exchange.make(density, axis_name, _checked(density, selector), **options)
+    return error_feedback(
+        made, axis_name, bucket_bytes, carries=exchange.carries, defers=exchange.defers
+    )
+
+
 def topk_allgather(
     density: float,
     axis_name: str = "data",
@@ -333,9 +379,7 @@ def topk_allgather(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    selector = _checked(density, selector)
-    exchange = exchanges.ALLGATHER.make(density, axis_name, selector)
-    return error_feedback(exchange, axis_name, bucket_bytes, carries=True)
+    return of_exchange(exchanges.ALLGATHER, density, axis_name, selector, bucket_bytes)
 
 
 def topk_a2a(
@@ -353,12 +397,10 @@ def topk_a2a(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    selector = _checked(density, selector)
-    exchange = exchanges.A2A.make(density, axis_name, selector)
     # No update_carrying: its dense result is one tiled all-gather; scalars appended to
     # each share would make it strided, a copy of the whole gradient per step (measured
     # 1.2-1.3x the step on one process) to save one small all-reduce.
-    return error_feedback(exchange, axis_name, bucket_bytes)
+    return of_exchange(exchanges.A2A, density, axis_name, selector, bucket_bytes)
 
 
 def gtopk(
@@ -379,9 +421,7 @@ def gtopk(
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState``.
     """
-    selector = _checked(density, selector)
-    exchange = exchanges.GTOPK.make(density, axis_name, selector)
-    return error_feedback(exchange, axis_name, bucket_bytes)
+    return of_exchange(exchanges.GTOPK, density, axis_name, selector, bucket_bytes)
 
 
 def topk_balanced(
@@ -407,7 +447,7 @@ def topk_balanced(
       bucket_bytes: fusion threshold (``None``: one bucket).
       capacity_factor: an owner's slots as a multiple of its mean share k/P, >= 1
         (``None``: the mean plus six standard deviations plus 8,
-        ``costmodel.owner_slots``).
+        ``topk.costs.owner_slots``).
 
     Returns:
       An ``Aggregator`` whose state is an ``ErrorFeedbackState`` with ``deferred``.
@@ -421,10 +461,8 @@ def topk_balanced(
         Wang et al., "Zen: Near-Optimal Sparse Tensor Synchronization for Distributed
         DNN Training", OSDI 2025.
     """
-    selector = _checked(density, selector)
-    check_capacity_factor(capacity_factor)
-    exchange = exchanges.BALANCED.make(density, axis_name, selector, capacity_factor)
-    return error_feedback(exchange, axis_name, bucket_bytes, defers=True)
+    options = {"capacity_factor": capacity_factor}
+    return of_exchange(exchanges.BALANCED, density, axis_name, selector, bucket_bytes, **options)
 
 
 def oktopk(
@@ -461,24 +499,8 @@ def oktopk(
         Li and Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning",
         PPoPP 2022.
     """
-    selector = _checked(density, selector)
-    check_capacity_factor(capacity_factor)
-    exchange = exchanges.OKTOPK.make(density, axis_name, selector, capacity_factor)
-    return error_feedback(exchange, axis_name, bucket_bytes, defers=True)
-
-
-def check_capacity_factor(factor: float | None) -> None:
-    """``ArgumentError`` unless ``factor`` is ``None`` or a finite number >= 1."""
-    if factor is None:
-        return
-    ok = isinstance(factor, int | float) and not isinstance(factor, bool)
-    if not (ok and math.isfinite(factor) and factor >= 1):
-        raise ArgumentError(
-            "capacity_factor",
-            factor,
-            "must be a number >= 1 (an owner's slots over its "
-            "mean share), or None (the mean plus six standard deviations)",
-        )
+    options = {"capacity_factor": capacity_factor}
+    return of_exchange(exchanges.OKTOPK, density, axis_name, selector, bucket_bytes, **options)
 
 
 def adaptive(
@@ -522,10 +544,6 @@ def _dense(density: float, axis_name: str = "data", **_: Any) -> Aggregator:
     return dense_allreduce(axis_name)
 
 
-def _power_of_two(workers: int) -> str | None:
-    return None if workers & (workers - 1) == 0 else "needs a power-of-two number of devices"
-
-
 class AggregatorKind(NamedTuple):
     """An entry of ``AGGREGATORS``: how to build an aggregator by name, and its facts.
     Called like its constructor: ``AGGREGATORS["topk_a2a"](0.01, "data")``.
@@ -553,13 +571,56 @@ class AggregatorKind(NamedTuple):
         return self.build(density, axis_name, **options)
 
 
+def kind_of(exchange: exchanges.Exchange) -> AggregatorKind:
+    """The ``AGGREGATORS`` entry of a top-k exchange: ``of_exchange`` on it, with its
+    facts (the devices it needs, its options)."""
+    return AggregatorKind(
+        functools.partial(of_exchange, exchange.name),
+        workers=exchange.workers,
+        options=exchange.options,
+    )
+
+
+class Aggregators(MutableMapping):
+    """The aggregators by name (``AGGREGATORS``): the dense mean, one entry per top-k
+    exchange of ``topk.exchanges.EXCHANGES`` (registering an exchange makes its
+    aggregator, ``kind_of``), then ``adaptive`` and any entry set by hand
+    (``AGGREGATORS[name] = AggregatorKind(...)``, which also replaces an exchange's)."""
+
+    FIRST = "dense"  # the plain mean leads the names (``strategy_names()``)
+
+    def __init__(self, own: dict[str, AggregatorKind]):
+        self._own = dict(own)
+
+    def __getitem__(self, name: str) -> AggregatorKind:
+        if name in self._own:
+            return self._own[name]
+        if name in exchanges.EXCHANGES:
+            return kind_of(exchanges.EXCHANGES[name])
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, kind: AggregatorKind) -> None:
+        self._own[name] = kind
+
+    def __delitem__(self, name: str) -> None:
+        del self._own[name]
+
+    def __iter__(self):
+        yield from (n for n in self._own if n == self.FIRST)
+        yield from (n for n in exchanges.EXCHANGES if n not in self._own)
+        yield from (n for n in self._own if n != self.FIRST)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"Aggregators({list(self)})"
+
+
 #: The aggregators by name: the second half of a strategy name (``embrace+topk_a2a``).
-AGGREGATORS: dict[str, AggregatorKind] = {
-    "dense": AggregatorKind(_dense, sparse=False, flat=True),
-    "topk_allgather": AggregatorKind(topk_allgather),
-    "topk_a2a": AggregatorKind(topk_a2a),
-    "gtopk": AggregatorKind(gtopk, workers=_power_of_two),
-    "topk_balanced": AggregatorKind(topk_balanced, options=("capacity_factor",)),
-    "oktopk": AggregatorKind(oktopk, options=("capacity_factor",)),
-    "adaptive": AggregatorKind(adaptive, link=True),
-}
+AGGREGATORS = Aggregators(
+    {
+        "dense": AggregatorKind(_dense, sparse=False, flat=True),
+        "adaptive": AggregatorKind(adaptive, link=True),
+    }
+)

@@ -8,9 +8,10 @@ import pytest
 from helpers import a2a_sent
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax import aggregators, runtime
+from sparsecomm_jax import aggregators, runtime, strategy_names
 from sparsecomm_jax.comm import costmodel, hlo, wire
-from sparsecomm_jax.topk import collectives, selectors
+from sparsecomm_jax.errors import ArgumentError
+from sparsecomm_jax.topk import collectives, exchanges, selectors
 
 N = 8
 LOSSY = ("topk_allgather", "topk_a2a", "gtopk")
@@ -432,3 +433,24 @@ def test_topk_carries_every_workers_scalars_in_its_own_collectives(name, dtype):
         return sorted(c.kind for c in hlo.parse_collectives(f.lower(*args).compile().as_text()))
 
     assert kinds(fn) == kinds(ref)
+
+
+def test_one_registration_makes_an_exchange_an_aggregator_and_a_strategy(monkeypatch):
+    """Registering an ``Exchange`` is the one step: ``AGGREGATORS`` builds its aggregator
+    (error feedback around it, conserving every entry), and the strategy names take it
+    alone and after a table strategy; an option it does not take is refused."""
+    monkeypatch.setattr(exchanges, "EXCHANGES", dict(exchanges.EXCHANGES))
+    twice = exchanges.ALLGATHER._replace(name="topk_allgather_again", carries=False)
+    exchanges.register(twice)
+    assert "topk_allgather_again" in aggregators.AGGREGATORS
+    assert {"topk_allgather_again", "embrace+topk_allgather_again"} <= set(strategy_names())
+    g, r = inputs("skewed", seed=3)
+    agg = aggregators.AGGREGATORS["topk_allgather_again"](0.05, "data", bucket_bytes=1024)
+    mean, new_r = run(agg, g, r)
+    want, want_r = run(aggregators.topk_allgather(0.05, "data", bucket_bytes=1024), g, r)
+    np.testing.assert_array_equal(mean, want)  # the same exchange, the same numbers
+    np.testing.assert_array_equal(new_r, want_r)
+    with pytest.raises(ArgumentError, match="capacity_factor"):
+        aggregators.AGGREGATORS["topk_allgather_again"](0.05, capacity_factor=2.0)
+    with pytest.raises(ArgumentError, match="capacity_factor"):
+        aggregators.AGGREGATORS["topk_balanced"](0.05, capacity_factor=0.5)

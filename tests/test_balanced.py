@@ -11,9 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, runtime
-from sparsecomm_jax.comm import costmodel
 from sparsecomm_jax.errors import ArgumentError
-from sparsecomm_jax.topk import balanced
+from sparsecomm_jax.topk import balanced, costs
 
 
 def lowbias32(x):
@@ -202,7 +201,7 @@ def test_pairs_past_an_owners_slots_wait_in_the_residual_and_are_counted(name):
     )
     mean, new_r, deferred = run(agg, g)
     np.testing.assert_allclose(workers * mean + new_r.sum(0), g.sum(0), atol=1e-5)
-    k, slots = 40, costmodel.owner_slots(40, workers, 1.0)
+    k, slots = 40, costs.owner_slots(40, workers, 1.0)
     owner, _ = np_owners(d, workers)
     chosen = selections(g, k) != 0
     late = [np.maximum(np.bincount(owner[c], minlength=workers) - slots, 0).sum() for c in chosen]

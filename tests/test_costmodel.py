@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import aggregators, runtime
 from sparsecomm_jax.comm import costmodel, hlo
-from sparsecomm_jax.topk import exchanges, local_cost
+from sparsecomm_jax.topk import costs, exchanges, local_cost
 
 N = 8
 
@@ -53,7 +53,7 @@ def test_formulas_match_compiled_bytes_and_messages(name, density):
 def test_choose_at_the_crossover(workers):
     size = 10_000_000
     link = costmodel.Link(alpha=0.0, beta=1e-9)  # bytes only: the crossover is exact
-    cross = costmodel.crossover_density(workers)
+    cross = costs.crossover_density(workers)
     pair = ("topk_allgather", "topk_a2a")
     assert exchanges.choose(size, cross * 0.9, workers, link, pair) == "topk_allgather"
     assert exchanges.choose(size, cross * 1.1, workers, link, pair) == "topk_a2a"
@@ -84,7 +84,7 @@ def test_the_result_form_is_the_smallest(workers, size, density):
     width = -(-size // workers)
     for slots in (1, max(1, round(density * width)), width):
         words = {"pairs": 2 * slots, "bitmap": -(-width // 32) + slots, "shard": width}
-        form = costmodel.result_form(width, slots)
+        form = costs.result_form(width, slots)
         assert words[form] == min(words.values())
 
 
@@ -284,6 +284,6 @@ def test_the_balanced_cases_cover_every_result_form():
     for size, workers, density in BALANCED_CASES:
         k = max(1, round(density * size))
         width = -(-size // workers)
-        forms.add(costmodel.result_form(width, costmodel.union_slots(k, size, workers)))
-        forms.add(costmodel.result_form(width, min(width, costmodel.owner_slots(k, workers))))
-    assert forms == set(costmodel.RESULT_FORMS)
+        forms.add(costs.result_form(width, costs.union_slots(k, size, workers)))
+        forms.add(costs.result_form(width, min(width, costs.owner_slots(k, workers))))
+    assert forms == set(costs.RESULT_FORMS)

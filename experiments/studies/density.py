@@ -23,6 +23,7 @@ from pathlib import Path
 
 from experiments.studies import harness
 from sparsecomm_jax.comm import costmodel
+from sparsecomm_jax.topk import costs
 
 STRATEGIES = ("topk_allgather", "topk_a2a", "topk_balanced", "oktopk", "adaptive")
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     cross = {
         "measured_step": measured_crossover(rows, "step_s"),
         "measured_comm": measured_crossover(rows, "comm_s"),
-        "formula": costmodel.crossover_density(args.nproc),
+        "formula": costs.crossover_density(args.nproc),
     }
     extra = {
         "dense": dense,

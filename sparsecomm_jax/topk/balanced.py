@@ -14,7 +14,7 @@ every owner to within one entry a block, and a strided one is spread by the hash
 contiguous shards, as TopKA2A cuts them, would send all of such a region to one owner.
 
 **Static buffers, nothing dropped.** Every buffer has a static size (an equal-split
-``all_to_all``; XLA has no ragged collective on CPU): ``comm.costmodel.owner_slots``
+``all_to_all``; XLA has no ragged collective on CPU): ``topk.costs.owner_slots``
 slots for a worker's pairs to one owner, and ``union_slots`` (or ``owner_slots`` of the
 global k) for an owner's entries on the way back. A pair that finds no slot, or whose
 entry does not come back (not in oktopk's global top-k, or past the slots of the way
@@ -53,9 +53,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax.comm.costmodel import RADIX_DIGITS
 from sparsecomm_jax.comm.vma import all_gather_replicated
 from sparsecomm_jax.topk.selectors import magnitude_keys
+
+RADIX_DIGITS = (11, 11, 9)  # oktopk's threshold search: bits a round, of 31-bit keys
 
 # The block hash: two multiply-xorshift rounds (C. Wellons' "lowbias32"), every bit of
 # the block's index mixed into every bit of the hash. One multiply alone is nearly
@@ -277,7 +278,7 @@ def send_back(
     h: OwnerHash, shard: jax.Array, chosen: jax.Array, form: str, slots: int, comm: Comm
 ) -> Returned:
     """The ``chosen`` entries of this worker's ``shard`` (bool and float32[width]) to
-    every worker, by one all-gather in ``form`` (``costmodel.RESULT_FORMS``), at most
+    every worker, by one all-gather in ``form`` (``topk.costs.RESULT_FORMS``), at most
     ``slots`` of them (``shard``: all, the whole shard); summed into the bucket."""
     if form == "shard":
         taken = chosen
@@ -330,7 +331,7 @@ def _bitmap(h: OwnerHash, positions, taken, values, comm: Comm) -> jax.Array:
 def global_threshold(keys: jax.Array, k: int, comm: Comm) -> tuple[jax.Array, jax.Array]:
     """The k-th largest of every worker's ``keys`` together (non-negative int32, as
     ``selectors.magnitude_keys`` gives), by a radix search: one ``psum`` of a histogram
-    of the keys' next digit a round (``costmodel.RADIX_DIGITS``), among the keys that
+    of the keys' next digit a round (``RADIX_DIGITS``), among the keys that
     match the digits found so far.
 
     Returns:

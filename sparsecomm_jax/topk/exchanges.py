@@ -3,12 +3,13 @@ its facts.
 
 An ``Exchange`` is one way a worker's selection of a bucket reaches every worker summed
 (``make``: the device code, ``parts -> (total, kept)``), what it costs one worker
-(``cost``: messages and bytes, from the formulas of ``comm.costmodel``, which match the
-compiled programs to the byte), and the local work it does besides (``local``: selection,
+(``cost``: messages and bytes, its formula in ``topk.costs``, which matches the
+compiled program to the byte), and the local work it does besides (``local``: selection,
 residual and sums with the collectives stood in for, timed by ``topk.local_cost`` for the
 cost model). ``EXCHANGES`` is the registry; ``adaptive`` chooses per bucket among the
-exchanges marked ``menu``. The aggregators of ``sparsecomm_jax.aggregators`` wrap an
-exchange in error feedback and fusion.
+exchanges marked ``menu``. Each exchange is also an aggregator: ``sparsecomm_jax.aggregators``
+wraps it in error feedback and fusion, and its ``AGGREGATORS`` holds an entry for every
+exchange registered here (``register`` is the one step that adds both).
 
 Example:
     >>> from sparsecomm_jax.topk import exchanges
@@ -24,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -32,7 +34,8 @@ import jax.numpy as jnp
 
 from sparsecomm_jax.comm import costmodel, fusion
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.topk import balanced, collectives, selectors, shards
+from sparsecomm_jax.errors import ArgumentError
+from sparsecomm_jax.topk import balanced, collectives, costs, selectors, shards
 from sparsecomm_jax.topk.selectors import Selector
 
 ExchangeFn = Callable  # parts -> (total float[d], kept per part)[, every]
@@ -57,7 +60,10 @@ class Exchange(NamedTuple):
       defers: its ``exchange`` returns ``(total, kept, deferred)``: int32[] ``deferred``
         counts the entries it could not send this step for want of a static slot (they
         are in ``kept``, or in an owner's), for ``aggregators.error_feedback`` to count.
-      options: the keyword options ``make`` takes besides the three.
+      options: the keyword options ``make`` takes besides the three (each checked by
+        ``make``, which raises ``errors.ArgumentError`` naming it).
+      workers: ``workers(P) -> problem or None``: what it needs of the device count
+        (gTop-k's pairwise rounds: a power of two).
     """
 
     name: str
@@ -68,6 +74,26 @@ class Exchange(NamedTuple):
     carries: bool = False
     defers: bool = False
     options: tuple[str, ...] = ()
+    workers: Callable[[int], str | None] = lambda workers: None
+
+
+def power_of_two(workers: int) -> str | None:
+    """What gTop-k's pairwise rounds need of P: a power of two (``None``: it is one)."""
+    return None if workers & (workers - 1) == 0 else "needs a power-of-two number of devices"
+
+
+def check_capacity_factor(factor: float | None) -> None:
+    """``ArgumentError`` unless ``factor`` is ``None`` or a finite number >= 1."""
+    if factor is None:
+        return
+    ok = isinstance(factor, int | float) and not isinstance(factor, bool)
+    if not (ok and math.isfinite(factor) and factor >= 1):
+        raise ArgumentError(
+            "capacity_factor",
+            factor,
+            "must be a number >= 1 (an owner's slots over its "
+            "mean share), or None (the mean plus six standard deviations)",
+        )
 
 
 # ------------------------------------------------------------------ the exchanges
@@ -143,7 +169,8 @@ def balanced_exchange(
     hashed owners by one all-to-all, each owner's sum back to every worker by one
     all-gather of its nonzeros in the smallest form (``topk.balanced``). ``total`` is
     the sum of what every worker sent; ``capacity_factor`` sizes an owner's slots
-    (``costmodel.owner_slots``)."""
+    (``topk.costs.owner_slots``)."""
+    check_capacity_factor(capacity_factor)
 
     def exchange(parts):
         comm, num = balanced.Comm.over(axis_name), jax.lax.axis_size(axis_name)
@@ -163,6 +190,7 @@ def oktopk_exchange(
     search), and only those back to every worker. ``total`` is the k entries of largest
     magnitude of the sum of what every worker selected; each worker keeps in its
     residual what it selected of the rest."""
+    check_capacity_factor(capacity_factor)
 
     def exchange(parts):
         comm, num = balanced.Comm.over(axis_name), jax.lax.axis_size(axis_name)
@@ -186,15 +214,15 @@ def owner_sum(
     k = selectors.num_selected(density, d)
     values, indices, kept = selectors.select_parts(selector, parts, k)
     h = balanced.OwnerHash(d, workers)
-    slots = costmodel.owner_slots(k, workers, factor)
+    slots = costs.owner_slots(k, workers, factor)
     routed = balanced.route(h, values, indices, slots)
     shard = balanced.reduce_at_owners(h, routed.sends, comm)  # float32[s]: this owner's sum
     if global_k:  # the k largest of all owners' sums, at most the slots of one owner's
         chosen = balanced.global_top(shard, k, comm, arrived=workers * slots)
         back_slots = min(h.width, slots)
     else:  # every nonzero: the union of the selections
-        chosen, back_slots = shard != 0, costmodel.union_slots(k, d, workers, factor)
-    form = costmodel.result_form(h.width, back_slots)
+        chosen, back_slots = shard != 0, costs.union_slots(k, d, workers, factor)
+    form = costs.result_form(h.width, back_slots)
     back = balanced.send_back(h, shard, chosen, form, back_slots, comm)
     # what stays: the unselected, and each pair of this worker's that did not arrive in
     # the result (no slot on the way, not chosen at its owner, no slot on the way back)
@@ -251,17 +279,17 @@ DENSE = Exchange("dense", dense_exchange, costmodel.dense_cost, menu=True)
 ALLGATHER = Exchange(
     "topk_allgather",
     allgather_exchange,
-    costmodel.allgather_cost,
+    costs.allgather_cost,
     allgather_local,
     menu=True,
     carries=True,
 )
-A2A = Exchange("topk_a2a", a2a_exchange, costmodel.a2a_cost, a2a_local, menu=True)
-GTOPK = Exchange("gtopk", gtopk_exchange, costmodel.gtopk_cost)
+A2A = Exchange("topk_a2a", a2a_exchange, costs.a2a_cost, a2a_local, menu=True)
+GTOPK = Exchange("gtopk", gtopk_exchange, costs.gtopk_cost, workers=power_of_two)
 BALANCED = Exchange(
     "topk_balanced",
     balanced_exchange,
-    costmodel.balanced_cost,
+    costs.balanced_cost,
     balanced_local,
     menu=True,
     defers=True,
@@ -270,7 +298,7 @@ BALANCED = Exchange(
 OKTOPK = Exchange(
     "oktopk",
     oktopk_exchange,
-    costmodel.oktopk_cost,
+    costs.oktopk_cost,
     oktopk_local,
     menu=True,
     defers=True,
@@ -285,7 +313,9 @@ EXCHANGES: dict[str, Exchange] = {
 
 def register(exchange: Exchange) -> Exchange:
     """Adds ``exchange`` to ``EXCHANGES`` under its name (one of that name is
-    replaced); returns it. ``adaptive`` built afterwards chooses among it too where it
+    replaced); returns it. From then on it is also an aggregator
+    (``aggregators.AGGREGATORS[name]``, and the strategies ``name`` and
+    ``TABLES+name``), and ``adaptive`` built afterwards chooses among it too where it
     is marked ``menu`` (``menu()`` is read when an ``adaptive`` step is traced).
 
     Raises:
