@@ -304,23 +304,25 @@ def serves(stats: TableStats, layout: str | Layout) -> bool:
 May = Callable[[TableStats, Layout], bool]
 
 
-def unpadded(layouts: Iterable[str | Layout], workers: int) -> May:
-    """A ``may`` for a step that stores the tables of ``layouts`` unpadded (``embrace_2d``
-    its column-wise ones): a table takes one of them only where the dimension it splits
+def unpadded(workers: int) -> May:
+    """A ``may`` for a step that stores its carried tables unpadded (``embrace_2d``: a
+    layout whose carrier reads the stored rows whole, ``Pipelined.unpadded``, the
+    column layout's): a table takes such a layout only where the dimension it splits
     divides by ``workers``.
 
     Example:
         >>> from sparsecomm_jax.embedding.column import COLUMN
-        >>> may = unpadded(["column"], 4)
-        >>> a, b = TableStats("a", 100, 8, 16, 10, 4), TableStats("b", 100, 6, 16, 10, 4)
-        >>> may(a, COLUMN), may(b, COLUMN)  # D = 8 divides by 4, D = 6 does not
-        (True, False)
+        >>> from sparsecomm_jax.embedding.row import ROW
+        >>> may = unpadded(4)
+        >>> a, b = TableStats("a", 100, 8, 16, 10, 4), TableStats("b", 101, 6, 16, 10, 4)
+        >>> may(a, COLUMN), may(b, COLUMN), may(b, ROW)  # D = 6 does not divide by 4
+        (True, False, True)
     """
-    names = {registry.get(x).name for x in layouts}
 
     def may(stats: TableStats, layout: Layout) -> bool:
+        kept = layout.pipelined is not None and layout.pipelined.unpadded
         size = split_size(layout, stats.vocab, stats.dim)
-        return layout.name not in names or size is None or size % workers == 0
+        return not kept or size is None or size % workers == 0
 
     return may
 
@@ -505,11 +507,13 @@ def _total(choices: list[Choice], stats, workers: int, link: Link, slots: int, w
     """The plan of ``choices``, the tables of layouts priced together (table-wise
     packs) priced by ``Pricing.together``."""
     choices = list(choices)
-    for name in {c.layout for c in choices}:
+    by_layout: dict[str, list[int]] = {}
+    for k, c in enumerate(choices):
+        by_layout.setdefault(c.layout, []).append(k)
+    for name, mine in by_layout.items():
         layout = registry.get(name)
         if layout.pricing.together is None:
             continue
-        mine = [k for k, c in enumerate(choices) if c.layout == layout.name]
         prices = layout.pricing.together([stats[k] for k in mine], workers, link, slots, wire)
         for k, price in zip(mine, prices, strict=True):
             choices[k] = _choice(stats[k], layout, price)

@@ -97,6 +97,14 @@ def enable_collective_overlap() -> None:
     os.environ["XLA_FLAGS"] = " ".join([*flags, *missing])
 
 
+def collectives_overlap(mesh: Mesh) -> bool:
+    """Whether one program's collectives can run beside its compute on ``mesh``'s
+    devices: not on XLA:CPU, which runs a program's thunks one after the other (two
+    programs on two host threads can: ``schedule.overlap``). Where they cannot,
+    ``embrace_2d`` runs as ``embrace`` (``strategies.registry.Strategy.serial``)."""
+    return mesh.devices.flat[0].platform != "cpu"
+
+
 def backend_started() -> bool:
     """Whether JAX has already created its backends (device counts are then fixed)."""
     return xla_bridge.backends_are_initialized()

@@ -1,5 +1,21 @@
 """Every test runs on 8 simulated CPU devices (set before JAX starts).
 
+Two tiers, decided here and only here, by what a test is (its markers), never by a list
+of names:
+
+- the **fast tier**, ``python -m pytest``: every test except those below, each module's
+  unit tests, one case of each matrix, the docs' and docstrings' examples and the
+  structure tests;
+- the **full tier**, ``python -m pytest --full`` (it includes the fast one; CI runs
+  it): also every test marked ``cli`` (it trains through the command line,
+  ``experiments.train`` or an experiment's script), ``processes`` (it starts a job of
+  several processes: the launcher, the emulated cluster, a killed rank, the notebook's
+  kernel) and every case of a ``matrix`` (a test parametrized over models, strategies,
+  layouts or optimizers) after its first.
+
+A test leaves the fast tier only by taking one of these markers, and stays in the full
+one. ``-m`` selects within the tier as usual (``--full -m cli``: the command-line runs).
+
 Compiled programs are shared through a persistent compilation cache, fresh for each
 test run (a temporary folder made by the first process and inherited by the xdist
 workers and the processes tests start, removed at exit): many tests build the same
@@ -53,6 +69,54 @@ if REPO not in sys.path:
 
 import pytest  # noqa: E402
 
+FULL_ONLY = ("cli", "processes")  # markers whose tests run in the full tier alone
+MARKERS = {
+    "cli": "trains through the command line (experiments.train, an experiment's script): full tier",
+    "processes": "starts a job of several processes (the launcher, the emulated cluster, "
+    "a kernel): full tier",
+    "matrix": "parametrized over models, strategies, layouts or optimizers: its first case "
+    "in the fast tier, every case in the full one",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="run the full tier: the command-line runs, the multi-process jobs and every "
+        "case of each matrix besides the fast tier",
+    )
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def full_tier_only(item) -> bool:
+    """Whether ``item`` runs in the full tier alone (see the module doc)."""
+    if any(item.get_closest_marker(name) for name in FULL_ONLY):
+        return True
+    callspec = getattr(item, "callspec", None)
+    later_case = callspec is not None and any(callspec.indices.values())
+    return bool(item.get_closest_marker("matrix")) and later_case
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if full_tier_only(item)]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not full_tier_only(item)]
+
+
+def pytest_report_header(config):
+    if config.getoption("--full"):
+        return "tier: full (every test)"
+    return "tier: fast (python -m pytest --full also runs the cli, processes and matrix tests)"
+
 
 @pytest.fixture
 def pipelined_2d(monkeypatch):
@@ -61,6 +125,4 @@ def pipelined_2d(monkeypatch):
     its compute, so the cost model sends every row in one chunk): the tests of the
     schedule declare the overlap an accelerator has, as ``make_train_step(...,
     collectives_overlap=True)`` does. An explicit ``collectives_overlap`` still wins."""
-    from sparsecomm_jax.schedule import priority
-
-    monkeypatch.setattr(priority, "collectives_overlap", lambda mesh: True)
+    monkeypatch.setattr(runtime, "collectives_overlap", lambda mesh: True)

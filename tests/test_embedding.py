@@ -43,12 +43,10 @@ def test_pipelined_rowwise_capacity_covers_this_batch_and_the_next():
     one capacity: the most distinct ids one worker asks of one owner in either."""
     from types import SimpleNamespace
 
-    from sparsecomm_jax.schedule import rowwise
-
     table, empty = SimpleNamespace(index=0, vocab=8), np.zeros(0, np.int32)
     now = {0: ([np.array([1, 1, 2, 5]), np.array([6, 7, 7])], empty)}  # 2 of one owner
     nxt = {0: ([np.array([0, 1, 2, 3]), np.array([4])], empty)}  # worker 0: 4 of owner 0
-    policy = rowwise.two_batches(row.CAPACITY)
+    policy = row.two_batches(row.CAPACITY)
     assert policy.need([now], [table], 2) == {0: 2}
     assert policy.need([now, nxt], [table], 2) == {0: 4}
     assert policy.need([now, now, nxt], [table], 2) == {0: 2}  # t+2 is not fetched

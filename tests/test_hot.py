@@ -225,7 +225,7 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
     the ids alone, need not wait). A middle step fetches nothing before its forward
     pass (the first step fetches every table's rows). With no column-wise, row-wise or
     hot table there is nothing to pipeline: ``embrace``'s step runs."""
-    from sparsecomm_jax.schedule import priority
+    from sparsecomm_jax.schedule import scopes
 
     w, params, layouts = dlrm_beside(0, ("hot", "column", "row"))
 
@@ -248,8 +248,8 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
     instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
     # the first step fetches the three tables' rows before its forward pass; a middle
     # step reads them carried (the hot rows where they are): nothing before it
-    assert any(priority.SCOPE_ROWS in c.op_name for c in before)
-    assert not [c for c in colls if priority.SCOPE_ROWS in c.op_name]
+    assert any(scopes.SCOPE_ROWS in c.op_name for c in before)
+    assert not [c for c in colls if scopes.SCOPE_ROWS in c.op_name]
 
     floats = {c.name for c in hlo.parse_collectives(text) if c.shapes[0][0] == "f32"}
 
@@ -260,12 +260,12 @@ def test_the_tables_beside_the_pipeline_wait_for_its_first_chunks():
             if scope in c.op_name and c.opcode.startswith(kind) and c.name in floats
         ]
 
-    first = {c.name for c in named(priority.SCOPE_HIGH, "all-to-all")}
-    late = named(priority.SCOPE_LOW, "all-reduce") + named(priority.SCOPE_LOW, "all-to-all")
-    assert first and named(priority.SCOPE_LOW, "all-reduce"), [c.op_name for c in colls]
+    first = {c.name for c in named(scopes.SCOPE_HIGH, "all-to-all")}
+    late = named(scopes.SCOPE_LOW, "all-reduce") + named(scopes.SCOPE_LOW, "all-to-all")
+    assert first and named(scopes.SCOPE_LOW, "all-reduce"), [c.op_name for c in colls]
     for c in late:
         assert first <= hlo.ancestors(instrs, c.name), c.name
-    for c in named(priority.SCOPE_NEXT, "all-to-all"):
+    for c in named(scopes.SCOPE_NEXT, "all-to-all"):
         assert not hlo.ancestors(instrs, c.name) & {c.name for c in late}
     assert len(first) == 2  # the column table's first chunk; the hot and row-wise ones
     assert step(dict.fromkeys(layouts, "table")).runs_as == "embrace"

@@ -14,7 +14,8 @@ from test_pipeline_exact import _poisoned, _run, _workload
 
 import sparsecomm_jax as sc
 from sparsecomm_jax import runtime
-from sparsecomm_jax.schedule import overlap, priority
+from sparsecomm_jax.embedding import priority
+from sparsecomm_jax.schedule import overlap, scopes
 
 
 def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=False, **kw):
@@ -208,13 +209,13 @@ def test_fused_program_keeps_the_late_exchange_off_the_next_step_path():
     )
     text = hlo.compiled_text(progs.fused, state, pend, rows, b1, b0.capacity)
     instrs, colls = hlo.entry_instructions(text), hlo.scheduled_collectives(text)
-    low = {c.name for c in colls if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
+    low = {c.name for c in colls if scopes.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"}
     first = [
         c
         for c in colls
-        if priority.SCOPE_HIGH in c.op_name
+        if scopes.SCOPE_HIGH in c.op_name
         and c.opcode == "all-to-all"
-        and priority.SCOPE_NEXT not in c.op_name
+        and scopes.SCOPE_NEXT not in c.op_name
     ]
     assert low and first
     for c in first:

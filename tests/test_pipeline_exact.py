@@ -14,11 +14,12 @@ from helpers import assert_trees_close, reference_run, run_placed
 import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax import runtime
-from sparsecomm_jax.schedule import priority
+from sparsecomm_jax.embedding import priority
+from sparsecomm_jax.schedule import pipeline, scopes
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
-CPU_PROBE = priority.collectives_overlap  # the platform's answer, before the fixture
+CPU_PROBE = runtime.collectives_overlap  # the platform's answer, before the fixture
 
 TIED = {
     "lstm_lm": dict(tie_embeddings=True, hidden=8),
@@ -193,7 +194,7 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
     low = [
         c
         for c in hlo.scheduled_collectives(text)
-        if priority.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
+        if scopes.SCOPE_LOW in c.op_name and c.opcode == "all-to-all"
     ]
     n = 2 * 2 * 8  # positions per worker: inputs and targets of 2 sequences of 8
     late = priority.late_capacities(n, batch.capacity[0], 8, 4)[1:]
@@ -208,14 +209,14 @@ def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
     lookahead; ``collectives_overlap=True`` builds the pipeline."""
     from sparsecomm_jax.comm import hlo
 
-    monkeypatch.setattr(priority, "collectives_overlap", CPU_PROBE)
+    monkeypatch.setattr(runtime, "collectives_overlap", CPU_PROBE)
     assert not CPU_PROBE(runtime.data_mesh(4))
     w = _alternating()
     kw = {} if asked == "platform" else {"collectives_overlap": False}
     serial, ref = _make_2d(w, **kw), _make_2d(w, "embrace")
     piped = _make_2d(w, collectives_overlap=True)
     assert (serial.strategy, serial.runs_as, serial.lookahead) == ("embrace_2d", "embrace", 0)
-    assert (piped.runs_as, piped.lookahead) == ("embrace_2d", priority.LOOKAHEAD)
+    assert (piped.runs_as, piped.lookahead) == ("embrace_2d", pipeline.LOOKAHEAD)
     combined = _make_2d(w, "embrace_2d+topk_a2a", density=0.5, **kw)
     assert combined.runs_as == "embrace+topk_a2a"
 
@@ -238,7 +239,7 @@ def test_embrace_2d_refuses_the_same_models_either_way(monkeypatch, overlap):
     table whose D does not divide by P are refused with or without overlap."""
     import jax.numpy as jnp
 
-    monkeypatch.setattr(priority, "collectives_overlap", CPU_PROBE)
+    monkeypatch.setattr(runtime, "collectives_overlap", CPU_PROBE)
     kw = dict(embedding_paths=[("t",)], collectives_overlap=overlap)
     mesh, opt = runtime.data_mesh(4), optax.sgd(0.1)
     batch = {"ids": np.arange(8, dtype=np.int32).reshape(4, 2)}

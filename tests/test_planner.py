@@ -54,10 +54,10 @@ def test_a_table_takes_only_the_layouts_it_may():
         return [{c.table for c in p.choices if c.layout == "column"} for p in plans]
 
     assert {"a", "b"} in columns(planner.candidate_plans(two, 4, link))
-    may = planner.unpadded(["column"], 4)
+    may = planner.unpadded(4)
     kept = planner.candidate_plans(two, 4, link, may=may)
     assert {"a"} in columns(kept) and all("b" not in c for c in columns(kept))
-    assert planner.unpadded(["column"], 2)(two[1], column)  # 62 divides by 2
+    assert planner.unpadded(2)(two[1], column)  # 62 divides by 2
     only = planner.plan_tables(two, 4, link, layouts=["column", "dense"], may=may)
     assert {t: x.name for t, x in only.layouts().items()} == {"a": "column", "b": "dense"}
     with pytest.raises(ValueError, match=r"serves table b where it may go"):

@@ -14,6 +14,7 @@ import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.schedule import scopes
 from sparsecomm_jax.strategies import bodies
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guides" / "extending.md"
@@ -87,3 +88,35 @@ def test_guide_example_layout_trains_like_embrace_and_sends_more(monkeypatch):
     sent_ref = hlo.total_bytes(hlo.collectives(ts_ref.step, ts_ref.state, batch_ref))
     sent = hlo.total_bytes(hlo.collectives(ts.step, ts.state, batch))
     assert sent > sent_ref  # ids repeat (Zipf tokens, shared negatives): each travels here
+
+
+def test_guide_example_layout_is_pipelined_by_its_own_hook(monkeypatch):
+    """The guide's pipelined layout (its ``Pipelined`` naming the column carrier), run
+    from the guide's text: ``embrace_2d`` carries its table (a middle step fetches no
+    row before its forward pass; the first step does) and trains as ``embrace``."""
+    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)  # removed after the test
+    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read_2d", None)
+    scope = {}
+    exec(guide_block("## A table layout"), scope)
+    exec(guide_block("## Pipelined by `embrace_2d`"), scope)  # asserts embrace's losses
+    lm = scope["lm"]
+    ts = sc.make_train_step(  # afresh: the guide's run donated its state
+        lm.loss,
+        optax.sgd(0.1),
+        sc.runtime.data_mesh(4),
+        scope["start"],
+        "embrace_2d",
+        embedding_paths=lm.embedding_paths,
+        replicated_keys=lm.replicated_keys,
+        table_layouts={"embed/embedding": scope["EACH_READ_2D"]},
+        collectives_overlap=True,
+    )
+    assert ts.runs_as == "embrace_2d"
+    first = sc.place_for_step(ts, lm.batch_at, 0, 3)
+    before = hlo.scheduled_collectives(hlo.compiled_text(ts.step, ts.state, first))
+    state, _ = ts.step(ts.state, first)
+    middle = sc.place_for_step(ts, lm.batch_at, 1, 3)
+    colls = hlo.scheduled_collectives(hlo.compiled_text(ts.step, state, middle))
+    assert any(scopes.SCOPE_ROWS in c.op_name for c in before)
+    assert not [c for c in colls if scopes.SCOPE_ROWS in c.op_name]
+    assert [c for c in colls if scopes.SCOPE_HIGH in c.op_name and c.opcode == "all-to-all"]

@@ -13,8 +13,8 @@ import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import hlo
-from sparsecomm_jax.embedding import access, column, tables
-from sparsecomm_jax.schedule import priority as schedule
+from sparsecomm_jax.embedding import access, column, priority, tables
+from sparsecomm_jax.schedule import pipeline, scopes
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
@@ -24,19 +24,19 @@ V, B, T = 256, 16, 8
 
 def test_planning_hand_example():
     ids = np.array([5, 7, 2, 5])
-    levels = schedule.priority_levels(ids, np.array([7, 2]))
+    levels = priority.priority_levels(ids, np.array([7, 2]))
     np.testing.assert_array_equal(levels, [1, 0, 0, 1])
-    np.testing.assert_array_equal(schedule.priority_order(levels), [1, 2, 0, 3])
-    assert schedule.chunk_bounds(4, [2]) == [(0, 2), (2, 4)]
-    assert schedule.chunk_bounds(4, [8]) == [(0, 4)]
-    assert schedule.chunk_bounds(5, [2, 2]) == [(0, 2), (2, 4), (4, 5)]
+    np.testing.assert_array_equal(priority.priority_order(levels), [1, 2, 0, 3])
+    assert priority.chunk_bounds(4, [2]) == [(0, 2), (2, 4)]
+    assert priority.chunk_bounds(4, [8]) == [(0, 4)]
+    assert priority.chunk_bounds(5, [2, 2]) == [(0, 2), (2, 4), (4, 5)]
     workers = [np.array([5, 7, 2, 5]), np.array([1, 1, 9, 9])]
-    assert schedule.high_priority_capacity(workers, np.array([7, 2, 1])) == 2
+    assert priority.high_priority_capacity(workers, np.array([7, 2, 1])) == 2
 
 
 def test_more_than_two_levels():
     levels = np.array([2, 0, 1, 0, 2, 1])  # e.g. needed by t+1, by t+2, later
-    np.testing.assert_array_equal(schedule.priority_order(levels), [1, 3, 2, 5, 0, 4])
+    np.testing.assert_array_equal(priority.priority_order(levels), [1, 3, 2, 5, 0, 4])
 
 
 def _lm(batches=None):
@@ -95,7 +95,7 @@ def test_first_and_last_steps(steps):
     losses, got, ts = strategy_run(w, optax.sgd(0.5), params, steps, "embrace_2d")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
-    assert ts.lookahead == schedule.LOOKAHEAD
+    assert ts.lookahead == pipeline.LOOKAHEAD
 
 
 def _middle_step_program(table_update="dense"):
@@ -125,12 +125,10 @@ def test_compiled_order_and_dependencies(update):
     def named(scope, kind="all-to-all"):
         return [c for c in colls if scope in c.op_name and c.opcode == kind]
 
-    high, low, nxt = (
-        named(s) for s in (schedule.SCOPE_HIGH, schedule.SCOPE_LOW, schedule.SCOPE_NEXT)
-    )
+    high, low, nxt = (named(s) for s in (scopes.SCOPE_HIGH, scopes.SCOPE_LOW, scopes.SCOPE_NEXT))
     assert high and low and nxt
     # the shared negatives batch t+1 does not read travel late (a reduce-scatter in low)
-    assert named(schedule.SCOPE_LOW, "reduce-scatter")
+    assert named(scopes.SCOPE_LOW, "reduce-scatter")
     if update == "rows":  # row-sparse: the tables are updated in place, never copied
         assert not re.search(rf"= f32\[{V},\d+\]\S* copy\(", text)
     # horizontal: every high-priority all-to-all is issued before any low-priority one
@@ -141,7 +139,7 @@ def test_compiled_order_and_dependencies(update):
         assert not hlo.ancestors(instrs, c.name) & low_names
     # vertical: the dense layers' mean and the embedding exchange are independent (the
     # all-reduce of the loss and the finite flag reads every gradient on purpose: not here)
-    dense = [c for c in colls if schedule.SCOPE_DENSE in c.op_name]
+    dense = [c for c in colls if scopes.SCOPE_DENSE in c.op_name]
     assert dense
     for d in dense:
         assert not hlo.ancestors(instrs, d.name) & {c.name for c in high + low}
@@ -169,7 +167,7 @@ def test_next_use_levels_never_compares_every_pair():
     compiled program (``jnp.isin``'s default builds one: at P = 32 with 2,048 ids a
     worker, more memory than this host has)."""
     n, m = 4096, 3072
-    fn = jax.jit(lambda ids, nxt: schedule.next_use_levels(ids, [nxt, nxt]))
+    fn = jax.jit(lambda ids, nxt: priority.next_use_levels(ids, [nxt, nxt]))
     text = fn.lower(jax.numpy.zeros(n, "int32"), jax.numpy.zeros(m, "int32")).compile().as_text()
     assert f"[{n},{m}]" not in text and f"[{m},{n}]" not in text
 
@@ -180,10 +178,10 @@ def test_next_use_levels_against_reference(seed):
     ids = rng.integers(0, 12, 40)
     future = [rng.integers(0, 12, rng.integers(1, 6)) for _ in range(3)]
     want = _levels_reference(ids, future)
-    np.testing.assert_array_equal(schedule.next_use_levels(ids, future), want)
-    got = schedule.next_use_levels(jax.numpy.asarray(ids), [jax.numpy.asarray(f) for f in future])
+    np.testing.assert_array_equal(priority.next_use_levels(ids, future), want)
+    got = priority.next_use_levels(jax.numpy.asarray(ids), [jax.numpy.asarray(f) for f in future])
     np.testing.assert_array_equal(np.asarray(got), want)
-    order = schedule.priority_order(want)  # t+1 first, then t+2, ...; stable within
+    order = priority.priority_order(want)  # t+1 first, then t+2, ...; stable within
     assert (np.diff(want[order]) >= 0).all()
     np.testing.assert_array_equal(order, sorted(range(40), key=lambda p: (want[p], p)))
 
@@ -193,7 +191,7 @@ def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
     from sparsecomm_jax.comm import costmodel
 
     link = costmodel.Link.from_bandwidth(gbit)
-    rows = schedule.late_chunk_rows(link, 4 * dim, workers, overhead=0.1)
+    rows = priority.late_chunk_rows(link, 4 * dim, workers, overhead=0.1)
 
     def latency_share(n):
         wire = (workers - 1) / workers * n * 4 * dim * link.beta
@@ -207,11 +205,11 @@ def test_late_chunk_rows_meets_the_latency_share(gbit, dim, workers):
 def test_late_capacities_cover_every_position(n, first):
     """Chunk sizes in priority order: ``first``, then at most ``MAX_LATE_CHUNKS`` late
     chunks that hold every other position, none of them needless."""
-    sizes = schedule.late_capacities(n, first, 512, 4)
+    sizes = priority.late_capacities(n, first, 512, 4)
     late = sizes[1:]
     assert sizes[0] == first and sum(late) >= n - first
     assert all(c > 0 for c in late) and sum(late[:-1]) < max(1, n - first)
-    assert len(late) <= schedule.MAX_LATE_CHUNKS
+    assert len(late) <= priority.MAX_LATE_CHUNKS
 
 
 def test_table_reads_count_every_read_of_a_tied_table():
@@ -229,6 +227,6 @@ def test_table_reads_count_every_read_of_a_tied_table():
     every = set(np.ravel(nxt[table][0])) | set(nxt[table][1])
     need = max(int(np.isin(row, list(every)).sum()) for row in want)
     found = tables.find_tables(params, mask, column.COLUMN)
-    assert schedule.first_chunk_need([reads, nxt], found, 4) == {table: need}
+    assert priority.first_chunk_need([reads, nxt], found, 4) == {table: need}
     per_key = max(int(np.isin(t.ravel(), list(every)).sum()) for t in tokens)
     assert need > per_key  # counting the key once under-sizes the chunk

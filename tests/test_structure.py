@@ -192,6 +192,87 @@ def named_outside_registries(path: Path, text: str) -> list[str]:
     return found
 
 
+REGISTRY_WORDS = ("layout", "strategy", "aggregator", "optimizer", "exchange", "carrier")
+
+
+def _dotted(node) -> str:
+    """``a.b.c`` of an attribute chain (``""`` where it is no plain chain)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def _registry_value(node) -> bool:
+    """Whether ``node`` reads the ``.name`` of what looks like a registry value: an
+    attribute ``.name`` of a layout, strategy, aggregator, optimizer or exchange (its
+    dotted path names one), or of a module constant (``COLUMN.name``, ``hot.HOT.name``)."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "name"):
+        return False
+    base = _dotted(node.value)
+    last = base.rsplit(".", 1)[-1]
+    return any(w in base.lower() for w in REGISTRY_WORDS) or (last.isupper() and len(last) > 1)
+
+
+def names_compared(path: Path, text: str) -> list[str]:
+    """Where the code at ``path`` compares a registry value's ``.name`` (``layout.name
+    == "row"``, ``t.layout.name in NAMES``, ``x.name == HOT.name``): asking a value its
+    name instead of its facts (``Layout.pipelined``, ``Strategy.scannable``, ...). A
+    registry's own module may; each found as ``file:line``."""
+    where = str(path.relative_to(REPO))
+    if where in {home for home, _ in registry_names().values()}:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Compare) and any(
+            isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops
+        ):
+            if any(_registry_value(x) for x in (node.left, *node.comparators)):
+                found.append(f"{where}:{node.lineno} compares a registry value's name")
+    return found
+
+
+def test_the_check_of_compared_names_sees_them_and_passes_the_rest():
+    code = (
+        "if t.layout.name in CARRIED: pass\n"
+        "if x.name == hot.HOT.name: pass\n"
+        "if strategy.name != 'embrace': pass\n"
+        "if t.name in names or f.name == 'x': pass\n"
+    )
+    found = names_compared(REPO / "sparsecomm_jax" / "x.py", code)
+    assert found == [
+        "sparsecomm_jax/x.py:1 compares a registry value's name",
+        "sparsecomm_jax/x.py:2 compares a registry value's name",
+        "sparsecomm_jax/x.py:3 compares a registry value's name",
+    ], found
+
+
+def test_no_registry_value_is_asked_its_name_to_decide():
+    """A layout, strategy, aggregator, optimizer or exchange is asked its facts, never
+    its name compared, outside its registry: ``schedule/`` pipelines any layout with a
+    ``Pipelined``, the planner prices any with ``Pricing``."""
+    found = []
+    for folder in ("sparsecomm_jax", "experiments", "models"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            found += names_compared(path, path.read_text())
+    assert not found, "\n".join(found)
+
+
+def test_the_schedule_imports_no_layout():
+    """``schedule/`` pipelines a table through its layout's hook (``Layout.pipelined``),
+    so it imports no layout's module: a new pipelined layout edits nothing there."""
+    layouts = {m for m in MODULES if m.startswith("embedding.")} & {
+        f"embedding.{name}"
+        for name in ("column", "row", "hot", "tablewise", "replicated", "dense", "layouts")
+    }
+    assert len(layouts) == 7, layouts
+    for m in MODULES:
+        if m.startswith("schedule."):
+            assert not library_imports(m) & layouts, (m, library_imports(m) & layouts)
+
+
 def test_the_check_of_names_sees_a_comparison_and_a_table():
     code = 'if opt == "adam": pass\nif x in ("sgd",): pass\nFACTS = {"column": 1, "row": 2}\n'
     found = named_outside_registries(REPO / "experiments" / "x.py", code)

@@ -20,7 +20,7 @@ layout the whole planner gives the table (every priced layout, at ``--link-gbit`
 In ``embrace_2d`` (``--what pipelined``): its pipelined program's bytes in a middle
 step, the table column-wise, row-wise and hot at each H (each pipelined: its rows, a hot
 table's cold rows, carried from the step before), and the bytes of the collectives the
-program issues before its forward pass (``priority.SCOPE_ROWS``), both read from the
+program issues before its forward pass (``scopes.SCOPE_ROWS``), both read from the
 compiled program.
 
 Writes ``hot_rows.json`` and ``.csv`` (compiled bytes), ``hot_rows_planner.json``
@@ -142,14 +142,14 @@ def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
     with the study's one table column-wise, row-wise and hot at each H (each pipelined:
     its rows carried from the step before): the bytes of a middle step (the second of
     five), and those of its collectives before the forward pass (the step's fetch of
-    rows it does not carry, ``priority.SCOPE_ROWS``), from the compiled program."""
+    rows it does not carry, ``scopes.SCOPE_ROWS``), from the compiled program."""
     import optax
 
     import sparsecomm_jax as sc
     from sparsecomm_jax import runtime
     from sparsecomm_jax.comm import hlo
     from sparsecomm_jax.embedding import hot
-    from sparsecomm_jax.schedule import priority
+    from sparsecomm_jax.schedule import scopes
 
     counts, stream = study_ids(args, exponent, workers, after=5)
     params, _ = model(stream[0], args.vocab, args.dim)
@@ -176,7 +176,7 @@ def pipelined_rows(args, exponent: float, workers: int) -> list[dict]:
         state, _ = ts.step(ts.state, sc.place_for_step(ts, batch_at, 0, 5))
         text = hlo.compiled_text(ts.step, state, sc.place_for_step(ts, batch_at, 1, 5))
         colls = hlo.scheduled_collectives(text)
-        before = [c.name for c in colls if priority.SCOPE_ROWS in c.op_name]
+        before = [c.name for c in colls if scopes.SCOPE_ROWS in c.op_name]
         sent = {c.name: c for c in hlo.parse_collectives(text)}
         rows.append(
             {

@@ -32,7 +32,7 @@ def hot_tables(config: RunConfig) -> list[str]:
     return [
         name
         for name, layout in config.plan.items()
-        if layout.name == hot.HOT.name and name not in (layout.config or {})
+        if hot.is_hot_layout(layout) and name not in (layout.config or {})
     ]
 
 
@@ -165,7 +165,7 @@ def hot_plan(config: RunConfig, workload, params) -> TablePlan | str:
     else:
         counts = measured_counts(workload, params, tables, HISTOGRAM_BATCHES)
     chosen = {name: hot.from_counts(c, config.hot_rows) for name, c in counts.items()}
-    given = [x.config for x in config.plan.values() if x.name == hot.HOT.name and x.config]
+    given = [x.config for x in config.plan.values() if hot.is_hot_layout(x) and x.config]
     layout = hot.layout({**(given[0] if given else {}), **chosen})  # one value for all
-    every = [n for n, x in config.plan.items() if x.name == hot.HOT.name]
+    every = [n for n, x in config.plan.items() if hot.is_hot_layout(x)]
     return TablePlan({**config.plan, **dict.fromkeys(every, layout)})

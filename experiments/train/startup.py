@@ -191,7 +191,7 @@ def step_may(strategy: Strategy, workers: int) -> planner.May | None:
     """What the step of ``strategy`` constrains the planner to: one that stores the
     tables of its own layout unpadded (``Strategy.unpadded``: ``embrace_2d``'s column
     tables) takes there only tables whose split dimension divides by the workers."""
-    return planner.unpadded([strategy.layout], workers) if strategy.unpadded else None
+    return planner.unpadded(workers) if strategy.unpadded else None
 
 
 def choose_plan(

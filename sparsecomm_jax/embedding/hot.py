@@ -20,6 +20,11 @@ The trio:
    the cold ones return by the row-wise exchange. Every worker then holds the same hot
    gradient and makes the same update to its copy.
 
+Pipelined (``PIPELINED``, by the row layout's carrier): the cold rows travel as a
+row-wise table's do, by their stored rows (a hot id asks for no row: ``carried``); the
+hot rows are read where they are at the start of each step (``near``; the step's update
+moves them, never early), and their all-reduce goes with the late chunks (``late``).
+
 The planner prices it (``PRICING``) from a histogram of the table's ids: ``measure``
 finds the cold rows' bucket in the sample batches for each H of ``HOT_ROWS_TRIED``,
 ``option_price`` prices the cold rows' exchange and the hot rows' all-reduce, and
@@ -66,6 +71,7 @@ from sparsecomm_jax.embedding.layout import (
     CapacityPolicy,
     Fetched,
     Layout,
+    Pipelined,
     Price,
     Pricing,
     Storage,
@@ -484,6 +490,39 @@ def _sum_hot(summed: dict, counts: dict, axis: str, codec) -> tuple[dict, dict]:
     return out, {i: every[a:b] for i, a, b in zip(counts, ends[:-1], ends[1:], strict=True)}
 
 
+# ------------------------------------------------------------------- pipelined
+
+
+def carried_ids(table, workers: int, ids):
+    """``Pipelined.carried``: a read's ids as the row-wise exchange carries them, a cold
+    id's stored row, -1 (no row asked) for a hot one (``split_ids``)."""
+    return split_ids(rows_of(table, workers), ids)[2]
+
+
+def near_rows(table, workers: int, ids, rows, shard):
+    """``Pipelined.near``: the carried cold rows (zero where hot) with the hot rows read
+    from this worker's block of ``shard``, as the step's tables hold them (a hot row is
+    updated by the step's update, never early)."""
+    is_hot, at, _ = split_ids(rows_of(table, workers), ids)
+    near = jnp.take(shard, at, axis=0, mode="fill", fill_value=0)
+    return jnp.where(is_hot[..., None], near.astype(rows.dtype), rows)
+
+
+def late_hot(tables: dict, workers: int, reads, g_rows, shards, axis: str, codec) -> list:
+    """``Pipelined.late``: the hot rows' gradients of ``reads``, summed over the workers
+    by one all-reduce (``hot_gradients``), sent with the late chunks."""
+    rows = {i: rows_of(t, workers) for i, t in tables.items()}
+    at = [split_ids(rows[r.table], r.ids)[1] for r in reads]
+    return hot_gradients(rows, reads, at, g_rows, shards, axis, codec)
+
+
+#: How ``embrace_2d`` carries a hot table: its cold rows by the row layout's carrier,
+#: its hot rows read where they are, their all-reduce with the late chunks.
+PIPELINED = Pipelined(
+    row.two_batches, row.CARRIER, carried=carried_ids, near=near_rows, late=late_hot
+)
+
+
 def _no_attend(shard, h, axis: str):
     raise ValueError(
         "a hot-rows table cannot serve a full softmax (emb.attend): give it the row or "
@@ -544,8 +583,15 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         pricing=PRICING,
         config=config or None,
         configure=layout,
+        pipelined=PIPELINED,
     )
     return value
+
+
+def is_hot_layout(value: Layout) -> bool:
+    """Whether ``value`` is a value of the hot layout (``HOT`` or ``layout(...)``, bound
+    to its tables or not)."""
+    return value.configure is layout
 
 
 def rows_of(table, workers: int) -> HotRows:

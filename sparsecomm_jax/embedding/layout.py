@@ -23,8 +23,11 @@ the pairs into the optimizer's gradient.
 
 A layout also owns what the planner knows of it (``pricing``: what one table costs a
 worker per step, the messages of the exchange its tables share, which tables it can
-serve), so the planner, the command line and the checkpoints ask the layouts instead of
-naming them. Adding a layout is one file, one value and one line in
+serve) and how ``embrace_2d`` carries its tables across steps (``pipelined``: a
+``Pipelined``, the plan of the carried ids and the ``Carrier`` exchange that sends a
+step's gradient in two priorities and fetches the next batch's rows), so the planner,
+the pipeline, the command line and the checkpoints ask the layouts instead of naming
+them. Adding a layout is one file, one value and one line in
 ``embedding.layouts`` (or ``layouts.register`` from your own file).
 
 Example:
@@ -44,6 +47,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
@@ -204,6 +208,104 @@ class Storage(NamedTuple):
     check: Callable[[Any, Any, int], None] | None = None
 
 
+class Carrying(NamedTuple):
+    """Where a carried exchange runs, inside ``shard_map`` (``Carrier``).
+
+    Attributes:
+      axis: the mesh axis the tables are sharded over (a replica group's).
+      batch_axes: the mesh axes the batch is split over (every group's: a row any group
+        reads next goes first everywhere).
+      workers: G, the workers of ``axis``.
+    """
+
+    axis: str
+    batch_axes: Any
+    workers: int
+
+
+class Carrier(NamedTuple):
+    """An exchange that carries tables' rows across steps (``embrace_2d``): the tables of
+    every layout whose ``Pipelined.carrier`` is this value travel by it together. Every
+    function runs inside ``shard_map``; ``where`` is a ``Carrying``; reads are
+    ``access.Read`` s of the carrier's tables, their ids as the carrier exchanges them
+    (``Pipelined.carried``).
+
+    A plan (one per table) has ``next_ids``: int[m], the rows of this worker's shard that
+    batch t+1 reads (the early update's rows), ``None`` at the last step.
+
+    Attributes:
+      plan: ``plan(where, shards, reads, g_rows, future, slots) -> (plans, spill)``:
+        table index -> its plan of batch t's gradient exchange, which positions go in
+        the first chunk (those batch t+1 reads) and which later; ``shards`` table index
+        -> this worker's shard, ``g_rows`` each read's gradient rows, ``future`` the
+        reads of batches t+1, t+2, ... (empty at the last step), ``slots`` table index
+        -> its carried capacity; ``spill`` bool[], a position batch t+1 reads did not
+        fit the first chunk (the step fetches the next rows again).
+      first: ``first(where, plans) -> (pairs, plans, spill)``: the first chunk at the
+        owners, table index -> ``[(ids, rows), ...]`` (ids of the owner's shard, the
+        rows summed over the workers); the plans with what the chunk carried; ``spill``
+        as ``plan``'s.
+      later: ``later(where, plans, after) -> (pairs, missed)``: every other position at
+        the owners, sent once ``after`` (every carrier's first chunk) has arrived
+        (``comm.order.waits_for``); ``missed`` table index -> bool[], a position found
+        no slot.
+      fetch: ``fetch(where, shards, reads, slots, patches) -> rows``: each read's rows,
+        ``float[*ids.shape, D]``; with ``patches`` (table index -> ``RowGrad`` of
+        update rows, ``None``: none) read with that update added (``patched_take``).
+      hand_over: ``hand_over(plan) -> arrays``: what a later program needs of a plan
+        to send its late chunks (``make_overlapped`` runs them in a program of their
+        own); ``None``: the carrier cannot be split so.
+      hand_specs: ``hand_specs(axis) -> specs`` of ``hand_over``'s arrays.
+      take_over: ``take_over(where, arrays, capacity, last) -> plan``: the plan again,
+        in the later program (``capacity`` the table's slots; ``last``: no later batch).
+      empty_reads: it takes a read of no ids (a bag of width 0); the pipelined step
+        refuses one otherwise.
+    """
+
+    plan: Callable[..., tuple[dict, Any]]
+    first: Callable[..., tuple[dict, dict, Any]]
+    later: Callable[..., tuple[dict, dict]]
+    fetch: Callable[..., list]
+    hand_over: Callable[[Any], Any] | None = None
+    hand_specs: Callable[[str], Any] | None = None
+    take_over: Callable[..., Any] | None = None
+    empty_reads: bool = True
+
+
+class Pipelined(NamedTuple):
+    """What ``embrace_2d`` needs of a layout to carry its tables' rows across steps
+    (``schedule.pipeline``): step t sends first the gradient rows batch t+1 reads, the
+    owners update those rows early, and batch t+1's rows are fetched then, carried to
+    step t+1, whose forward pass sends nothing for them.
+
+    Attributes:
+      capacity: ``capacity(policy) -> CapacityPolicy``: the carried plan of the ids,
+        made from the layout's own ``policy`` (a column table's first-chunk positions,
+        a row table's buckets over batches t and t+1).
+      carrier: the exchange its tables travel by (``column.CARRIER``, ``row.CARRIER``),
+        shared with every layout that names the same one.
+      unpadded: the carrier reads the stored rows whole: the dimension the layout
+        splits must divide by the group's workers (no padding).
+      carried: ``carried(table, G, ids) -> ids``: the ids the carrier exchanges for a
+        read (the hot layout: a cold id's stored row, -1 for a hot id, which asks for
+        no row); ``None``: the ids as read.
+      near: ``near(table, G, ids, rows, shard) -> rows``: the carried rows with those
+        read where they lie added (the hot layout's hot rows, from this worker's
+        block); ``None``: the carried rows alone.
+      late: ``late(tables, G, reads, g_rows, shards, axis, codec) -> [(table index,
+        (ids, rows)), ...]``: more gradient pairs sent with the late chunks (the hot
+        rows' all-reduce), for ``tables`` (table index -> ``Table``) of this layout;
+        ``None``: none.
+    """
+
+    capacity: Callable[[CapacityPolicy | None], CapacityPolicy]
+    carrier: Carrier
+    unpadded: bool = False
+    carried: Callable[[Any, int, jax.Array], jax.Array] | None = None
+    near: Callable[..., jax.Array] | None = None
+    late: Callable[..., list] | None = None
+
+
 class Layout(NamedTuple):
     """One way to place tables over the workers (see the module doc).
 
@@ -237,6 +339,8 @@ class Layout(NamedTuple):
         ``TablePlan``'s JSON record it, and ``configure`` rebuilds the value from it.
         ``None``: the layout is its name alone.
       configure: ``configure(config) -> Layout``: the layout value of ``config``.
+      pipelined: how ``embrace_2d`` carries its tables across steps (``None``: they are
+        read within each step, through ``fetch``).
     """
 
     name: str
@@ -253,6 +357,7 @@ class Layout(NamedTuple):
     data_parallel: bool = False
     config: Any = None
     configure: Callable[[Any], Layout] | None = None
+    pipelined: Pipelined | None = None
 
     @property
     def sharded(self) -> bool:
@@ -265,6 +370,35 @@ class Layout(NamedTuple):
         """It stores several tables in one leaf, as it places them (table-wise): a
         checkpoint restores them only into the same placement."""
         return self.bind is not None or self.storage is not None
+
+
+def patched_take(shard: jax.Array, patch, ids: jax.Array) -> jax.Array:
+    """``shard[ids]`` with ``patch.rows`` added to the rows at ``patch.ids``: rows read
+    with an update added, without writing a table (a carrier's ``fetch`` with
+    ``patches``: the early update of ``embrace_2d``).
+
+    Args:
+      shard: float[V, D/P] (a column-wise shard), or float[V/P, D] (a row-wise one).
+      patch: a ``RowGrad``: ascending ids int[m] (padding, the shard's rows, last) and
+        their update rows.
+      ids: int[...] rows to read, in [0, rows); an id outside reads NaN (``jnp.take``),
+        as the layout's own fetch does.
+
+    Returns:
+      ``float[*ids.shape, D/P]`` (``[*ids.shape, D]`` row-wise).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from sparsecomm_jax.embedding.row_optimizers import RowGrad
+        >>> patch = RowGrad(jnp.array([1, 3]), jnp.array([[10.0], [30.0]]))
+        >>> patched_take(jnp.arange(4.0)[:, None], patch, jnp.array([3, 0, 1])).ravel().tolist()
+        [33.0, 0.0, 11.0]
+    """
+    rows = jnp.take(shard, ids, axis=0)
+    pos = jnp.clip(jnp.searchsorted(patch.ids, ids), 0, patch.ids.shape[0] - 1)
+    hit = jnp.take(patch.ids, pos) == ids
+    delta = jnp.take(patch.rows, pos, axis=0).astype(shard.dtype)
+    return rows + jnp.where(hit[..., None], delta, 0)
 
 
 def padded_shape(table: Any, num_workers: int) -> tuple[int, int]:

@@ -17,6 +17,22 @@ The layout's trio, per read:
 Duplicate ids travel once, so the bytes follow the distinct ids of a batch (far fewer
 than its tokens for Zipf-distributed text) and never grow with V.
 
+**Pipelined** (``PIPELINED``, ``embrace_2d``'s carrier ``CARRIER``): a row table's
+gradient goes to its owners in two chunks, the positions whose id batch t+1 reads first
+(summed per id, ``send_gradients``; every shared lookup's gradient summed over the
+workers), every other position once every carried table's first chunk has arrived.
+Batch t+1's rows are fetched from their owners (the lookups of every such table in one
+exchange), each owner reading its rows with the early update added
+(``layout.patched_take``), and carried. Both chunks and the next fetch use one
+capacity per table (``two_batches``: the most distinct ids one worker reads of one
+owner in batch t or t+1), so the gradient travels in 2C slots a bucket where
+``embrace`` sends C: the early chunk is paid in bytes, as the column chunks are.
+
+Pipelined example (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; batch t+1 reads id 5)::
+
+    w0 ids [5, 2]   first: (5, g) to w1    late: (2, g') to w0, after every first chunk
+    w1 early-updates row 5; batch t+1's rows are read from the tables with that update
+
 Example:
     >>> import jax.numpy as jnp
     >>> from sparsecomm_jax.embedding import row
@@ -26,12 +42,15 @@ Example:
 
 References:
     Mudigere et al., "High-performance, Distributed Training of Large-scale DLRMs", 2021;
-    torchrec's row-wise sharding (``rw_sharding.py``).
+    torchrec's row-wise sharding (``rw_sharding.py``); Li et al., "EmbRace", ICPP 2022,
+    section 4 (the pipelined chunks).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,18 +58,24 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm import wire as comm_wire
+from sparsecomm_jax.comm.order import waits_for
+from sparsecomm_jax.embedding import priority
 from sparsecomm_jax.embedding.access import LOOKUP, HostReads, Read
 from sparsecomm_jax.embedding.layout import (
     FLOAT,
     CapacityPolicy,
+    Carrier,
+    Carrying,
     Fetched,
     Layout,
+    Pipelined,
     Price,
     Pricing,
     TableStats,
     both_ways,
     next_power_of_two,
     padded_slots,
+    patched_take,
 )
 
 F32 = jnp.float32
@@ -245,7 +270,7 @@ def send_gradients(
     """Gradient rows summed per id and sent to the ids' owners, for several tables at
     once: the way back of ``fetch_many`` on its own (one all-to-all of every table's
     ids, one of their rows), for a step that sends the gradients in chunks
-    (``schedule.rowwise``).
+    (``CARRIER``).
 
     Per worker (P=2, V=8: w0 owns rows 0-3, w1 rows 4-7; C=1; one table)::
 
@@ -399,6 +424,234 @@ def price(
     return Price(nbytes, nbytes * link.beta, memory)
 
 
+# -------------------------------------------------- pipelined: two chunks, rows carried
+
+
+def two_batches(policy: CapacityPolicy) -> CapacityPolicy:
+    """A layout's plan of the ids (``policy``: the slots one batch needs) for the
+    pipelined step, which sends batch t's gradients and fetches batch t+1's rows through
+    one capacity: the most that either batch needs (host-side).
+
+    Example:
+        >>> two_batches(CAPACITY).what
+        'distinct rows from one owner (batch t or t+1)'
+    """
+
+    def need(reads: list[HostReads], tables, workers: int) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for now in reads[:2]:  # batch t, then t+1 (none at the last step)
+            for i, slots in policy.need([now], tables, workers).items():
+                out[i] = max(out.get(i, 0), slots)
+        return out
+
+    return policy._replace(need=need, what=f"{policy.what} (batch t or t+1)")
+
+
+class RowPlan(NamedTuple):
+    """A row-wise table's gradient exchange in the pipelined step, per worker."""
+
+    ids: Any  # int[n]: the rows this worker looked up, one per position (-1: none)
+    grads: Any  # float[n, D]: its gradient at those positions
+    first: Any  # bool[n]: the positions the first chunk sends (batch t+1 reads their id)
+    shared: list  # [(ids int[N], grads float[N, D])]: lookups whose ids every worker holds
+    capacity: int  # C: slots per (worker, owner) bucket
+    rows_per: int  # the rows of each worker's shard
+    next_ids: Any  # int[m]: the rows of my shard batch t+1 reads (``rows_per``: another's)
+    sent: Any = None  # bool[n]: the positions the first chunk carried (``first_pairs``)
+
+
+def plan(
+    reads: list,
+    g_rows: list,
+    future_ids: jax.Array | None,
+    capacity: int,
+    rows_per: int,
+    axis: str,
+) -> RowPlan:
+    """One table's gradient exchange in the pipelined step (inside ``shard_map``).
+
+    Args:
+      reads: the table's reads of batch t (``access.Read``; a hot table's ids as their
+        stored rows, -1 where hot); a read of no ids (a bag of width 0) sends nothing.
+      g_rows: per read, its gradient rows ``float[*ids.shape, D]``.
+      future_ids: int[m], every row batch t+1 reads of the table, on every worker (of
+        every replica group); ``None`` at the last step (one chunk, the late one).
+      capacity: C, slots per (worker, owner) bucket (``two_batches``).
+      rows_per: the rows of each worker's shard of the table.
+      axis: the mesh axis the table is sharded over.
+
+    Returns:
+      The ``RowPlan``: which positions go first, and the rows of my shard batch t+1
+      reads (the early update's ``next_ids``).
+    """
+    width = g_rows[0].shape[-1]
+    looked = [
+        (r.ids.reshape(-1), g.reshape(r.ids.size, width))
+        for r, g in zip(reads, g_rows, strict=True)
+        if r.kind == LOOKUP
+    ]
+    shared = [
+        (r.ids.reshape(-1), g.reshape(r.ids.size, width))
+        for r, g in zip(reads, g_rows, strict=True)
+        if r.kind != LOOKUP and r.ids.size
+    ]
+    ids = jnp.concatenate([i for i, _ in looked] or [jnp.zeros((0,), jnp.int32)])
+    grads = jnp.concatenate([g for _, g in looked] or [jnp.zeros((0, width), g_rows[0].dtype)])
+    if future_ids is None:  # the last step: every position in the late chunk alone
+        first, next_ids = jnp.zeros(ids.shape, bool), None
+    else:
+        first = priority.is_in(ids, future_ids) & (ids >= 0)  # -1: no row (a hot id)
+        next_ids = owned_rows(future_ids, rows_per, axis)
+    return RowPlan(ids, grads, first, shared, capacity, rows_per, next_ids)
+
+
+def _plans(where: Carrying, shards, reads, g_rows, future, slots):
+    """``Carrier.plan``: every row table's ``RowPlan`` (batch t+1's ids, every group's,
+    decide the first chunk); no spill yet (``first_pairs`` finds it)."""
+    plans = {}
+    for i in sorted(shards):
+        mine = [k for k, r in enumerate(reads) if r.table == i]
+        fut = priority.future_ids(future[:1], i, where.batch_axes)[0] if future else None
+        got = [reads[k] for k in mine], [g_rows[k] for k in mine]
+        plans[i] = plan(*got, fut, slots[i], shards[i].shape[0], where.axis)
+    return plans, jnp.array(False)
+
+
+def _send(plans: dict[int, RowPlan], which: dict, axis: str) -> dict:
+    """Table index -> ``((ids, rows), missed)``: each table's positions where ``which``
+    is true, sent to their owners by one exchange for every table (none: no table)."""
+    if not plans:
+        return {}
+    got = send_gradients(
+        [jnp.where(which[i], p.ids, -1) for i, p in plans.items()],
+        [p.grads for p in plans.values()],
+        [p.capacity for p in plans.values()],
+        axis,
+        [p.rows_per for p in plans.values()],
+    )
+    return dict(zip(plans, got, strict=True))
+
+
+def first_pairs(plans: dict[int, RowPlan], axis: str) -> tuple[dict, dict]:
+    """The first chunk of every row-wise table, at the owners (inside ``shard_map``): one
+    exchange for all of them (``send_gradients``).
+
+    Args:
+      plans: table index -> its ``RowPlan``.
+      axis: the mesh axis.
+
+    Returns:
+      ``(pairs, sent)``: table index -> ``[(ids in my shard int[k], rows float32[k,
+      D])]``, the positions batch t+1 reads and every shared lookup (summed over the
+      workers); table index -> bool[n], the positions the chunk carried (a first
+      position that found no slot goes late). At the last step (nothing read next)
+      the shared lookups alone.
+    """
+    pairs = {i: [] for i in plans}
+    sent = {i: jnp.zeros(p.ids.shape, bool) for i, p in plans.items()}
+    ahead = {i: p for i, p in plans.items() if p.next_ids is not None}
+    if ahead:
+        for i, (pair, missed) in _send(ahead, {i: p.first for i, p in ahead.items()}, axis).items():
+            pairs[i], sent[i] = [pair], ahead[i].first & ~missed
+    for i, p in plans.items():  # the same ids everywhere: every worker's sum, at the owner
+        for ids, g in p.shared:
+            pairs[i].append((owned_rows(ids, p.rows_per, axis), jax.lax.psum(g, axis)))
+    return pairs, sent
+
+
+def later_pairs(plans: dict[int, RowPlan], sent: dict, axis: str) -> tuple[dict, dict]:
+    """The late chunk of every row-wise table, at the owners (inside ``shard_map``): every
+    position the first chunk did not carry (``sent``, from ``first_pairs``), one
+    exchange for all of them.
+
+    Returns:
+      ``(pairs, missed)``: table index -> ``[(ids in my shard int[P*C], rows float32[P*C,
+      D])]``; table index -> bool[], a position found no slot (the step's rows did not
+      all arrive: it is marked so).
+    """
+    got = _send(plans, {i: ~sent[i] for i in plans}, axis)
+    return {i: [pair] for i, (pair, _) in got.items()}, {
+        i: jnp.any(missed) for i, (_, missed) in got.items()
+    }
+
+
+def spill(rp: RowPlan, sent: jax.Array) -> jax.Array:
+    """bool[]: a position batch t+1 reads missed the first chunk (its row's early update
+    lacks that gradient: the step fetches the next rows again)."""
+    return jnp.any(rp.first & ~sent)
+
+
+def _firsts(where: Carrying, plans: dict):
+    """``Carrier.first``: every row table's first chunk in one exchange; the plans
+    record what it carried, ``spill`` where a position batch t+1 reads missed it."""
+    pairs, sent = first_pairs(plans, where.axis)
+    flags = [spill(p, sent[i]) for i, p in plans.items()]
+    plans = {i: p._replace(sent=sent[i]) for i, p in plans.items()}
+    return pairs, plans, functools.reduce(jnp.logical_or, flags, jnp.array(False))
+
+
+def _laters(where: Carrying, plans: dict, after):
+    """``Carrier.later``: every other position in one exchange, its ids and rows made to
+    wait for ``after``."""
+    late = {
+        i: p._replace(ids=waits_for(p.ids, after), grads=waits_for(p.grads, after))
+        for i, p in plans.items()
+    }
+    return later_pairs(late, {i: p.sent for i, p in plans.items()}, where.axis)
+
+
+def _patched_rows(shard, local, patch):
+    """``patched_take`` for an owner of the row-wise exchange: an empty slot of a bucket
+    (``local`` = the shard's rows) reads a zero row."""
+    rows = patched_take(shard, patch, local)
+    return jnp.where((local < shard.shape[0])[..., None], rows, 0)
+
+
+def fetch_carried(
+    shards: dict, reads: list, capacity: dict[int, int], axis: str, take: dict | None = None
+) -> list:
+    """Rows of reads of row-wise tables (inside ``shard_map``), through the layout's own
+    fetch (``fetch``: the lookups of every table in one exchange); a read of no ids (a
+    bag of width 0) reads nothing.
+
+    Args:
+      shards: table index -> float[V/P, D], this worker's rows of the table.
+      reads: ``access.Read`` s (a negative id reads a zero row).
+      capacity: table index -> C, slots per (worker, owner) bucket.
+      axis: the mesh axis.
+      take: table index -> how its owners read the rows asked of them (the pipelined
+        step's reads add the early update); default the shards as they are.
+
+    Returns:
+      Per read ``float[*ids.shape, D]``.
+    """
+    out = [
+        jnp.zeros((*r.ids.shape, shards[r.table].shape[1]), shards[r.table].dtype) for r in reads
+    ]
+    live = [k for k, r in enumerate(reads) if r.ids.size]
+    if live:
+        got = fetch(shards, [reads[k] for k in live], capacity, axis, take=take).rows
+        for k, rows in zip(live, got, strict=True):
+            out[k] = rows
+    return out
+
+
+def _fetch_carried(where: Carrying, shards, reads, slots, patches=None) -> list:
+    """``Carrier.fetch``: ``fetch_carried``, the owners reading through ``patches``."""
+    takes = None
+    if patches is not None:
+        takes = {i: functools.partial(_patched_rows, patch=patches[i]) for i in shards}
+    return fetch_carried(shards, reads, slots, where.axis, takes)
+
+
+#: The row tables' carried exchange: two chunks to the owners, one exchange each for
+#: every table; batch t+1's rows by one fetch for every table.
+CARRIER = Carrier(_plans, _firsts, _laters, _fetch_carried)
+
+#: How ``embrace_2d`` carries a row table: buckets for batch t or t+1, by ``CARRIER``.
+PIPELINED = Pipelined(two_batches, CARRIER)
+
+
 PRICING = Pricing(price, messages=lambda workers: 3 * (workers - 1))
 
 ROW = Layout(
@@ -411,4 +664,5 @@ ROW = Layout(
     sum_dense=lambda g, axis: g,
     row_specs=lambda axis: (P(axis), P(axis, None)),  # each owner its own rows
     pricing=PRICING,
+    pipelined=PIPELINED,
 )

@@ -1,10 +1,13 @@
-"""EmbRace's 2D communication scheduling.
+"""EmbRace's 2D communication scheduling, for any layout that says how it is carried
+(``embedding.layout.Pipelined``; no layout is named here).
 
-- ``priority``: which positions go first (next-use levels, chunk sizes) and the plan of
-  the first chunk;
-- ``chunks``: one chunk of a column-wise table's gradient exchange (an all-to-all);
-- ``rowwise``: a row-wise table's gradient in two chunks and its next rows, carried;
-- ``pipeline``: ``embrace_2d``, one pipelined step per program;
+- ``pipeline``: ``embrace_2d``, one pipelined step per program, over the layouts'
+  carriers;
 - ``overlap``: step t's late exchange beside step t+1's compute (two host threads on
-  CPU, one program per step on an accelerator).
+  CPU, one program per step on an accelerator);
+- ``scopes``: the name scopes of the pipelined step's phases, read in the compiled
+  program.
+
+Which positions go first is ``embedding.priority``; each carrier is its layout's
+(``column.CARRIER``, ``row.CARRIER``).
 """

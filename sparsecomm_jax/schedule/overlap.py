@@ -48,7 +48,6 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access, update
-from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.row_optimizers import (
     DROP,
     NOT_A_PARAM,
@@ -58,7 +57,7 @@ from sparsecomm_jax.embedding.row_optimizers import (
 )
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.errors import few
-from sparsecomm_jax.schedule import pipeline, priority
+from sparsecomm_jax.schedule import pipeline, scopes
 from sparsecomm_jax.step import finish, placement
 from sparsecomm_jax.step.finish import aggregate
 from sparsecomm_jax.step.state import StepContext, TrainState
@@ -89,11 +88,8 @@ class Overlapped(NamedTuple):
 class Pending(NamedTuple):
     """Step t's late exchange, handed from ``high`` to ``low`` (per table index)."""
 
-    firsts: dict  # (ids, rows) pairs of my columns: the first chunk and first shared
-    rows: dict  # float[n, D]: this worker's gradient rows, every position
-    ids: dict  # int[P, n]: every worker's ids
-    order: dict  # int[P, n]: every worker's priority order
-    shared: dict  # (rows float[N, D], ids int[N], order int[N]) of the shared positions
+    firsts: dict  # (ids, rows) pairs at the owner: the first chunk, concatenated
+    handed: dict  # what the table's carrier needs for its late chunks (Carrier.hand_over)
     ok: Any  # bool: no worker had a NaN/Inf gradient or loss
     other: list  # the optimizer state's leaves of no parameter, before step t
 
@@ -164,18 +160,18 @@ class HighOut(NamedTuple):
 
     mean: Any  # the dense layers' mean gradient (None at the tables)
     agg_state: Any
-    firsts: dict  # table -> (ids, rows): its first pairs, concatenated (my columns)
+    firsts: dict  # table -> (ids, rows): its first pairs, concatenated
     first_grads: dict  # table -> RowGrad: the first chunk's mean gradient
-    pending: dict  # table -> (rows, ids, order, shared parts)
+    handed: dict  # table -> what its carrier hands to ``low`` (Carrier.hand_over)
     loss: Any
     ok: Any
     spill: Any
 
 
 def high_exchange_body(ctx: StepContext) -> Callable:
-    """The dense all-reduce, every table's plan and first chunk, and the step's scalars
-    (loss, finite flag, spill) in one all-reduce."""
-    widths = ctx.widths
+    """The dense all-reduce, every table's plan and first chunk (by its carrier), and
+    the step's scalars (loss, finite flag, spill) in one all-reduce."""
+    widths, where = ctx.widths, pipeline.carrying(ctx)
 
     def body(state: TrainState, loss, g_dense, g_rows, batch) -> HighOut:
         leaves = jax.tree.leaves(state.params)
@@ -183,15 +179,13 @@ def high_exchange_body(ctx: StepContext) -> Callable:
         mean, agg_state = aggregate(ctx, jax.tree.map(lambda x: x[0], g_dense), state.agg_state)
         ahead = [batch.next, *batch.later] if batch.next is not None else []
         future = [pipeline.pipelined_reads(ctx, state.params, b) for b in ahead]
-        slots = batch.slots(ctx.tables)
-        planned = {
-            i: pipeline.exchange_plan(ctx, reads, list(g_rows), future, slots.get(i, 0), i)
-            for i in widths
-        }
-        plans = {i: plan for i, (plan, _) in planned.items()}
-        spill = jnp.any(jnp.stack([s for _, s in planned.values()]))
-        with jax.named_scope(priority.SCOPE_HIGH):
-            pairs = {i: pipeline.first_pairs(ctx, plan) for i, plan in plans.items()}
+        tables, slots = {i: leaves[i] for i in widths}, batch.slots(ctx.tables)
+        planned, spill = pipeline.carried_plans(ctx, reads, list(g_rows), future, slots, tables)
+        pairs, plans = {}, {}
+        with jax.named_scope(scopes.SCOPE_HIGH):
+            for carrier, group in planned:
+                got, group, more = carrier.first(where, group)
+                pairs, plans, spill = pairs | got, plans | group, spill | more
         loss, ok, spill = finish.reduce_scalars(ctx, loss[0], (mean, agg_state, g_rows), spill)
         firsts = {
             i: (jnp.concatenate([a for a, _ in p]), jnp.concatenate([b for _, b in p]))
@@ -200,40 +194,17 @@ def high_exchange_body(ctx: StepContext) -> Callable:
         first_grads = {
             i: pipeline.early_rows(ctx, p, plans[i], leaves[i]) for i, p in pairs.items()
         }
-        pending = {i: (p.rows, p.ids, p.order, shared_parts(p)) for i, p in plans.items()}
-        return HighOut(mean, agg_state, firsts, first_grads, pending, loss, ok, spill)
+        carrier = {t.index: t.layout.pipelined.carrier for t in ctx.tables}
+        handed = {i: carrier[i].hand_over(p) for i, p in plans.items()}
+        return HighOut(mean, agg_state, firsts, first_grads, handed, loss, ok, spill)
 
     return body
 
 
-def shared_parts(plan: pipeline.Plan) -> tuple:
-    """``(rows float[N, D], ids int[N], order int[N])`` of a plan's shared positions
-    (N = 0 without any)."""
-    if not plan.shared:
-        empty = jnp.zeros(0, jnp.int32)
-        return jnp.zeros((0, plan.rows.shape[1]), plan.rows.dtype), empty, empty
-    return tuple(plan.shared[0][:3])
-
-
-def late_plan(ctx: StepContext, pending: Pending, i: int, capacity: int, last: bool):
-    """Table ``i``'s ``pipeline.Plan`` again, from what ``high`` handed over (the chunk
-    bounds are static: the same sizes as ``high``'s)."""
-    num = ctx.num_workers
-
-    def bounds(n, width):
-        sizes = [n] if last else priority.late_capacities(n, capacity, width, num)
-        return priority.chunk_bounds(n, sizes)
-
-    rows = pending.rows[i]  # float[n, D]
-    g, ids, order = pending.shared[i]
-    shared = [pipeline.Shared(g, ids, order, bounds(ids.shape[0], g.shape[1]))] if ids.size else []
-    return pipeline.Plan(
-        rows, pending.ids[i], pending.order[i], bounds(rows.shape[0], rows.shape[1]), shared
-    )
-
-
 def late_body(ctx: StepContext, capacity: tuple, last: bool) -> Callable:
-    """Step t's late chunks: each table's gradient as the ``TableUpdate`` wants it."""
+    """Step t's late chunks, by each table's carrier from what ``high`` handed over
+    (``Carrier.take_over``): each table's gradient as the ``TableUpdate`` wants it."""
+    where = pipeline.carrying(ctx)
 
     def body(params, pending: Pending):
         leaves = jax.tree.leaves(params)
@@ -241,11 +212,15 @@ def late_body(ctx: StepContext, capacity: tuple, last: bool) -> Callable:
             zip((t.index for t in ctx.tables), capacity or (0,) * len(ctx.tables), strict=True)
         )
         fulls = {}
-        with jax.named_scope(priority.SCOPE_LOW):
-            for t in ctx.tables:
-                plan = late_plan(ctx, pending, t.index, slots[t.index], last)
-                pairs = [pending.firsts[t.index], *pipeline.later_pairs(ctx, plan, ())]
-                fulls[t.index] = ctx.table_update.gradient(pairs, leaves[t.index], ctx.num_workers)
+        with jax.named_scope(scopes.SCOPE_LOW):
+            for carrier, mine in pipeline.carriers(ctx):
+                plans = {
+                    i: carrier.take_over(where, pending.handed[i], slots[i], last) for i in mine
+                }
+                later, _ = carrier.later(where, plans, ())
+                for i in mine:
+                    pairs = [pending.firsts[i], *later[i]]
+                    fulls[i] = ctx.table_update.gradient(pairs, leaves[i], ctx.num_workers)
         return fulls
 
     return body
@@ -283,21 +258,14 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
     table_specs = finish.table_leaves(ctx, grad_specs.grads)
     row_specs = {t.index: t.layout.row_specs(axis) for t in ctx.tables}
     mean_specs = split_tables(specs.params, ctx.table_mask)[1]
-    pending_specs = Pending(
-        row_specs,
-        dict.fromkeys(ctx.widths, per),
-        dict.fromkeys(ctx.widths, rep),
-        dict.fromkeys(ctx.widths, rep),
-        dict.fromkeys(ctx.widths, (per, rep, rep)),
-        rep,
-        rep,
-    )
+    handed_specs = {t.index: t.layout.pipelined.carrier.hand_specs(axis) for t in ctx.tables}
+    pending_specs = Pending(row_specs, handed_specs, rep, rep)
     high_specs = HighOut(
         mean_specs,
         per,
         row_specs,
         {i: RowGrad(*row_specs[i]) for i in ctx.widths},
-        {i: (per, rep, rep, (per, rep, rep)) for i in ctx.widths},
+        handed_specs,
         rep,
         rep,
         rep,
@@ -336,15 +304,7 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
         other = [
             x for k, x in zip(kinds, jax.tree.leaves(state.opt_state), strict=True) if k == "other"
         ]
-        pend = Pending(
-            h.firsts,
-            {i: p[0] for i, p in h.pending.items()},
-            {i: p[1] for i, p in h.pending.items()},
-            {i: p[2] for i, p in h.pending.items()},
-            {i: p[3] for i, p in h.pending.items()},
-            h.ok,
-            other,
-        )
+        pend = Pending(h.firsts, h.handed, h.ok, other)
         return new, carry, pend, jnp.where(h.ok, h.loss, jnp.nan), h.spill
 
     def low(params, opt_state, pend: Pending, capacity, last):
@@ -355,11 +315,11 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
         return table_half(ctx, kinds, params, opt_state, fulls, pend)
 
     def fused(state: TrainState, pend: Pending, rows, batch, capacity):
-        with jax.named_scope(priority.SCOPE_LOW):
+        with jax.named_scope(scopes.SCOPE_LOW):
             tables, opt_state = low(state.params, state.opt_state, pend, capacity, False)
         out = compute(state.params, rows, batch.data)
         params = replace_tables(state.params, tables)
-        with jax.named_scope(priority.SCOPE_HIGH):
+        with jax.named_scope(scopes.SCOPE_HIGH):
             return high(state._replace(params=params, opt_state=opt_state), *out, batch)
 
     return Programs(
@@ -389,7 +349,7 @@ def _runner(ctx: StepContext, progs: Programs, place: Callable) -> Callable:
     def placed(batch_at, step, steps):
         if step + 1 == steps:
             return place(batch_at(step))
-        ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + priority.LOOKAHEAD)]
+        ahead = [min(s, steps - 1) for s in range(step + 1, step + 1 + pipeline.LOOKAHEAD)]
         return place(batch_at(step), *(batch_at(s) for s in ahead))
 
     def late(timeline, t, state, pend, capacity, last=False):
@@ -449,12 +409,19 @@ def _runner(ctx: StepContext, progs: Programs, place: Callable) -> Callable:
     return run
 
 
+def hands_over(layout) -> bool:
+    """Whether ``make_overlapped`` can carry a table of ``layout``: its carrier hands
+    its late chunks to another program (``Carrier.hand_over``)."""
+    return layout.pipelined is not None and layout.pipelined.carrier.hand_over is not None
+
+
 def build(ctx: StepContext) -> Overlapped:
     """The overlapped trainer of a ``StepContext`` (``strategies.make_overlapped``
     builds one from the same arguments as ``make_train_step``).
 
     Raises:
-      ValueError: an optimizer that couples rows (its two halves would not merge).
+      ValueError: an optimizer that couples rows (its two halves would not merge), or
+        a table whose layout's carrier cannot hand its late chunks to another program.
     """
     if not treats_rows_alone(ctx.optimizer, ctx.params):
         raise ValueError(
@@ -464,18 +431,18 @@ def build(ctx: StepContext) -> Overlapped:
             "optax.clip_by_global_norm, a trust ratio): use make_train_step(..., "
             "'embrace_2d') instead, which is exact with it"
         )
-    if others := [t.name for t in ctx.tables if t.layout.name != COLUMN.name]:
+    if others := [t.name for t in ctx.tables if not hands_over(t.layout)]:
         raise ValueError(
-            f"make_overlapped exchanges column-wise tables only; {few(others)} have other "
-            "layouts (table_layouts): use make_train_step(..., 'embrace_2d'), which "
-            "takes a layout per table"
+            "make_overlapped sends the late chunks from a program of their own, which their "
+            f"carrier allows for column-wise tables only; {few(others)} have other layouts "
+            "(table_layouts): use make_train_step(..., 'embrace_2d'), which takes a layout "
+            "per table"
         )
-    state, specs = placement.place_state(ctx, unpadded=(COLUMN.name,))
+    state, specs = placement.place_state(ctx, unpadded=True)
     kinds = split_roles(ctx, state.opt_state)
     progs = _programs(ctx, specs, kinds)
-    place = placement.batch_placer(
-        ctx, [(priority.PRIORITY_CAPACITY, ctx.tables)], priority.LOOKAHEAD
-    )
+    policies = placement.layout_policies(ctx, pipeline.carried_capacity)
+    place = placement.batch_placer(ctx, policies, pipeline.LOOKAHEAD)
     return Overlapped(
         run=_runner(ctx, progs, place),
         state=state,

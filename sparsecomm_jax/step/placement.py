@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access
-from sparsecomm_jax.embedding.layout import CapacityPolicy, check_divisible, cut_spec
+from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout, check_divisible, cut_spec
 from sparsecomm_jax.embedding.row_optimizers import map_params
 from sparsecomm_jax.embedding.tables import replace_leaves
 from sparsecomm_jax.errors import few
@@ -232,18 +232,18 @@ def put_batch(ctx: StepContext, batch: Batch) -> dict:
 
 
 def layout_policies(
-    ctx: StepContext, own: Mapping[str, Callable] | None = None
+    ctx: StepContext, own: Callable[[Layout], CapacityPolicy | None] | None = None
 ) -> list[tuple[CapacityPolicy, tuple]]:
     """Each capacity policy of the tables' layouts with the tables it plans; ``own``
-    (layout name -> ``policy(layout's policy)``) plans the tables of those layouts its
-    own way (a strategy's own plan of the ids: ``embrace_2d``'s first chunk for its
-    column tables, two batches' buckets for its row-wise ones)."""
+    (``own(layout) -> policy``, or ``None`` for the layout's own) plans the tables of
+    some layouts a strategy's own way (``embrace_2d``'s carried tables:
+    ``Pipelined.capacity``, a column table's first chunk, a row table's buckets for
+    two batches)."""
     out: dict[str, tuple[CapacityPolicy, list]] = {}
-    own = own or {}
     for t in ctx.tables:
         policy = t.layout.capacity
-        if t.layout.name in own:
-            policy = own[t.layout.name](policy)
+        if own is not None and (mine := own(t.layout)) is not None:
+            policy = mine
         if policy is not None:
             out.setdefault(t.layout.name, (policy, []))[1].append(t)
     return [(policy, tuple(tables)) for policy, tables in out.values()]
@@ -515,20 +515,21 @@ def stored_together(ctx: StepContext) -> tuple:
     )
 
 
-def place_state(ctx: StepContext, unpadded: tuple[str, ...] = ()) -> tuple[TrainState, TrainState]:
+def place_state(ctx: StepContext, unpadded: bool = False) -> tuple[TrainState, TrainState]:
     """The initial state on the devices, and its ``PartitionSpec`` tree (the carry of
     a pipelined step is per worker). A table whose split dimension does not divide by
     the G workers is stored padded (``pad_tables``).
 
     Args:
       ctx: the step's context.
-      unpadded: names of layouts whose tables are refused such a size instead (the
-        pipelined steps' column tables, whose stored rows their pipeline reads whole).
+      unpadded: refuse such a size instead for a table whose layout's carrier reads
+        its stored rows whole (``Pipelined.unpadded``: the pipelined steps' column
+        tables).
     """
     specs = param_specs(ctx)
     host = jax.tree.map(np.asarray, ctx.params)
     for t in ctx.tables:
-        if t.layout.name in unpadded:
+        if unpadded and t.layout.pipelined is not None and t.layout.pipelined.unpadded:
             check_divisible(t, ctx.group_size)
     host = pad_tables(ctx, host)
     opt_state = jax.tree.map(np.asarray, ctx.optimizer.init(host))

@@ -152,7 +152,7 @@ class StepContext(NamedTuple):
       wire: the codecs of the step's exchanges (``comm.wire.Wire``): rows forward,
         row gradients back, the dense layers' mean (with a table strategy).
       overlap: whether a program's collectives can run beside its compute on ``mesh``
-        (``priority.collectives_overlap``: not on XLA:CPU); without it ``embrace_2d``
+        (``runtime.collectives_overlap``: not on XLA:CPU); without it ``embrace_2d``
         runs as ``embrace`` (``registry.Strategy.serial``).
       replica_axis: the mesh axis of the replica groups (2-D sparse parallelism: each
         table sharded over ``axis_name`` inside a group, replicated across groups), or

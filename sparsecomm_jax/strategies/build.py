@@ -36,7 +36,6 @@ from sparsecomm_jax.embedding.tables import (
     table_mask,
 )
 from sparsecomm_jax.embedding.update import TableUpdate
-from sparsecomm_jax.schedule import priority
 from sparsecomm_jax.step.state import LossFn, PyTree, StepContext, TrainStep
 from sparsecomm_jax.strategies.engines import ENGINES
 from sparsecomm_jax.strategies.registry import StrategyName, parse_strategy
@@ -138,7 +137,7 @@ def make_train_step(
         layout. A planner's plan
         (``planner.plan_tables``) is such a mapping.
       collectives_overlap: whether the step's collectives can run beside its compute;
-        ``None`` asks the platform (``priority.collectives_overlap``: not on XLA:CPU).
+        ``None`` asks the platform (``runtime.collectives_overlap``: not on XLA:CPU).
         ``embrace_2d``'s pipelined schedule only pays where they can: without overlap
         ``embrace``'s step runs instead (every row in one exchange after the backward
         pass; the same losses to float rounding, no lookahead; ``embrace_2d``'s rules
@@ -269,7 +268,7 @@ def make_context(
         table_update=table_update,
         wire=chosen,
         overlap=(
-            priority.collectives_overlap(mesh)
+            runtime.collectives_overlap(mesh)
             if collectives_overlap is None
             else bool(collectives_overlap)
         ),

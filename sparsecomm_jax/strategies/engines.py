@@ -28,8 +28,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
     if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
         strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
-    unpadded = (strategy.layout.name,) if strategy.unpadded else ()
-    state, specs = placement.place_state(ctx, unpadded)
+    state, specs = placement.place_state(ctx, strategy.unpadded)
     step = strategy.step(ctx, specs)
     policies = placement.layout_policies(ctx, strategy.capacity)
     capacity = placement.capacity_fn(ctx, policies) if policies else None
@@ -100,9 +99,10 @@ def one_step_a_call(strategy: Strategy, what: str) -> Callable:
 
 def pipelines_a_table(ctx: StepContext, strategy: Strategy) -> bool:
     """Whether a pipelined strategy has a table to pipeline: one of a layout it plans
-    itself (``Strategy.capacity``: ``embrace_2d`` carries column-wise, row-wise and
-    hot tables; with none, ``embrace``'s step runs)."""
-    return any(t.layout.name in strategy.capacity for t in ctx.tables)
+    itself (``Strategy.capacity``: ``embrace_2d`` carries the tables of layouts with a
+    ``Pipelined``, the column, row and hot ones; with none, ``embrace``'s step runs)."""
+    own = strategy.capacity
+    return own is not None and any(own(t.layout) is not None for t in ctx.tables)
 
 
 def _capacity_slots(ctx: StepContext, policies) -> tuple:

@@ -19,17 +19,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 from typing import NamedTuple
 
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.dense import DENSE
-from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.layout import CapacityPolicy, Layout
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
-from sparsecomm_jax.schedule import pipeline, priority
+from sparsecomm_jax.schedule import pipeline
 from sparsecomm_jax.strategies import bodies
 
 
@@ -44,11 +43,11 @@ class Strategy(NamedTuple):
       layout: where its tables live (``embedding.column.COLUMN``, ...); the
         data-parallel ``embedding.dense.DENSE`` when it gives tables no special
         treatment (``dense``, ``dense_pmap``, the top-k strategies).
-      capacity: its own plans of the ids for the tables of some layouts: layout name ->
-        ``policy(the layout's policy)`` (the pipelined step's, for the tables it
-        carries: a column-wise table's first chunk, a row-wise or hot table's buckets
-        for two batches); a pipelined strategy with none of those tables runs as
-        ``serial``.
+      capacity: its own plan of the ids for a table's layout, ``capacity(layout) ->
+        CapacityPolicy`` or ``None`` (the layout's own): the pipelined step's, for the
+        tables it carries (``Pipelined.capacity``: a column-wise table's first chunk, a
+        row-wise or hot table's buckets for two batches); a pipelined strategy with none
+        of those tables runs as ``serial``. ``None``: the layouts' own plans.
       lookahead: how many of the next steps' batches a step reads (pipelined), else 0.
       needs_tables: the strategy needs at least one embedding table.
       combines: it takes a sparse aggregator for the dense layers (``embrace+topk_a2a``).
@@ -56,9 +55,10 @@ class Strategy(NamedTuple):
       row_updates: its tables can be updated row-sparsely (``table_update="rows"``).
       any_layout: each table may have a layout of its own (``table_layouts``): its
         step reads every table through the table's layout.
-      unpadded: its tables of its own ``layout`` must divide by the G workers they are
-        sharded over (``embrace_2d``'s pipeline reads their stored rows whole); tables
-        of other layouts are stored padded as those layouts say.
+      unpadded: its tables whose layout's carrier reads stored rows whole
+        (``Pipelined.unpadded``: the column layout's) must divide by the G workers they
+        are sharded over (``embrace_2d``'s pipeline); tables of other layouts are
+        stored padded as those layouts say.
       across_steps: its step can also run across steps, as ``make_overlapped`` builds it
         (step t's late exchange and table update beside step t+1's compute).
       narrow_wire: its exchanges can travel in a narrower dtype than float32
@@ -76,7 +76,7 @@ class Strategy(NamedTuple):
     name: str
     step: Callable
     layout: Layout = DENSE
-    capacity: Mapping[str, Callable] = MappingProxyType({})
+    capacity: Callable[[Layout], CapacityPolicy | None] | None = None
     lookahead: int = 0
     needs_tables: bool = False
     combines: bool = True
@@ -149,8 +149,8 @@ STRATEGIES: dict[str, Strategy] = {
             "embrace_2d",
             pipeline.pipelined_step,
             layout=COLUMN,
-            capacity=MappingProxyType(pipeline.CARRIED_CAPACITY),
-            lookahead=priority.LOOKAHEAD,
+            capacity=pipeline.carried_capacity,
+            lookahead=pipeline.LOOKAHEAD,
             needs_tables=True,
             row_updates=True,
             any_layout=True,

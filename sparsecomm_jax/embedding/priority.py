@@ -1,10 +1,12 @@
-"""EmbRace's 2D communication scheduling for column-sharded tables.
+"""EmbRace's priorities: which positions of a table's gradient go first, and in which
+chunks the rest follow (the carried layouts' plans, ``Layout.pipelined``).
 
 Horizontal: inside step t the embedding-gradient exchange is split into chunks sent in
 priority order. Token positions whose id batch t+1 reads go first; once they have
 arrived, the owner updates those rows and serves the lookup of batch t+1, while the
 remaining chunks are still to be exchanged. Vertical: the exchange has no data
-dependency on the dense layers' all-reduce, nor that on it, so XLA may overlap them.
+dependency on the dense layers' all-reduce, nor that on it, so XLA may overlap them
+(the schedule is ``schedule.pipeline``'s).
 
 The split never loses a row: token positions are *sorted* by priority and cut into
 fixed-size chunks, so every position is sent exactly once whatever the sizes. The size
@@ -32,15 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsecomm_jax.comm import costmodel
-from sparsecomm_jax.embedding.access import HostReads, every_id
+from sparsecomm_jax.embedding.access import LOOKUP, SHARED, HostReads, every_id
 from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_quarter
 
 HIGH, LOW = 0, 1
-# Name scopes of the pipelined step, visible in the compiled program's op metadata.
-SCOPE_HIGH, SCOPE_LOW, SCOPE_NEXT = "embrace2d_high", "embrace2d_low", "embrace2d_next_lookup"
-SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
-SCOPE_DENSE = "embrace2d_dense"  # the dense layers' mean (no data edge to the tables')
-SCOPE_ROWS = "embrace2d_step_rows"  # rows fetched in the step, before its forward pass
 
 
 # --------------------------------------------------------------------------- planning
@@ -161,7 +158,7 @@ def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
     """Chunk sizes in priority order: ``first``, then late chunks of at least
     ``late_chunk_rows`` positions under ``LINK``, at most ``MAX_LATE_CHUNKS``. (Where
     nothing can run beside a collective the pipelined step is not built at all:
-    ``collectives_overlap``.)
+    ``runtime.collectives_overlap``.)
 
     Example: n=1000, first=100, rows of 512 floats, 4 workers -> [100, 225, 225, 225, 225].
     """
@@ -171,14 +168,37 @@ def late_capacities(n: int, first: int, width: int, workers: int) -> list[int]:
     return [first] + [size] * (-(-rest // size))
 
 
-def collectives_overlap(mesh) -> bool:
-    """Whether one program's collectives can run beside its compute on ``mesh``'s
-    devices: not on XLA:CPU, which runs a program's thunks one after the other (two
-    programs on two host threads can: ``schedule.overlap``). Where they cannot,
-    ``embrace_2d`` runs as ``embrace`` (``registry.Strategy.serial``)."""
-    return mesh.devices.flat[0].platform != "cpu"
-
-
-LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
 MAX_LATE_CHUNKS = 4  # each chunk is one all-to-all per table
 LINK = costmodel.Link.from_bandwidth(1.0)  # sizes the late chunks (1 Gbit/s, 50 us)
+
+
+def future_ids(future: list, i: int, axis) -> list:
+    """Per future batch, int[m]: every id its logged reads read of table ``i`` (all
+    workers of ``axis``, with replica groups both axes: a row any group reads next goes
+    first in every group; one all-gather for all the batches' lookups; inside
+    ``shard_map``).
+
+    Args:
+      future: per batch t+1, t+2, ..., its ``access.Read`` s.
+      i: the table's index.
+      axis: the mesh axis (or axes) the batch is split over.
+
+    Returns:
+      Per batch, int[m]: every worker's lookups of the table, then its shared ids.
+    """
+    local = [
+        [r.ids.reshape(-1) for r in reads if r.table == i and r.kind == LOOKUP] for reads in future
+    ]
+    sizes = [sum(x.size for x in ids) for ids in local]
+    flat = jnp.concatenate([x for ids in local for x in ids] or [jnp.zeros(0, jnp.int32)])
+    if flat.size:  # (a row-wise table read by bags of width 0 alone: no ids)
+        every = jax.lax.all_gather(flat, axis, to="invarying")  # int[(R,) G, sum(sizes)]
+        every = every.reshape(-1, flat.shape[0])  # int[P, sum(sizes)]
+    else:
+        every = jnp.zeros((1, 0), flat.dtype)
+    bounds = np.cumsum([0, *sizes])
+    out = []
+    for k, reads in enumerate(future):
+        shared = [r.ids.reshape(-1) for r in reads if r.table == i and r.kind == SHARED]
+        out.append(jnp.concatenate([every[:, bounds[k] : bounds[k + 1]].reshape(-1), *shared]))
+    return out
