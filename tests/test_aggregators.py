@@ -62,6 +62,7 @@ def inputs(kind, d=512, seed=0):
     return g, r
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("kind", ["random", "one_shard", "ties", "zeros", "negative", "skewed"])
 @pytest.mark.parametrize("name", LOSSY)
 @pytest.mark.parametrize("bucket_bytes", [None, 1024])

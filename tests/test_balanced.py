@@ -156,6 +156,7 @@ CASES = [  # (workers, d, density, input): P = 3, 4, 8; k = 1, k = d, a bucket s
 ]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("workers, d, density, kind", CASES)
 @pytest.mark.parametrize("name", ["topk_balanced", "oktopk"])
 def test_the_exact_result_and_conservation_against_numpy(name, workers, d, density, kind):
@@ -237,6 +238,7 @@ def test_a_density_outside_0_1_is_refused(density):
         aggregators.oktopk(density)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("size", [1, 31, 32, 33, 1000])
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.9, 1.0])
 def test_the_bit_counts_against_numpy(size, fraction):

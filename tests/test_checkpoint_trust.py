@@ -18,6 +18,8 @@ from conftest import CACHE_SETTINGS, REPO
 from experiments.train import main
 from sparsecomm_jax import checkpoint
 
+pytestmark = pytest.mark.cli
+
 TINY = ["--model", "lstm_lm", "--vocab", "64", "--dim", "8", "--hidden", "8", "--batch", "8"]
 TINY += ["--seq-len", "4", "--devices", "2", "--warmup", "0"]
 
@@ -190,6 +192,7 @@ cli()
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("limit", [600, 3000])  # the run record fails; orbax's writers fail
 def test_a_full_disk_is_one_line_and_leaves_no_stray_file(tmp_path, limit):
     """Files may grow to ``limit`` bytes only: the save fails in one error line (no writer

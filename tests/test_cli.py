@@ -22,6 +22,7 @@ from sparsecomm_jax.topk.selectors import SELECTORS
 SMALL = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=16, steps=3, warmup=1)
 
 
+@pytest.mark.cli
 def test_result_record_fields():
     result = train_and_evaluate(RunConfig(strategy="dense", **SMALL), progress=False)
     for key in (
@@ -48,6 +49,7 @@ def test_result_record_fields():
     json.dumps(result)  # JSON-ready
 
 
+@pytest.mark.cli
 def test_pmap_and_shard_map_agree_through_cli():
     a = train_and_evaluate(RunConfig(strategy="dense", **SMALL), progress=False)
     b = train_and_evaluate(RunConfig(strategy="dense_pmap", **SMALL), progress=False)
@@ -55,6 +57,7 @@ def test_pmap_and_shard_map_agree_through_cli():
     assert a["comm_bytes_per_step"] == pytest.approx(b["comm_bytes_per_step"], rel=1e-6)
 
 
+@pytest.mark.cli
 def test_overlapped_step_from_the_command_line():
     """``--overlap``: embrace_2d across steps (two programs), the same losses as the
     pipelined step, the bytes of its ``high`` and ``low`` programs together."""
@@ -67,6 +70,7 @@ def test_overlapped_step_from_the_command_line():
     assert len(two["step_times_s"]) == small["steps"] - 1
 
 
+@pytest.mark.cli
 def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
     """On this CPU mesh ``embrace_2d`` runs as ``embrace`` (the record says so, and so
     do the command's line and the comparison's table); ``--collectives-overlap yes``
@@ -99,6 +103,7 @@ def test_embrace_2d_on_cpu_runs_as_embrace_unless_told(tmp_path, capsys):
     assert "embrace_2d ran as embrace" in said and said.count("ran as") == 1
 
 
+@pytest.mark.cli
 def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
     """--checkpoint-dir and --log-dir hold one subfolder per strategy (one folder for
     all would refuse the second run as another run's); --out is not --out-dir."""
@@ -118,6 +123,7 @@ def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
     assert "unrecognized arguments: --out" in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_compare_runs_a_pmap_step_one_step_a_call():
     """--steps-per-call applies to the strategies that can run several steps a call;
     the pmap baseline and a pipelined embrace_2d run one (each would refuse the flag on
@@ -134,6 +140,7 @@ def test_compare_runs_a_pmap_step_one_step_a_call():
         validate(compare.run_of(pipelined, strategy))
 
 
+@pytest.mark.cli
 def test_calibrated_link_for_adaptive_and_in_the_result():
     config = RunConfig(strategy="adaptive", density=0.1, link_gbit=0, calibrate=True, **SMALL)
     link = adaptive_link(config)  # fitted on the 8 simulated devices
@@ -260,6 +267,7 @@ def test_bad_model_input_is_one_line_error(args, message, capsys, tmp_path):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.processes
 def test_bad_input_as_a_process_is_one_line_without_traceback():
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.train", "--lr", "nan"],
@@ -290,6 +298,7 @@ def test_every_flag_has_help_and_fixed_sets_have_choices():
     assert "--max-skipped" in text and "--resume-step" in text and "--overwrite" in text
 
 
+@pytest.mark.processes
 def test_writes_json(tmp_path):
     out = tmp_path / "run.json"
     proc = subprocess.run(
@@ -318,6 +327,7 @@ def test_writes_json(tmp_path):
     assert result["devices"] == 2 and len(result["losses"]) == 2
 
 
+@pytest.mark.cli
 def test_rowwise_run_survives_capacity_growth(monkeypatch):
     """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails,
     and reads the step in flight before compiling (no step's time holds a compile)."""
@@ -351,6 +361,7 @@ def test_rowwise_run_survives_capacity_growth(monkeypatch):
     np.testing.assert_allclose(result["losses"], dense["losses"], rtol=1e-5)
 
 
+@pytest.mark.cli
 def test_compare_models_each_step_on_a_stated_link():
     """The modelled columns: the measured step plus the compiled collectives through the
     cost model at 1 and 10 Gbit/s (6 messages of a 4-worker all-reduce), labelled."""

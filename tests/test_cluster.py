@@ -11,6 +11,8 @@ from conftest import REPO
 
 from experiments import cluster
 
+pytestmark = pytest.mark.processes
+
 
 def test_argument_checks():
     cluster.check_args(2, 1, "100mbit", "")
@@ -75,7 +77,6 @@ def _cluster(tmp_path, strategy, extra=()):
 
 
 @pytest.mark.skipif(not CAN_RUN, reason=WHY)
-@pytest.mark.slow
 def test_embrace_on_a_throttled_link_matches_dense_and_sends_less(tmp_path):
     """Two processes behind a rate-limited loopback: embrace's losses equal dense's and it
     sends a tenth of the bytes. (How much faster it is, is measured by the benchmarks in

@@ -32,6 +32,7 @@ def _compiled(name, density, size, workers=N):
     return hlo.collectives(fn, x, x)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "name", ["dense", "topk_allgather", "topk_a2a", "gtopk", "topk_balanced", "oktopk"]
 )
@@ -267,6 +268,7 @@ BALANCED_CASES = [  # (size, workers, density): every result form, odd sizes, d 
 ]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", ["topk_balanced", "oktopk"])
 @pytest.mark.parametrize("size, workers, density", BALANCED_CASES)
 def test_balanced_formulas_match_compiled_bytes_for_any_size(name, size, workers, density):

@@ -144,6 +144,7 @@ def test_missing_data_dir_is_one_line_cli_error(tmp_path, capsys):
         assert len(err) == 1 and expected in err[0] and str(tmp_path) in err[0]
 
 
+@pytest.mark.cli
 def test_sampled_softmax_models_are_evaluated_with_the_full_softmax(tmp_path):
     write_corpus(tmp_path)
     cfg = dict(TINY, data_dir=str(tmp_path))
@@ -188,6 +189,7 @@ def test_cifar_batches_decode_to_nhwc(tmp_path):
     assert train.labels[6:12].tolist() == labels and names[3] == "c3"
 
 
+@pytest.mark.cli
 def test_cnn_trains_on_every_image_once_per_epoch_and_reports_accuracy(tmp_path):
     write_cifar(tmp_path)
     w = get_workload("resnet", data_dir=str(tmp_path), width=4, batch=4)
@@ -210,6 +212,7 @@ def _logits(params, batch):
     return jax.jit(model.apply)({"params": params}, batch["images"])
 
 
+@pytest.mark.cli
 def test_cnn_run_reports_heldout_accuracy_in_its_result(tmp_path):
     write_cifar(tmp_path, per_batch=8)
     config = RunConfig(
@@ -287,6 +290,7 @@ def test_cifar_files_are_data_never_code(tmp_path, case):
     assert not marker.exists()  # the command was never run
 
 
+@pytest.mark.cli
 def test_hostile_cifar_folder_through_the_command_line(tmp_path, capsys):
     """The attack as a user would meet it: one line, exit status 2, nothing run."""
     write_cifar(tmp_path)
@@ -321,6 +325,7 @@ def test_results_are_strict_json(tmp_path):
     }
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", LMS)
 @pytest.mark.parametrize("sampled_softmax", [0, 8])
 def test_every_language_model_names_id_keys_its_batch_has(name, sampled_softmax):

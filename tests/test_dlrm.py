@@ -16,6 +16,7 @@ from models import dlrm, get_workload
 SMALL = dict(tables="64,48,24,16", dim=8, bottom="16", top="16", batch=32)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, options",
     [
@@ -91,6 +92,7 @@ def test_a_malformed_criteo_line_is_named(tmp_path, line, message):
         dlrm.read_criteo(tmp_path / "train.txt", [64])
 
 
+@pytest.mark.cli
 def test_dlrm_trains_on_a_criteo_file_from_the_command_line(tmp_path):
     write_criteo(tmp_path / "train.txt", 400)
     out = tmp_path / "r.json"
@@ -102,6 +104,7 @@ def test_dlrm_trains_on_a_criteo_file_from_the_command_line(tmp_path):
     assert result["config"]["tables"] == "64,48,24,16" and result["samples_per_s"] > 0
 
 
+@pytest.mark.cli
 def test_dlrm_evaluates_its_synthetic_heldout_data_every_few_steps(tmp_path):
     # DLRM's synthetic data has held-out splits, so --eval-every needs no --data-dir.
     out = tmp_path / "r.json"

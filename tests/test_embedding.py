@@ -282,6 +282,7 @@ def _dense_mean_bytes(ts, workers):
     return 2 * (workers - 1) / workers * padded * 4
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, all_reduces",
     [("topk_allgather", 0), ("embrace+topk_allgather", 0), ("topk_a2a", 1), ("gtopk", 1)],
@@ -349,6 +350,7 @@ def test_embrace_memory_is_a_shard():
 # ------------------------------------------------------------------- bad input
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy, vocab, dim", [("embrace", 64, 12), ("embrace_rowwise", 60, 16)])
 def test_indivisible_tables_are_padded_and_equal_single_device(strategy, vocab, dim):
     """D = 12 column-wise and V = 60 row-wise over 8 workers: stored padded, trained
@@ -364,6 +366,7 @@ def test_indivisible_tables_are_padded_and_equal_single_device(strategy, vocab, 
             _make("embrace_2d", w)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["dense", "dense_pmap", "embrace", "embrace_rowwise"])
 def test_token_id_out_of_range(strategy):
     w = get_workload("lstm_lm", vocab=64, dim=16, hidden=8, seq_len=4, batch=8)
@@ -480,6 +483,7 @@ def _gated_loss(params, batch, ops):
     return jnp.mean((rows @ params["w"] - batch["y"]) ** 2)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "embrace_2d"])
 def test_ids_computed_from_the_parameters_get_every_row_they_need(strategy):
     """The host plans row capacities with the model on zeros; ids computed from the
@@ -554,6 +558,7 @@ def _column_fetch(shards, ids, shared, grads, capacity):
     return run(*shards, ids, grads)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("capacity", ["enough", "short"])
 def test_column_fetch_against_numpy_with_shared_only_tables_and_short_capacity(capacity):
     """Each worker's own distinct ids: rows equal ``table[ids]`` and the owners' pairs sum

@@ -76,6 +76,7 @@ def test_moving_average_and_time_to_target():
     assert convergence.reach_text(None, None).startswith("no target: give --target-loss")
 
 
+@pytest.mark.cli
 def test_convergence_without_a_baseline_or_target_says_so(tmp_path, monkeypatch, capsys):
     def fake_run(train_args, out, nproc=1, bandwidth=""):
         strategy = train_args[train_args.index("--strategy") + 1]
@@ -123,7 +124,7 @@ def _run_config_in_process(train_args, out, nproc=1, bandwidth=""):
     return json.loads(Path(out).read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.cli
 def test_scaling_runs_and_saves(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "run_config", _run_config_in_process)
     argv = [
@@ -156,7 +157,7 @@ def test_scaling_runs_and_saves(tmp_path, monkeypatch):
         assert len(list(csv.DictReader(f))) == 4
 
 
-@pytest.mark.slow
+@pytest.mark.cli
 def test_convergence_runs_and_saves(tmp_path, monkeypatch):
     argv = [
         "--local",
@@ -183,6 +184,7 @@ def test_convergence_runs_and_saves(tmp_path, monkeypatch):
     assert (tmp_path / "convergence.png").stat().st_size > 0
 
 
+@pytest.mark.cli
 def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
     """The sweep's wiring, with each run replaced by a result whose step time is
     10 ms of compute plus bytes / rate (no processes started)."""
@@ -245,6 +247,7 @@ def test_bandwidth_sweep_labels_speedups_and_predictions(tmp_path, monkeypatch):
     assert (tmp_path / "bandwidth.png").stat().st_size > 0
 
 
+@pytest.mark.cli
 def test_density_sweep_predictions_with_stand_in_runs(tmp_path, monkeypatch):
     """The density sweep's wiring: the dense run's calibrated link prices every row's
     collectives; step times are made up so that topk_a2a wins from density 0.3."""
@@ -286,6 +289,7 @@ def test_density_sweep_predictions_with_stand_in_runs(tmp_path, monkeypatch):
     assert (tmp_path / "density.png").stat().st_size > 0
 
 
+@pytest.mark.cli
 def test_density_sweep_stops_clearly_without_calibration(tmp_path, monkeypatch, capsys):
     def failing_run(*args):
         raise RuntimeError("no root")
@@ -338,6 +342,7 @@ def test_paper_scale_projects_the_balanced_exchanges_beside_the_others():
     assert all(r["oktopk"] < r["topk_allgather"] / 2 for r in slow_1pc)
 
 
+@pytest.mark.cli
 def test_the_wire_study_judges_each_spec_against_float32(tmp_path, monkeypatch):
     """Each strategy and spec trained in process on tiny DLRM tables: FP8 sends about a
     quarter of float32's bytes at a held-out loss close to float32's; a spec the strategy

@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from experiments import gpu_check
 from experiments.train.config import RunConfig
@@ -12,6 +13,7 @@ from models import MODELS, get_workload
 jax.devices()  # start JAX on conftest's 8 devices: runs with --devices < 8 must not shrink it
 
 
+@pytest.mark.cli
 def test_small_check_writes_json_table_and_trace(tmp_path, capsys):
     out = tmp_path / "check.json"
     assert gpu_check.main(["--small", "--models", "gpt2", "--out", str(out)]) == 0
@@ -36,6 +38,7 @@ def test_every_model_has_a_full_size_and_bad_models_are_refused(capsys):
     assert "unknown --models ['nope']" in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_a_failing_model_is_recorded_not_fatal():
     def boom(model, sizes):
         raise MemoryError("out of memory\nsecond line")

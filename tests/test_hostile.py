@@ -55,6 +55,7 @@ ckpt.close()
 """
 
 
+@pytest.mark.processes
 def test_a_second_writer_of_a_checkpoint_folder_is_refused_at_once(tmp_path):
     """Two processes, one folder: the second ``Checkpointer`` is refused when it is
     made, naming the holder's process id and host; nothing of it reaches the folder.
@@ -90,6 +91,7 @@ def test_a_second_checkpointer_in_one_process_and_a_lock_on_a_new_folder(tmp_pat
     lock.release()
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "strategy, devices, message",
     [
@@ -119,6 +121,7 @@ def test_a_resume_that_cannot_be_on_the_new_count_is_one_line(
     assert checkpoint.saved_steps(str(tmp_path)) == saved and 2 in saved
 
 
+@pytest.mark.cli
 def test_a_resume_says_the_plan_it_cannot_place_came_from_the_checkpoint(tmp_path, capsys):
     """``--plan model`` on ``--resume`` keeps the plan the checkpoints were made with (a
     search anew could store the tables another way). Where that plan cannot be placed
@@ -325,6 +328,7 @@ def two_table_batch(item_id: int | None = None) -> dict:
     return batch
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "sparse_allgather"])
 def test_every_integer_key_that_feeds_a_table_is_checked(strategy):
     """``id_keys=("user",)`` leaves out ``item``, which feeds the item table: refused,
@@ -348,6 +352,7 @@ def shifted(params, batch, ops):
     return jnp.mean(((user * item).sum(-1) - batch["label"]) ** 2)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "sparse_allgather"])
 def test_an_id_the_model_computes_outside_its_table_skips_the_step(strategy):
     """``shift`` is no id (the model adds it to one): it may be left out of ``id_keys``.
@@ -366,6 +371,7 @@ def test_an_id_the_model_computes_outside_its_table_skips_the_step(strategy):
         np.testing.assert_array_equal(value, before[name])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("layout", ["row", "hot"])
 def test_embrace_2d_skips_only_the_step_whose_computed_id_is_outside(layout):
     """In ``embrace_2d``'s pipelined program a carried table's rows for batch t+1 are
@@ -603,6 +609,7 @@ def test_the_slurm_batch_step_note_names_the_step(monkeypatch):
     assert "(no SLURM_STEP_ID)" in runtime.slurm_without_srun()
 
 
+@pytest.mark.processes
 def test_the_command_line_process_exits_2_with_one_line_and_no_traceback(tmp_path):
     """The real process on two of the cases above: exit status 2, one line on stderr."""
     write_criteo(tmp_path / "train.txt", 2)

@@ -109,6 +109,7 @@ def step_of(params, devices, optimizer, layouts, **kw):
     )
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_hot_tables_train_as_on_one_device(name):
     """Three hot tables (one all hot), on 8 workers and on 2 x 4 replica groups: the
@@ -155,6 +156,7 @@ def dlrm_beside(seed: int, kinds: tuple[str, ...]):
     return w, w.init(jax.random.key(seed)), layouts
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name, kinds, count", PIPELINED)
 def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
@@ -194,6 +196,7 @@ def test_hot_tables_run_beside_embrace_2d_priorities(name, kinds, count):
     assert carried == [pipelined] * 3 + [0]  # none after the last step
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("kind, count", [("row", 1), ("hot", 2)])
 def test_a_pipelined_table_read_by_shared_negatives_equals_embrace(kind, count):
     """A language model's tied table read by a lookup and by shared negatives (a
@@ -344,6 +347,7 @@ def plan(*layouts: str) -> str:
     return json.dumps(dict(zip(PATHS, layouts, strict=True)))
 
 
+@pytest.mark.cli
 def test_the_command_line_trains_hot_tables_as_row_wise_ones(tmp_path):
     """``--plan`` hot for two tables with ``--hot-rows 8``, counted over the first
     batches and from a ``--histogram`` file, and beside ``embrace_2d``'s pipelined
@@ -378,6 +382,7 @@ def test_the_command_line_trains_hot_tables_as_row_wise_ones(tmp_path):
     assert json.loads((tmp_path / "pipelined.json").read_text())["runs_as"] == "embrace_2d"
 
 
+@pytest.mark.cli
 def test_a_hot_run_resumes_on_another_device_count(tmp_path):
     flags = [*DLRM, f"--plan={plan('hot', 'hot', 'row')}", "--hot-rows=8"]
     assert main([*flags, "--steps", "4", f"--out={tmp_path / 'full.json'}"]) == 0
@@ -533,6 +538,7 @@ PLANNED += ["--zipf-exponent", "1.5", "--batch", "2048", "--devices", "4", "--st
 PLANNED += ["--plan", "model", "--plan-memory-mb", "1", "--link-alpha-us", "0"]
 
 
+@pytest.mark.cli
 def test_plan_model_picks_hot_rows_and_a_resume_keeps_them(tmp_path):
     """A 100,000-row table read by Zipf ids on 4 workers, within 1 MB, messages free:
     the planner gives it hot rows, the most counted ids of the run's first batches, and

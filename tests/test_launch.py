@@ -21,6 +21,8 @@ from experiments.train.config import RunConfig
 from experiments.train.validate import flag_words
 from sparsecomm_jax import cores, launch, runtime
 
+pytestmark = pytest.mark.processes
+
 ARGS = dict(vocab=300, dim=16, hidden=16, seq_len=8, batch=8, steps=3, warmup=1)
 LAUNCH = [sys.executable, "-m", "sparsecomm_jax.launch"]
 
@@ -300,7 +302,6 @@ def test_repeated_signals_cannot_interrupt_the_clean_up(tmp_path):
     assert _all_gone(pids, within_s=0)
 
 
-@pytest.mark.slow
 def test_two_processes_match_single_process(tmp_path):
     """2 processes x 2 devices equal one process with 4; ``--devices`` left out means
     every device of the job. The strategy crosses the processes every way a step can:
@@ -328,7 +329,6 @@ print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, *
 """
 
 
-@pytest.mark.slow
 def test_timings_that_decide_are_the_same_on_every_process():
     """Each process times a program itself; what they choose on it (a plan, a fusion
     threshold, a strategy per bucket, the link's fit) must agree, or their programs
@@ -414,7 +414,6 @@ def test_cpu_quota_without_a_cgroup_list_is_none(tmp_path):
     assert cores.cpu_quota(str(tmp_path / "absent"), str(tmp_path)) is None
 
 
-@pytest.mark.slow
 def test_two_nodes_on_the_loopback_match_single_process(tmp_path):
     """Two launcher invocations (--nnodes 2, --node-rank 0 and 1) form one job."""
     out, coordinator = tmp_path / "nodes.json", f"127.0.0.1:{_free_port()}"
@@ -464,7 +463,6 @@ print("RESULT", json.dumps([dict(mesh.shape), rows, runtime.to_host(local).tolis
 """
 
 
-@pytest.mark.slow
 def test_host_mesh_of_two_nodes_keeps_local_collectives_inside_a_node(tmp_path):
     x = np.random.default_rng().normal(size=4).round(3)
     coordinator = f"127.0.0.1:{_free_port()}"
@@ -507,7 +505,6 @@ def test_host_mesh_of_two_nodes_keeps_local_collectives_inside_a_node(tmp_path):
         np.testing.assert_array_equal(np.float32(local), np.repeat(expected, 2))
 
 
-@pytest.mark.slow
 def test_every_rank_refuses_a_mesh_smaller_than_the_job(tmp_path):
     out = tmp_path / "never.json"
     proc = _launch(2, 2, _train_cmd(out, devices=2), timeout=120)

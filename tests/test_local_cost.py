@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from experiments.studies import local_cost
 
@@ -19,6 +20,7 @@ def test_aggregation_step_is_error_feedback_topk():
     np.testing.assert_array_equal(np.asarray(residual), acc - sent)
 
 
+@pytest.mark.cli
 def test_main_writes_passes(tmp_path):
     argv = [
         "--size",

@@ -46,6 +46,7 @@ def wikitext_run(tmp_path_factory):
     return train_and_evaluate(config, progress=False), out.with_name("result.logs"), config
 
 
+@pytest.mark.cli
 def test_result_reports_heldout_perplexity(wikitext_run):
     result, *_ = wikitext_run
     for split in ("valid", "test"):
@@ -59,6 +60,7 @@ def test_result_reports_heldout_perplexity(wikitext_run):
     json.dumps(result)
 
 
+@pytest.mark.cli
 def test_sharded_tables_are_scored_like_dense(wikitext_run):
     dense, _, config = wikitext_run
     embrace = dataclasses.replace(config, strategy="embrace", profile_steps="", out="")
@@ -70,6 +72,7 @@ def test_sharded_tables_are_scored_like_dense(wikitext_run):
     assert "log_dir" not in got and "trace_dir" not in got  # no --out, no --log-dir
 
 
+@pytest.mark.cli
 def test_one_json_line_per_step(wikitext_run):
     result, logs, _ = wikitext_run
     lines = [json.loads(x) for x in (logs / "steps.jsonl").read_text().splitlines()]
@@ -81,6 +84,7 @@ def test_one_json_line_per_step(wikitext_run):
     assert lines[3]["valid_perplexity"] == pytest.approx(result["heldout"]["valid"]["perplexity"])
 
 
+@pytest.mark.cli
 def test_tensorboard_scalars_match_the_lines(wikitext_run):
     result, logs, _ = wikitext_run
     scalars = read_scalars(logs)
@@ -91,6 +95,7 @@ def test_tensorboard_scalars_match_the_lines(wikitext_run):
     )
 
 
+@pytest.mark.cli
 def test_profile_steps_leave_a_trace(wikitext_run):
     result, logs, _ = wikitext_run
     assert result["trace_dir"] == str(logs / "trace")
@@ -116,6 +121,7 @@ def test_lines_are_on_disk_before_the_log_closes(tmp_path):
     assert read_scalars(tmp_path)["train/loss"] == {0: 1.5}
 
 
+@pytest.mark.cli
 def test_the_progress_bar_is_drawn_on_its_own_clock_not_at_every_step(monkeypatch):
     """The loss goes into the bar without a redraw per step (a long run's log would hold
     one line per step, written while the step runs); the bar still ends with it."""
@@ -141,6 +147,7 @@ TINY = ["--model", "lstm_lm", "--vocab", "64", "--dim", "8", "--hidden", "8", "-
 TINY += ["--seq-len", "4", "--devices", "2", "--warmup", "0"]
 
 
+@pytest.mark.cli
 def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
     """Interrupted after 3 steps (checkpoints at 2 and 3), resumed from step 2: every step
     has one line and one scalar, and they are the uninterrupted run's."""
@@ -162,6 +169,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path, capsys):
     assert not (logs / "trace").exists()
 
 
+@pytest.mark.cli
 def test_a_fresh_run_replaces_the_folders_logs(tmp_path):
     for steps in ("3", "2"):
         assert main([*TINY, "--steps", steps, "--log-dir", str(tmp_path)]) == 0
@@ -176,6 +184,7 @@ def _one_line(capsys) -> str:
     return err[0]
 
 
+@pytest.mark.cli
 def test_a_log_folder_in_use_is_refused(tmp_path, capsys):
     with checkpoint.DirectoryLock(tmp_path):  # another run writing there
         assert main([*TINY, "--steps", "1", "--log-dir", str(tmp_path)]) == 2

@@ -95,6 +95,7 @@ MIXES = {
 }
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("opt", ["sgd", "adagrad"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_a_layout_per_table_equals_single_device(mix, opt):
@@ -186,6 +187,7 @@ def bag_loss(params, batch):
     return jnp.mean((Bags().apply(params, batch) - batch["y"]) ** 2)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("layout", ["column", "row", "table", "replicated"])
 def test_pooled_bags_under_every_layout_equal_single_device(layout):
     params = Bags().init(jax.random.key(1), bag_batch(0))
@@ -196,6 +198,7 @@ def test_pooled_bags_under_every_layout_equal_single_device(layout):
     np.testing.assert_array_equal(got[untouched], table[untouched])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("layout", ["column", "row", "table", "replicated"])
 def test_a_bag_of_width_zero_reads_nothing_under_every_layout(layout):
     """A feature whose bags have no places (shape [B, 0]) is an empty read: its table
@@ -300,6 +303,7 @@ def odd_batch(step: int) -> dict:
     }
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("opt", sorted(ODD_OPTIMIZERS))
 @pytest.mark.parametrize("mix", sorted(ODD_MIXES))
 def test_tables_not_divisible_by_the_workers_are_padded_and_exact(mix, opt):

@@ -10,6 +10,8 @@ from nbclient import NotebookClient
 
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.processes
+
 NOTEBOOK = os.path.join(REPO, "notebooks", "your_own_model.ipynb")
 
 
@@ -23,7 +25,6 @@ def _stdout(nb) -> str:
     )
 
 
-@pytest.mark.slow
 def test_notebook_runs(monkeypatch):
     # the kernel imports this checkout, whatever is installed
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))

@@ -78,6 +78,7 @@ def test_clipping_clips(workload):
     assert float(optax.tree.norm(grads)) > 5 * CLIP
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("opt, strategy, options, chosen", CASES)
 def test_the_users_optimizer_equals_single_device(
     workload, references, opt, strategy, options, chosen

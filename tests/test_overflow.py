@@ -20,6 +20,7 @@ def _loss(p, b, emb):
     return jnp.mean((rows.sum(1) @ p["w"] - b["y"]) ** 2)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise"])
 def test_too_small_a_capacity_is_named_and_the_step_skipped(strategy):
     rng = np.random.default_rng()

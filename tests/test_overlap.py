@@ -33,6 +33,7 @@ def _overlapped(w, steps, params, optimizer, devices=4, timeline=None, fused=Fal
     return np.array(losses), ov.host_params(state)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "name, opt, poison, fused",
     [
@@ -78,6 +79,7 @@ def test_overlapped_guard_when_the_first_chunk_is_too_small(monkeypatch):
     assert [p for p, *_ in timeline].count("fetch") > 1  # the guard fetched again
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("nproc", [2])
 def test_many_overlapped_steps_on_processes(tmp_path, nproc):
     """8 steps on 2 gloo processes: no deadlock, no collective mismatch (only the late

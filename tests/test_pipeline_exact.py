@@ -83,6 +83,7 @@ def _assert_same_run(w, steps, optimizer=None, seed=0):
     return losses
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(TIED))
 def test_tied_tables_equal_embrace(name):
     """A tied table is read by the inputs, the targets and the negatives: every read
@@ -90,6 +91,7 @@ def test_tied_tables_equal_embrace(name):
     _assert_same_run(_workload(name), steps=4)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", ["lstm_lm"])  # a full softmax: test_tied_tables_equal_embrace
 def test_step_after_a_skipped_step(name):
     """Step 1 is skipped (Inf gradients); step 2 reads rows of the unchanged tables."""
@@ -201,6 +203,7 @@ def test_late_rows_in_next_use_order_over_several_chunks(monkeypatch):
     assert len(low) == len(late) == priority.MAX_LATE_CHUNKS
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("asked", ["platform", "no"])
 def test_without_overlap_embrace_2d_runs_embraces_step(monkeypatch, asked):
     """Where a program's collectives cannot overlap its compute (this CPU mesh, asked

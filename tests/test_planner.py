@@ -186,6 +186,7 @@ DLRM_FLAGS = ["--model", "dlrm", "--strategy", "embrace", "--devices", "4", "--s
 DLRM_FLAGS += ["--tables", "4096,16", "--dim", "8", "--batch", "32", "--optimizer", "adagrad"]
 
 
+@pytest.mark.cli
 def test_plan_auto_times_the_candidates_on_the_command_line(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main([*DLRM_FLAGS, "--plan", "auto", "--link-gbit", "1", "--out", str(out)]) == 0
@@ -239,6 +240,7 @@ def test_candidates_are_timed_at_a_concrete_fusion_threshold(monkeypatch):
     assert chosen.bucket_mb == "auto"  # still searched afterwards
 
 
+@pytest.mark.cli
 def test_a_measured_plan_is_taken_from_the_checkpoint_on_resume(monkeypatch, tmp_path):
     """``--resume`` with ``--plan auto`` keeps the plan the first run chose: timing anew
     could choose another."""
@@ -274,6 +276,7 @@ def test_bad_plans_are_one_line_errors(flags, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
+@pytest.mark.cli
 def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     small = dict(tables="30,10", dim=4, multi_hot=1, batch=8)
     names = [f"params/sparse_{f}/embedding" for f in range(2)]

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.usefixtures("pipelined_2d")
 RESUMABLE = ["dense_pmap", "embrace", "embrace_2d", "topk_a2a", "oktopk"]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("strategy", RESUMABLE)
 def test_resume_is_exact(tmp_path, strategy):
     def run(steps, **kw):
@@ -85,6 +86,7 @@ def test_final_parameters_equal_after_resume(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.cli
 def test_interrupted_write_keeps_previous_checkpoint(tmp_path):
     cfg = dict(steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=1, **SMALL)
     train_and_evaluate(RunConfig(**cfg), progress=False)
@@ -105,6 +107,7 @@ def _truncate_arrays(step_folder: Path) -> int:
     return len(files)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, capsys):
     """Resume skips a newest checkpoint that does not restore, says so in one line, and
@@ -128,6 +131,7 @@ def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, capsys):
     assert checkpoint.saved_steps(tmp_path) == [3, 4]  # its own step 3 replaced the damaged one
 
 
+@pytest.mark.cli
 def test_resume_step_picks_a_checkpoint(tmp_path):
     full = train_and_evaluate(RunConfig(steps=4, **SMALL), progress=False)
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
@@ -142,6 +146,7 @@ def test_resume_step_picks_a_checkpoint(tmp_path):
     assert resumed["start_step"] == 2 and resumed["losses"] == full["losses"][2:]
 
 
+@pytest.mark.cli
 def test_fresh_run_refuses_another_runs_checkpoints(tmp_path):
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     train_and_evaluate(RunConfig(steps=2, **ck, **SMALL), progress=False)
@@ -172,6 +177,7 @@ def test_folder_used_for_other_things_is_refused(tmp_path, monkeypatch):
     assert (tmp_path / "2024" / "notes.txt").exists()
 
 
+@pytest.mark.cli
 def test_resume_refuses_a_different_trajectory_and_names_it(tmp_path):
     ck = str(tmp_path / "ck")
     base = dict(strategy="topk_a2a", density=0.1, checkpoint_dir=ck, checkpoint_every=1, **SMALL)
@@ -203,6 +209,7 @@ def test_resume_refuses_a_different_trajectory_and_names_it(tmp_path):
     assert train_and_evaluate(RunConfig(**{**base, **same}), progress=False)["start_step"] == 2
 
 
+@pytest.mark.cli
 def test_resume_refuses_checkpoints_without_a_record(tmp_path):
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     train_and_evaluate(RunConfig(steps=1, **ck, **SMALL), progress=False)
@@ -211,6 +218,7 @@ def test_resume_refuses_checkpoints_without_a_record(tmp_path):
         train_and_evaluate(RunConfig(steps=2, resume=True, **ck, **SMALL), progress=False)
 
 
+@pytest.mark.processes
 def test_two_runs_cannot_share_a_folder(tmp_path):
     """A second process holding the folder's lock stops this run; once that process is
     killed, the lock is free."""
@@ -255,6 +263,7 @@ def _read_only_dir(tmp_path):
     return folder, ["unshare", "-m", "sh", "-c", script, str(folder)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("where", ["a regular file", "a read-only folder"])
 def test_unwritable_checkpoint_dir_exits_fast(tmp_path, where):
     if where == "a regular file":
@@ -311,6 +320,7 @@ except OSError as e:
 """
 
 
+@pytest.mark.processes
 def test_failed_save_raises_and_the_process_still_exits(tmp_path):
     """A save that cannot be written raises at once, and nothing it started keeps the
     process alive at exit (a plain interpreter exit, no forced one)."""
@@ -337,6 +347,7 @@ def test_unwritable_out_is_refused_before_the_run(tmp_path, where, monkeypatch, 
     assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}")
 
 
+@pytest.mark.cli
 def test_resume_on_another_device_count(tmp_path):
     ck = dict(checkpoint_dir=str(tmp_path), checkpoint_every=1)
     base = {**SMALL, "steps": 2}
@@ -401,6 +412,7 @@ def _poisoned(w, bad_steps, through_gradient=True):
     return w._replace(batch_at=batch_at, loss=loss)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, through_gradient",
     [
@@ -439,6 +451,7 @@ def test_nonfinite_step_is_skipped_and_state_kept(strategy, through_gradient):
         assert np.all(np.isfinite(b))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["dense", "embrace", "dense_pmap"])
 def test_a_donated_state_or_an_unplaced_batch_is_a_clear_error(strategy):
     """The step donates its state: calling it again on the old state is a ValueError
@@ -475,6 +488,7 @@ def _poison_runs(monkeypatch, bad_steps, through_gradient=True):
     monkeypatch.setattr(cli, "get_workload", poisoned)
 
 
+@pytest.mark.cli
 def test_nonfinite_policy_in_the_runner(monkeypatch):
     _poison_runs(monkeypatch, 2)
     cfg = dict(strategy="dense", steps=4, **SMALL)
@@ -484,6 +498,7 @@ def test_nonfinite_policy_in_the_runner(monkeypatch):
         train_and_evaluate(RunConfig(nonfinite="error", **cfg), progress=False)
 
 
+@pytest.mark.cli
 def test_nonfinite_off_lists_no_applied_step(monkeypatch):
     """A NaN loss whose gradient is finite is applied under ``off``: not 'skipped'."""
     _poison_runs(monkeypatch, 2, through_gradient=False)
@@ -492,6 +507,7 @@ def test_nonfinite_off_lists_no_applied_step(monkeypatch):
     assert result["skipped_steps"] == []
 
 
+@pytest.mark.cli
 def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
     """``off`` applies the NaN gradient of step 2: the run stops there, non-zero, and its
     checkpoints end with the state before that step."""
@@ -523,6 +539,7 @@ def test_nonfinite_parameters_stop_the_run_unsaved(monkeypatch, tmp_path):
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.cli
 def test_the_loop_keeps_one_step_in_flight_and_it_changes_nothing(monkeypatch, tmp_path):
     """Step t + 1 is handed to the devices before step t's loss is read (the host's work
     between steps overlaps the devices'); a run that saves after every step, or is told
@@ -569,6 +586,7 @@ def test_in_flight_auto_waits_where_cpu_processes_outnumber_cores(monkeypatch):
         loop.run_steps(RunConfig(**SMALL), None, None, None, 0, None, False)
 
 
+@pytest.mark.cli
 def test_a_run_on_an_oversubscribed_host_waits_for_every_step(monkeypatch):
     """A whole run where the busiest host has more CPU processes than cores: ``auto``
     decides ``no``, the loop reads every step before the next, and says so in its JSON."""
@@ -580,6 +598,7 @@ def test_a_run_on_an_oversubscribed_host_waits_for_every_step(monkeypatch):
     assert np.all(np.isfinite(done["losses"]))
 
 
+@pytest.mark.cli
 def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
     """``off`` applies step 2's NaN gradient while step 3 is in flight: the run stops at
     the newest state it can see, naming both steps."""
@@ -589,6 +608,7 @@ def test_parameters_poisoned_while_the_next_step_runs_stop_the_run(monkeypatch):
         train_and_evaluate(RunConfig(nonfinite="off", steps=6, **SMALL), progress=False)
 
 
+@pytest.mark.cli
 def test_too_many_skipped_steps_stop_the_run(monkeypatch, tmp_path):
     """From step 1 on every gradient is NaN (as after a diverging update): more than
     --max-skipped skipped steps in a row stop the run, and the state they all started
@@ -603,6 +623,7 @@ def test_too_many_skipped_steps_stop_the_run(monkeypatch, tmp_path):
     assert result["skipped_steps"] == [1, 2, 3]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("strategy", ["dense", "embrace_rowwise", "topk_a2a"])
 def test_same_seed_same_losses_bitwise(strategy):
     cfg = RunConfig(strategy=strategy, steps=3, density=0.05, **SMALL)
@@ -611,7 +632,7 @@ def test_same_seed_same_losses_bitwise(strategy):
     assert a == b
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_killed_rank_then_resume(tmp_path):
     """SIGKILL one rank mid-run: the job stops fast naming it, nothing is left behind, and
     --resume continues from the last checkpoint to the same losses."""
@@ -698,6 +719,7 @@ def _rank_pid(rank: int):
     return None
 
 
+@pytest.mark.cli
 def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
     """``--steps-per-call 4``: the losses and bytes a step of one step a call (losses to
     float rounding); a step whose state is saved ends its call (the first, then every
@@ -725,6 +747,7 @@ def test_calls_of_several_steps_change_nothing(monkeypatch, tmp_path):
     np.testing.assert_allclose(resumed["losses"], full["losses"][12:], rtol=1e-5)
 
 
+@pytest.mark.cli
 def test_a_nonfinite_step_inside_a_call(monkeypatch):
     """A NaN gradient at step 2 of a call of steps 0-3 is skipped and named as one step
     a call names it; applied (``off``), the run stops at the newest state it sees."""
@@ -742,6 +765,7 @@ def test_a_nonfinite_step_inside_a_call(monkeypatch):
         train_and_evaluate(RunConfig(**{**cfg, "nonfinite": "off"}), progress=False)
 
 
+@pytest.mark.cli
 def test_calls_after_a_resume_and_host_work_between_calls(monkeypatch, tmp_path):
     """A resumed run plans no save after its first step (its folder has checkpoints):
     steps 10-17 run as two calls of 4. The host's work before a call (here a save made

@@ -156,6 +156,7 @@ OPTIMIZERS = {  # eps=1e-3: the default lets a rounding move a weight by the lea
 }
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_two_d_equals_one_device_and_one_d(name):
     """2 x 4 (rows summed by all-gather) and 4 x 2 (by all-reduce of the shard), mixed
@@ -246,6 +247,7 @@ def test_a_checkpoint_moves_between_one_d_and_two_d(tmp_path):
         assert got == pytest.approx(want, rel=1e-5), (saved, then)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("strategy", ["embrace+topk_a2a", "embrace+oktopk"])
 def test_a_top_k_aggregator_spans_every_device_of_the_groups(strategy):
     """The dense layers' top-k (error feedback, one residual per worker) over all 8
@@ -268,6 +270,7 @@ def pipelined(w, params, devices: int, optimizer, strategy="embrace", steps=4, *
     return losses, ts.host_params(state), (ts, state)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_embrace_2d_priorities_in_replica_groups_equal_one_device(name):
     """``embrace_2d``'s pipelined program (as built where collectives overlap compute)
@@ -316,6 +319,7 @@ def test_replica_groups_that_cannot_be_are_refused(kw, message):
         step_of(fresh_params(0), 8, optax.sgd(0.1), **kw)
 
 
+@pytest.mark.cli
 def test_the_command_line_runs_two_d_to_the_one_d_losses(tmp_path):
     """``--replicas 2`` on DLRM gives ``--replicas 1``'s losses, with ``embrace`` and
     ``embrace_2d``; the result records it."""

@@ -64,6 +64,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("name, update, saved, resumed", CASES)
 def test_a_checkpoint_resumes_on_another_count_and_layouts_exactly(
     tmp_path, name, update, saved, resumed
@@ -142,6 +143,7 @@ def plan(*layouts: str) -> str:
     return json.dumps(dict(zip(PATHS, layouts, strict=True)))
 
 
+@pytest.mark.cli
 def test_resume_on_another_device_count_through_the_command_line(tmp_path):
     """DLRM, lazy Adam (per-row counts), every table table-wise on 4 devices; resumed
     with ``--resume`` on 2 devices table-wise and on 8 with rows, packs and columns:
@@ -172,7 +174,7 @@ def test_resume_on_another_device_count_through_the_command_line(tmp_path):
         assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_checkpoint_converts_when_each_process_holds_part_of_the_devices(tmp_path):
     """Saved by one process on 4 simulated devices (table-wise and hot tables, Adam),
     resumed by 2 processes of one device each: each process reads the checkpoint whole

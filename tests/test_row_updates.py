@@ -39,6 +39,7 @@ CASES = [  # model, its variant, optimizer, strategies (every strategy on severa
 ]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("model, variant, opt, strategies", CASES)
 def test_row_updates_match_single_device(model, variant, opt, strategies):
     """Adam with the dense update is checked for every strategy in test_equivalence."""
@@ -101,6 +102,7 @@ def _at(tree, path):
     return tree
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, per, schedule",
     [
@@ -134,6 +136,7 @@ def test_lazy_adam_matches_single_device_reference(strategy, per, schedule):
     np.testing.assert_array_equal(got["embed"]["embedding"][untouched], before[untouched])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, comm_dtype",
     [
@@ -255,6 +258,7 @@ def test_forward_rounds_the_rows_the_loss_sees_and_backward_the_update():
     assert backward[0] == f32[0] and backward[1] != f32[1]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, spec",
     [
@@ -356,6 +360,7 @@ def test_cli_error_is_one_line(capsys):
     assert "--comm-dtype 'fp8' is unknown" in err and "\n" not in err
 
 
+@pytest.mark.cli
 def test_row_states_resume_from_a_checkpoint(tmp_path):
     """Adagrad's row state, sharded like its table, saved on 8 devices, resumed on 4."""
     base = dict(

@@ -64,6 +64,7 @@ def _repeats(step):  # few distinct ids, repeated within rows and across workers
 CASES = {"zipf": None, "disjoint": _disjoint, "same": _same, "repeats": _repeats}
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "case, opt",
     [
@@ -86,6 +87,7 @@ def test_embrace_2d_equals_embrace_and_dense(case, opt):
     assert_trees_close(got, ref_params, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("steps", [1, 2])
 def test_first_and_last_steps(steps):
     """One step (no t-1, no t+1) and two steps (a first and a last) are exact."""
@@ -115,6 +117,7 @@ def _middle_step_program(table_update="dense"):
     return hlo.compiled_text(ts.step, state, place(ts, w, 1, 3))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("update", ["dense", "rows"])
 def test_compiled_order_and_dependencies(update):
     text = _middle_step_program(update)

@@ -41,6 +41,7 @@ def _numpy_topk(x, k):
     return sorted(np.argsort(-np.abs(x), kind="stable")[:k].tolist())
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("seed", range(6))
 def test_radix_topk_selects_the_exact_entries(seed):
     rng = np.random.default_rng(seed)

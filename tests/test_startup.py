@@ -63,6 +63,7 @@ def test_search_skips_thresholds_whose_buckets_keep_no_entry(monkeypatch):
     assert record["bucket_bytes"] == valid[0] > fusion.candidate_thresholds(sizes)[0]
 
 
+@pytest.mark.cli
 def test_auto_bucket_run_records_the_threshold_and_resumes_with_it(tmp_path):
     """The search's threshold is in the result and in the checkpoint folder's record: the
     same command with ``--resume`` takes it instead of searching anew (which could pick

@@ -49,6 +49,7 @@ def scanned_run(workload, optimizer, params, sizes, strategy, **kwargs):
 
 # sharded columns with capacities that grow between steps, dense, per-worker residuals,
 # row-wise tables updated by their rows with their own optimizer state
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy, optimizer, kwargs",
     [

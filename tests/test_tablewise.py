@@ -146,6 +146,7 @@ def test_a_full_softmax_of_a_table_wise_table_is_refused():
         ts.step(ts.state, ts.place_batch({"h": np.ones((N, 4), np.float32)}))
 
 
+@pytest.mark.cli
 def test_a_table_wise_run_resumes_from_its_checkpoints(tmp_path):
     """DLRM, every table table-wise, Adagrad: 2 steps saved, resumed to 3, equal to 3."""
     paths = ["/".join(("params", f"sparse_{f}", "embedding")) for f in range(4)]
@@ -167,6 +168,7 @@ def test_a_table_wise_run_resumes_from_its_checkpoints(tmp_path):
     assert resumed["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
 
 
+@pytest.mark.cli
 def test_a_resume_may_move_tables_into_and_out_of_a_pack(tmp_path):
     """The third table has V = P rows: as a pack's member it is stored [P, D] zeros, as
     a table of its own [V, D] = [P, D], so only the recorded form of the state tells
@@ -306,6 +308,7 @@ def test_an_id_the_model_computes_outside_its_table_reads_no_other_tables_row():
         np.testing.assert_array_equal(after[k], before[k])
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("tied", [False, True], ids=["two tables", "tied"])
 def test_an_lm_with_shared_negatives_equals_single_device(tied):
     """The LSTM LM's input and output tables table-wise (one pack of two tables, or one

@@ -14,6 +14,7 @@ from sparsecomm_jax.comm import hlo
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "strategy",
     [
@@ -69,6 +70,7 @@ CONVERGENCE = {
 }
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("model", sorted(CONVERGENCE))
 def test_topk_a2a_converges_like_dense(model):
     """After the same steps, the loss (mean of the last 10) is within 5% of dense."""

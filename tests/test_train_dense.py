@@ -26,6 +26,7 @@ def lm():
     return w, w.init(jax.random.key(3))
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_dense_and_pmap_match_single_device(lm, opt):
     workload, params = lm
@@ -75,6 +76,7 @@ def _sampled_loss(h, table_rows, targets, negatives):
     return sampled_softmax_loss(h, table(cfg, {TABLE_NAME: table_rows}), targets, negatives)
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize(
     "positions, dtype",
     [((3, 5), jnp.float32), ((15,), jnp.float32), ((3, 5), jnp.bfloat16)],
