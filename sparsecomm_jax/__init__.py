@@ -5,9 +5,10 @@ lists them; ``"embrace"``, ``"topk_a2a"``, ``"embrace+topk_a2a"``, ...), and the
 hand-written ``shard_map`` step uses: the aggregators (``topk_a2a(0.01)``,
 ``per_worker``, ``vary``), the row-sparse table update (``ROWS``, ``lazy_adam``), flax
 layers whose tables a strategy can shard (``nn.Embed``), a plan of table layouts
-(``TablePlan``, ``planner``), checkpoints (``checkpoint``) and the devices
-(``runtime``). The concepts live in subpackages: ``comm``, ``topk``, ``embedding``,
-``step``, ``schedule``, ``strategies``; the tools beside them: ``runtime``, ``launch``,
+(``TablePlan``, ``planner``), checkpoints (``checkpoint``), the devices
+(``runtime``) and a job of several processes (``distributed``). The concepts live in
+subpackages: ``comm``, ``topk``, ``embedding``, ``step``, ``schedule``, ``strategies``,
+``planner``; the tools beside them: ``runtime``, ``distributed``, ``launch``,
 ``checkpoint``.
 
 Example:
@@ -27,14 +28,15 @@ __version__ = "0.3.0"
 _EXPORTS = {
     "aggregators": "sparsecomm_jax.aggregators",
     "checkpoint": "sparsecomm_jax.checkpoint",
-    "layouts": "sparsecomm_jax.embedding.layouts",
+    "distributed": "sparsecomm_jax.distributed",
+    "layouts": "sparsecomm_jax.embedding.layout_registry",
     "nn": "sparsecomm_jax.nn",
     "optimizers": "sparsecomm_jax.optimizers",
     "planner": "sparsecomm_jax.planner",
     "runtime": "sparsecomm_jax.runtime",
     "row_optimizers": "sparsecomm_jax.embedding.row_optimizers",
     "ArgumentError": "sparsecomm_jax.errors",
-    "TablePlan": "sparsecomm_jax.embedding.layouts",
+    "TablePlan": "sparsecomm_jax.embedding.layout_registry",
     **dict.fromkeys(
         (
             "AGGREGATORS",
@@ -58,10 +60,8 @@ _EXPORTS = {
         ("RowGrad", "lazy_adam", "segment_rows"), "sparsecomm_jax.embedding.row_optimizers"
     ),
     **dict.fromkeys(("DENSE", "ROWS", "TableUpdate"), "sparsecomm_jax.embedding.update"),
-    **dict.fromkeys(
-        ("CapacityWarning", "first_replica", "loss_value", "loss_values", "overflow_message"),
-        "sparsecomm_jax.step.placement",
-    ),
+    **dict.fromkeys(("CapacityWarning", "overflow_message"), "sparsecomm_jax.step.capacities"),
+    **dict.fromkeys(("first_replica", "loss_value", "loss_values"), "sparsecomm_jax.step.host"),
     **dict.fromkeys(("TrainState", "TrainStep"), "sparsecomm_jax.step.state"),
     "make_train_step": "sparsecomm_jax.strategies.build",
     **dict.fromkeys(

@@ -11,7 +11,7 @@ Two hosts (the same command on each, ``--node-rank`` 0 on the host at ``--coordi
         --nproc 4 -- python -m experiments.train --strategy embrace --steps 5
 
 Rank ``node_rank * nproc + local_rank`` gets ``SPARSECOMM_*`` variables (coordinator,
-process count and id, local device ids) for ``runtime.initialize_distributed``; on a GPU
+process count and id, local device ids) for ``distributed.initialize_distributed``; on a GPU
 host local rank ``r`` drives GPUs ``r*M .. r*M+M-1`` (``M = --devices-per-proc``), on CPU
 it simulates ``M`` devices. Several ranks on a host each get their share of its cores
 for XLA's host thread pool, which runs XLA:CPU's programs (``NPROC``; XLA keeps at
@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from sparsecomm_jax.cores import compute_threads, host_cores
 
-# Environment every rank gets (read by ``runtime.initialize_distributed``).
+# Environment every rank gets (read by ``distributed.initialize_distributed``).
 ENV_COORDINATOR = "SPARSECOMM_COORDINATOR"
 ENV_NUM_PROCESSES = "SPARSECOMM_NUM_PROCESSES"
 ENV_PROCESS_ID = "SPARSECOMM_PROCESS_ID"

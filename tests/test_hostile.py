@@ -28,7 +28,7 @@ from test_dlrm import write_criteo
 import sparsecomm_jax as sc
 from experiments.train import main
 from models import dlrm
-from sparsecomm_jax import checkpoint, nn, runtime
+from sparsecomm_jax import checkpoint, distributed, nn, runtime
 from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.errors import ArgumentError
 
@@ -599,14 +599,14 @@ def test_a_text_file_that_is_no_regular_file(tmp_path, capsys, kind):
 def test_the_slurm_batch_step_note_names_the_step(monkeypatch):
     """A batch script of a 4-task job runs python without srun: the note says which step
     it is in (it said "no SLURM_STEP_ID" with the batch step's id set)."""
-    for name in runtime.SCHEDULER_VARS["slurm"]:
+    for name in distributed.SCHEDULER_VARS["slurm"]:
         monkeypatch.setenv(name, "0")
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("SLURM_STEP_ID", "4294967294")
-    note = runtime.slurm_without_srun()
+    note = distributed.slurm_without_srun()
     assert "SLURM_STEP_ID 4294967294, the batch script's step" in note
     monkeypatch.delenv("SLURM_STEP_ID")
-    assert "(no SLURM_STEP_ID)" in runtime.slurm_without_srun()
+    assert "(no SLURM_STEP_ID)" in distributed.slurm_without_srun()
 
 
 @pytest.mark.processes

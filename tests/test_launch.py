@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from experiments.train import train_and_evaluate
 from experiments.train.config import RunConfig
 from experiments.train.validate import flag_words
-from sparsecomm_jax import cores, launch, runtime
+from sparsecomm_jax import cores, distributed, launch, runtime
 
 pytestmark = pytest.mark.processes
 
@@ -254,7 +254,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path):
     grandchild = (
         "import os, time\n"
         "from sparsecomm_jax import runtime\n"
-        "runtime.watch_launcher(poll_s=0.2)\n"
+        "distributed.watch_launcher(poll_s=0.2)\n"
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
         "time.sleep(120)\n"
     )
@@ -320,9 +320,9 @@ def test_two_processes_match_single_process(tmp_path):
 
 
 AGREE = """
-from sparsecomm_jax import runtime
+from sparsecomm_jax import distributed, runtime
 from sparsecomm_jax.comm import costmodel
-rank, _ = runtime.initialize_distributed()
+rank, _ = distributed.initialize_distributed()
 link, points = costmodel.calibrate(runtime.data_mesh(2), sizes=(256, 4096), repeats=2)
 host = runtime.busiest_host()
 print("agreed", runtime.agreed_mean(float(rank) + 0.5), link.alpha, link.beta, *host, flush=True)
@@ -452,8 +452,8 @@ HOST_MESH_SCRIPT = """
 import json, sys
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
-from sparsecomm_jax import runtime
-runtime.initialize_distributed()
+from sparsecomm_jax import distributed, runtime
+distributed.initialize_distributed()
 mesh, spec = runtime.host_mesh(), P(("hosts", "local"))
 x = runtime.put_global(np.asarray(json.loads(sys.argv[1]), np.float32), mesh, spec)
 local = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "local"), mesh=mesh, in_specs=spec,
@@ -585,39 +585,39 @@ def _set(monkeypatch, env):
 
 
 def test_schedulers_are_read_as_jax_distributed_reads_them(clean_env):
-    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
+    assert distributed.detect_scheduler() is None and distributed.distributed_args() is None
     _set(clean_env, SLURM)
-    assert runtime.detect_scheduler() == "slurm"
-    args = runtime.distributed_args()  # port: the job id mapped into 61440..65535
+    assert distributed.detect_scheduler() == "slurm"
+    args = distributed.distributed_args()  # port: the job id mapped into 61440..65535
     assert args["coordinator_address"] == f"gpu007:{12345 % 4096 + 61440}"
     assert (args["num_processes"], args["process_id"], args["local_device_ids"]) == (8, 5, [1])
     assert args["cluster_detection_method"] == "deactivate"  # resolved once, used as is
     clean_env.setenv("SLURM_NTASKS", "1")  # one task: nothing to join
-    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
+    assert distributed.detect_scheduler() is None and distributed.distributed_args() is None
     clean_env.setenv("SLURM_NTASKS", "8")
     _set(clean_env, {"JAX_COORDINATOR_PORT": "4321", "JAX_LOCAL_DEVICE_IDS": "0,1"})
-    args = runtime.distributed_args()
+    args = distributed.distributed_args()
     assert args["coordinator_address"] == "gpu007:4321" and args["local_device_ids"] == [0, 1]
     clean_env.delenv("JAX_COORDINATOR_PORT")
     _set(clean_env, OMPI)  # Open MPI comes first in jax's order
-    args = runtime.distributed_args()  # port: from the job id in the ORTE URI
-    assert runtime.detect_scheduler() == "ompi"
+    args = distributed.distributed_args()  # port: from the job id in the ORTE URI
+    assert distributed.detect_scheduler() == "ompi"
     assert args["coordinator_address"] == f"10.96.0.1:{(1531576320 // 4096) % 4096 + 61440}"
     assert (args["num_processes"], args["process_id"]) == (4, 2)
 
 
 def test_kubernetes_without_its_client_is_a_clear_error(clean_env):
     _set(clean_env, K8S)
-    assert runtime.detect_scheduler() == "k8s"
+    assert distributed.detect_scheduler() == "k8s"
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"jax\[k8s\]"):
-        runtime.distributed_args()
+        distributed.distributed_args()
 
 
 def test_launcher_environment_comes_before_a_scheduler(clean_env):
     _set(clean_env, SLURM)
     job = launch.make_job(2, 2, nnodes=3, node_rank=2, coordinator="10.1.1.1:29500")
     _set(clean_env, {k: v for k, v in launch.rank_env(job, 1).items() if "SPARSECOMM" in k})
-    args = runtime.distributed_args()
+    args = distributed.distributed_args()
     assert args["coordinator_address"] == "10.1.1.1:29500"
     assert (args["num_processes"], args["process_id"], args["local_device_ids"]) == (6, 5, [2, 3])
 
@@ -636,7 +636,7 @@ def test_initialize_calls_jax_with_the_resolved_job(clean_env):
             "JAX_COORDINATOR_PORT": str(port),
         },
     )
-    assert runtime.initialize_distributed() == (0, 8)
+    assert distributed.initialize_distributed() == (0, 8)
     assert calls == [
         dict(
             coordinator_address=f"localhost:{port}",
@@ -661,18 +661,18 @@ def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env
             runtime.ENV_INIT_TIMEOUT: "1",
         },
     )
-    with pytest.raises(runtime.JobError, match="did not answer within 1 s"):
-        runtime.initialize_distributed()
+    with pytest.raises(distributed.JobError, match="did not answer within 1 s"):
+        distributed.initialize_distributed()
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen(1)
         clean_env.setenv(runtime.ENV_COORDINATOR, f"127.0.0.1:{busy.getsockname()[1]}")
         clean_env.setenv(runtime.ENV_PROCESS_ID, "0")
-        with pytest.raises(runtime.JobError, match="in use"):
-            runtime.initialize_distributed()
+        with pytest.raises(distributed.JobError, match="in use"):
+            distributed.initialize_distributed()
     clean_env.setenv(runtime.ENV_COORDINATOR, "nonexistent.invalid:29517")
-    with pytest.raises(runtime.JobError, match="'nonexistent.invalid' does not resolve"):
-        runtime.initialize_distributed()
+    with pytest.raises(distributed.JobError, match="'nonexistent.invalid' does not resolve"):
+        distributed.initialize_distributed()
     assert calls == []  # jax would have aborted the process
 
 
@@ -698,22 +698,22 @@ def test_a_job_that_cannot_be_is_refused_in_one_line(clean_env, env, message):
     """Ids outside 0..n-1, missing or non-numeric variables: refused before anyone
     waits (the launcher's and the schedulers')."""
     _set(clean_env, env)
-    with pytest.raises(runtime.JobError, match=message):
-        runtime.distributed_args()
+    with pytest.raises(distributed.JobError, match=message):
+        distributed.distributed_args()
 
 
 def test_a_batch_script_without_srun_runs_alone_and_says_so(clean_env, capsys):
     """``sbatch --ntasks 4`` running python directly: SLURM's variables are there but no
     srun step; the process runs alone at once instead of waiting for three others."""
     _set(clean_env, {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"})
-    assert runtime.detect_scheduler() is None and runtime.distributed_args() is None
-    assert runtime.initialize_distributed() == (0, 1)
+    assert distributed.detect_scheduler() is None and distributed.distributed_args() is None
+    assert distributed.initialize_distributed() == (0, 1)
     assert "not started by srun" in capsys.readouterr().err
     clean_env.setenv("SLURM_STEP_ID", "4294967294")  # the batch step
-    assert runtime.detect_scheduler() is None
+    assert distributed.detect_scheduler() is None
 
 
-ALONE = "from sparsecomm_jax import runtime; runtime.initialize_distributed(); print('joined')"
+ALONE = "from sparsecomm_jax import runtime; distributed.initialize_distributed(); print('joined')"
 
 
 def test_a_job_that_never_assembles_ends_in_one_line(clean_env):

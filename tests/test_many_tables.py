@@ -13,7 +13,7 @@ from helpers import assert_trees_close
 
 import sparsecomm_jax as sc
 from sparsecomm_jax import nn, runtime
-from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.embedding import layout_registry
 from sparsecomm_jax.embedding.access import PLAIN
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
@@ -111,7 +111,7 @@ def test_a_layout_per_table_equals_single_device(mix, opt):
     assert_trees_close(ts.host_params(state), ref_params, rtol=1e-5, atol=1e-6)
     for name in SIZES:  # each table lies as its layout says (data parallel: replicated)
         chosen = MIXES[mix].get(name, "column")
-        expected = layouts.get("replicated" if chosen == "dense" else chosen).spec("data")
+        expected = layout_registry.get("replicated" if chosen == "dense" else chosen).spec("data")
         got = state.params[name].sharding.spec
         assert (*got, None, None)[:2] == (*expected, None, None)[:2], name
 

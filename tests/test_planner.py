@@ -20,12 +20,12 @@ from models import get_workload
 from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm import costmodel, wire
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.embedding import access, layouts, tablewise
+from sparsecomm_jax.embedding import access, layout_registry, tablewise
 from sparsecomm_jax.embedding.layout import next_power_of_two
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 SLOW = Link.from_bandwidth(1.0)
-SHARDED = {x.name for x in layouts.LAYOUTS.values() if x.sharded}  # column, row, table
+SHARDED = {x.name for x in layout_registry.LAYOUTS.values() if x.sharded}  # column, row, table
 # every layout the planner prices from the common statistics (the hot layout needs a
 # histogram of the ids: its own tests below)
 PRICED = [x.name for x in planner.priced() if x.pricing.measure is None]
@@ -48,7 +48,7 @@ def test_a_table_takes_only_the_layouts_it_may():
     that would have gives that table its best other layout, and the other table stays
     column-wise (it is re-planned, not dropped). Without it both go column-wise."""
     two = [stats("a", 100_000, 64, 512, 400, 60), stats("b", 100_000, 62, 512, 400, 60)]
-    link, column = Link.from_bandwidth(1.0), layouts.get("column")
+    link, column = Link.from_bandwidth(1.0), layout_registry.get("column")
 
     def columns(plans) -> list[set[str]]:
         return [{c.table for c in p.choices if c.layout == "column"} for p in plans]

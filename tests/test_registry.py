@@ -13,7 +13,7 @@ from helpers import assert_trees_close, strategy_run
 import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax.comm import hlo
-from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.embedding import layout_registry
 from sparsecomm_jax.schedule import scopes
 from sparsecomm_jax.strategies import bodies
 
@@ -43,7 +43,7 @@ def test_names_derive_from_the_registry():
 
 def test_guide_example_strategy_trains_like_embrace(monkeypatch):
     monkeypatch.setitem(sc.STRATEGIES, "clipped_embrace", None)  # removed after the test
-    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)  # before the guide's
+    monkeypatch.setitem(layout_registry.LAYOUTS, "column_each_read", None)  # before the guide's
     scope = {}
     exec(guide_block("## A table layout"), scope)  # the imports (and its layout)
     exec(guide_block("## A strategy"), scope)
@@ -61,7 +61,7 @@ def test_guide_example_layout_trains_like_embrace_and_sends_more(monkeypatch):
     """The guide's layout (one exchange per read, no de-duplication), from its text:
     the same losses and parameters as embrace with both table updates, more bytes."""
     monkeypatch.setitem(sc.STRATEGIES, "embrace_each_read", None)  # removed after the test
-    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)
+    monkeypatch.setitem(layout_registry.LAYOUTS, "column_each_read", None)
     scope = {}
     exec(guide_block("## A table layout"), scope)
     sc.STRATEGIES["embrace_each_read"] = sc.Strategy(
@@ -94,8 +94,8 @@ def test_guide_example_layout_is_pipelined_by_its_own_hook(monkeypatch):
     """The guide's pipelined layout (its ``Pipelined`` naming the column carrier), run
     from the guide's text: ``embrace_2d`` carries its table (a middle step fetches no
     row before its forward pass; the first step does) and trains as ``embrace``."""
-    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read", None)  # removed after the test
-    monkeypatch.setitem(layouts.LAYOUTS, "column_each_read_2d", None)
+    monkeypatch.setitem(layout_registry.LAYOUTS, "column_each_read", None)  # removed after the test
+    monkeypatch.setitem(layout_registry.LAYOUTS, "column_each_read_2d", None)
     scope = {}
     exec(guide_block("## A table layout"), scope)
     exec(guide_block("## Pipelined by `embrace_2d`"), scope)  # asserts embrace's losses

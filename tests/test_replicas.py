@@ -29,7 +29,7 @@ from experiments.train import main
 from models import get_workload
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.comm import hlo
-from sparsecomm_jax.embedding import replicas
+from sparsecomm_jax.embedding import replica_groups
 from sparsecomm_jax.embedding.row_optimizers import lazy_adam
 
 MIXED = {"a": "table", "b": "row", "c": "column"}
@@ -38,7 +38,7 @@ MIXED = {"a": "table", "b": "row", "c": "column"}
 # ------------------------------------------------------------------ the collective
 
 
-@pytest.mark.parametrize("how", [replicas.ROWS, replicas.SHARD])
+@pytest.mark.parametrize("how", [replica_groups.ROWS, replica_groups.SHARD])
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2)])
 def test_the_sum_across_groups_adds_every_groups_pairs(how, shape):
     """Per device (r, g) random pairs ``(ids, rows)`` of its shard, some ids padding
@@ -52,7 +52,7 @@ def test_the_sum_across_groups_adds_every_groups_pairs(how, shape):
 
     def body(i, v):  # i: int[1, 1, m], v: float[1, 1, m, w] (this device's pairs)
         pairs = {0: [(i[0, 0], v[0, 0])]}
-        [(got_ids, got_rows)] = replicas.sum_tables(pairs, {0: shard}, "replica", how)[0]
+        [(got_ids, got_rows)] = replica_groups.sum_tables(pairs, {0: shard}, "replica", how)[0]
         dense = jnp.zeros((shard, w)).at[got_ids].add(got_rows, mode="drop")  # float[S, w]
         touched = jnp.zeros((shard,), bool).at[got_ids].set(True, mode="drop")
         return dense[None], touched[None]
@@ -76,7 +76,7 @@ def test_the_sum_across_groups_adds_every_groups_pairs(how, shape):
         np.testing.assert_array_equal(np.asarray(touched[g]), seen)
 
 
-@pytest.mark.parametrize("how", [replicas.ROWS, replicas.SHARD, replicas.AUTO])
+@pytest.mark.parametrize("how", [replica_groups.ROWS, replica_groups.SHARD, replica_groups.AUTO])
 def test_sum_tables_sums_each_table_apart_in_shared_collectives(how):
     """Two tables of other widths and shard sizes, summed in the same collectives: each
     comes back as its own sum over the groups (numpy), whichever exchange carries it."""
@@ -89,7 +89,7 @@ def test_sum_tables_sums_each_table_apart_in_shared_collectives(how):
 
     def body(ids, vals):  # per table: int[1, 1, m], float[1, 1, m, w]
         pairs = {i: [(ids[i][0, 0], vals[i][0, 0])] for i in sizes}
-        summed = replicas.sum_tables(pairs, sizes, "replica", how)
+        summed = replica_groups.sum_tables(pairs, sizes, "replica", how)
         out = {}
         for i, [(got_ids, got_rows)] in summed.items():
             dense = jnp.zeros((sizes[i], widths[i])).at[got_ids].add(got_rows, mode="drop")
@@ -110,9 +110,9 @@ def test_sum_tables_sums_each_table_apart_in_shared_collectives(how):
 
 
 def test_the_cheaper_exchange_is_chosen():
-    assert replicas.choose(touched=10, shard_rows=1000, replicas=4) == replicas.ROWS
-    assert replicas.choose(touched=600, shard_rows=1000, replicas=4) == replicas.SHARD
-    assert replicas.choose(touched=10, shard_rows=8, replicas=2) == replicas.SHARD
+    assert replica_groups.choose(touched=10, shard_rows=1000, replicas=4) == replica_groups.ROWS
+    assert replica_groups.choose(touched=600, shard_rows=1000, replicas=4) == replica_groups.SHARD
+    assert replica_groups.choose(touched=10, shard_rows=8, replicas=2) == replica_groups.SHARD
 
 
 # ------------------------------------------------------------------ whole steps

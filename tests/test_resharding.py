@@ -1,5 +1,5 @@
 """Resharding: a checkpoint restores onto another device count and other table layouts
-(``step.form``), every layout and every optimizer's state, and continues exactly as the
+(``step.stored_form``), every layout and every optimizer's state, and continues exactly as the
 run that was never interrupted; through the library and through ``--resume``.
 """
 
@@ -25,7 +25,7 @@ from experiments.train import main, train_and_evaluate
 from experiments.train.config import RunConfig
 from sparsecomm_jax import checkpoint, runtime
 from sparsecomm_jax.embedding.row_optimizers import lazy_adam
-from sparsecomm_jax.step import form
+from sparsecomm_jax.step import stored_form
 
 
 def step_of(params, devices, layouts, optimizer, strategy="embrace", **kw):
@@ -99,11 +99,11 @@ def test_the_model_form_of_a_state_is_the_models_parameters(devices):
     layouts = {k: str(rng.choice(names)) for k in SIZES}
     ts = step_of(params, devices, layouts, optax.adam(0.1), table_update="dense")
     stored = jax.tree.map(runtime.to_host, checkpoint.portable(ts, ts.state))
-    model = form.to_model(ts.form, stored)
+    model = stored_form.to_model(ts.form, stored)
     assert_trees_close(model["params"], params)
-    back = form.to_stored(ts.form, model)
+    back = stored_form.to_stored(ts.form, model)
     assert_trees_close(back, stored, rtol=0, atol=0)
-    shapes = form.stored_shapes(ts.form, stored)
+    shapes = stored_form.stored_shapes(ts.form, stored)
     assert [x.shape for x in jax.tree.leaves(shapes)] == [x.shape for x in jax.tree.leaves(stored)]
 
 
@@ -133,7 +133,7 @@ def test_per_worker_residuals_refuse_another_count(tmp_path):
 def test_a_recorded_form_that_is_not_this_models_is_refused(record, message):
     ts = step_of(fresh_params(0), 2, None, optax.sgd(0.1))
     with pytest.raises(ValueError, match=message):
-        form.recorded(ts.form, record)
+        stored_form.recorded(ts.form, record)
 
 
 PATHS = ["/".join(("params", f"sparse_{f}", "embedding")) for f in range(4)]

@@ -18,7 +18,7 @@ from models import get_workload
 from sparsecomm_jax import row_optimizers, runtime
 from sparsecomm_jax.comm import costmodel, hlo, wire
 from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_eighth
-from sparsecomm_jax.step import placement
+from sparsecomm_jax.step import capacities
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
 pytestmark = pytest.mark.usefixtures("pipelined_2d")
@@ -312,11 +312,11 @@ def test_per_table_capacities_grow_one_by_one_and_never_shrink():
     policy = CapacityPolicy(None, "rows", grow_by_eighth)
     current, sizes = {}, []
     for need in ((10, 100), (12, 90), (9, 130)):
-        current = placement.grow_capacities(current, dict(enumerate(need)), None, policy)
+        current = capacities.grow_capacities(current, dict(enumerate(need)), None, policy)
         sizes.append(tuple(current.values()))
     assert sizes == [(16, 112), (16, 112), (16, 152)]
     with pytest.raises(ValueError, match="capacity=64 is too small: this batch needs 100"):
-        placement.grow_capacities({}, {0: 10, 1: 100}, 64, policy)
+        capacities.grow_capacities({}, {0: 10, 1: 100}, 64, policy)
 
 
 def test_bad_input_fails_before_compiling():

@@ -141,16 +141,18 @@ NOT_NAMES = {
 # Dicts keyed by names that are a result's columns (data, not facts of the names).
 RESULT_ROWS = {
     ("experiments/studies/paper_scale.py", frozenset({"dense", "embrace"})): "seconds each",
+    ("experiments/peers/gspmd_lm.py", frozenset({"row", "replicated"})): "the peer's own "
+    "NamedSharding choices (--layout), not the library's layouts",
 }
 
 
 def registry_names() -> dict[str, tuple[str, set[str]]]:
     """Kind -> (the module that registers its names, the names)."""
     from sparsecomm_jax import AGGREGATORS, STRATEGIES, optimizers
-    from sparsecomm_jax.embedding import layouts
+    from sparsecomm_jax.embedding import layout_registry
 
     return {
-        "layout": ("sparsecomm_jax/embedding/layouts.py", set(layouts.LAYOUTS)),
+        "layout": ("sparsecomm_jax/embedding/layout_registry.py", set(layout_registry.LAYOUTS)),
         "strategy": ("sparsecomm_jax/strategies/registry.py", set(STRATEGIES)),
         "aggregator": ("sparsecomm_jax/aggregators.py", set(AGGREGATORS)),
         "optimizer": ("sparsecomm_jax/optimizers.py", set(optimizers.OPTIMIZERS)),
@@ -265,7 +267,7 @@ def test_the_schedule_imports_no_layout():
     so it imports no layout's module: a new pipelined layout edits nothing there."""
     layouts = {m for m in MODULES if m.startswith("embedding.")} & {
         f"embedding.{name}"
-        for name in ("column", "row", "hot", "tablewise", "replicated", "dense", "layouts")
+        for name in ("column", "row", "hot", "tablewise", "replicated", "dense", "layout_registry")
     }
     assert len(layouts) == 7, layouts
     for m in MODULES:

@@ -87,13 +87,13 @@ def fetch_bytes(layout, ids: np.ndarray, vocab: int, dim: int, workers: int) -> 
 
     from sparsecomm_jax import runtime
     from sparsecomm_jax.comm import hlo
-    from sparsecomm_jax.embedding import layouts
+    from sparsecomm_jax.embedding import layout_registry
     from sparsecomm_jax.embedding.access import LOOKUP, Read
     from sparsecomm_jax.embedding.layout import padded_shape
     from sparsecomm_jax.embedding.tables import Table, bind_tables
 
     mesh = runtime.data_mesh(workers)
-    [table] = bind_tables((Table(0, "t", vocab, dim, layouts.get(layout)),), workers)
+    [table] = bind_tables((Table(0, "t", vocab, dim, layout_registry.get(layout)),), workers)
     per_worker = ids.reshape(workers, -1)
     reads = {0: (per_worker, np.zeros(0, per_worker.dtype))}
     need = table.layout.capacity.need([reads], (table,), workers) if table.layout.capacity else {}

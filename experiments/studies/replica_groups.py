@@ -7,7 +7,7 @@ messages and modelled time per device per step of one large table's exchanges, o
 
 The exchanges are the row-wise layout's (``embedding.row``: a worker's distinct ids to
 their owners, the rows back, their gradients out) and, with R groups of G devices, the
-sum across the groups that ``embedding.replicas`` makes, per table the fewer bytes of:
+sum across the groups that ``embedding.replica_groups`` makes, per table the fewer bytes of:
 
 - an all-gather of the touched rows: (R - 1) U_G / G rows of 4 D + 4 bytes, R - 1
   messages (a ring), where U_G is the distinct ids of a whole group's lookups;

@@ -125,9 +125,9 @@ def worker(args) -> dict:
     """Runs every strategy on this rank; returns its record."""
     import jax
 
-    from sparsecomm_jax import runtime
+    from sparsecomm_jax import distributed, runtime
 
-    rank, _ = runtime.initialize_distributed()
+    rank, _ = distributed.initialize_distributed()
     if not _launched():
         runtime.simulate_cpu_devices(args.devices)
     w = _workload(args)
@@ -273,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launched() -> bool:
-    from sparsecomm_jax import runtime
+    from sparsecomm_jax import distributed
 
-    return runtime.distributed_args() is not None
+    return distributed.distributed_args() is not None
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import jax
 from experiments.train.config import RunConfig
 from experiments.train.validate import is_primary, table_update_of
 from sparsecomm_jax import checkpoint
-from sparsecomm_jax.embedding.layouts import TablePlan
+from sparsecomm_jax.embedding.layout_registry import TablePlan
 
 
 def resolved_trajectory(config: RunConfig) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import traceback
 from experiments.train.config import OneLineErrors, add_arguments, from_namespace
 from experiments.train.record import write_json
 from experiments.train.run import train_and_evaluate
-from sparsecomm_jax import runtime
+from sparsecomm_jax import distributed
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         record = train_and_evaluate(config)
         if record["rank"] == 0:
             write_json(record, config.out)
-    except (ValueError, FloatingPointError, OSError, runtime.JobError) as e:
+    except (ValueError, FloatingPointError, OSError, distributed.JobError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if record["rank"] == 0:

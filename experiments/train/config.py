@@ -25,7 +25,7 @@ from models import MODELS, config_fields
 from sparsecomm_jax import optimizers, parse_strategy, strategy_names
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.comm import wire
-from sparsecomm_jax.embedding.layouts import TablePlan
+from sparsecomm_jax.embedding.layout_registry import TablePlan
 from sparsecomm_jax.errors import ArgumentError, few
 from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density

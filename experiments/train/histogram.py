@@ -19,7 +19,7 @@ import numpy as np
 
 from experiments.train.config import RunConfig
 from sparsecomm_jax.embedding import access, hot
-from sparsecomm_jax.embedding.layouts import TablePlan
+from sparsecomm_jax.embedding.layout_registry import TablePlan
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 HISTOGRAM_BATCHES = 16  # the first batches counted when no --histogram is given

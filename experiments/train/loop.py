@@ -56,7 +56,7 @@ from sparsecomm_jax import (
     placed_calls,
     runtime,
 )
-from sparsecomm_jax.step.finish import finite
+from sparsecomm_jax.step.apply import finite
 
 _finite = jax.jit(finite)  # one reduction on the devices
 

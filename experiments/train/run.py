@@ -38,8 +38,8 @@ from experiments.train.record import deferred_entries, result
 from experiments.train.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.train.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
-from sparsecomm_jax import launch, optimizers, parse_strategy, runtime
-from sparsecomm_jax.embedding.layouts import TablePlan
+from sparsecomm_jax import distributed, launch, optimizers, parse_strategy, runtime
+from sparsecomm_jax.embedding.layout_registry import TablePlan
 from sparsecomm_jax.errors import ArgumentError
 
 __all__ = ["build", "make_optimizer", "start_devices", "train_and_evaluate"]
@@ -50,7 +50,7 @@ def start_devices(devices: int) -> int:
     devices (0: the default count); returns the rank."""
     if not runtime.backend_started():
         runtime.enable_collective_overlap()  # GPU: async collectives overlap compute
-    rank, processes = runtime.initialize_distributed()
+    rank, processes = distributed.initialize_distributed()
     launched = os.environ.get(launch.ENV_LOCAL_DEVICES)  # the launcher set the count
     if processes == 1 and not launched and not runtime.backend_started():
         runtime.simulate_cpu_devices(devices or RunConfig.devices)

@@ -23,7 +23,7 @@ from typing import Any
 from experiments.train import histogram
 from experiments.train.config import RunConfig, check_fields
 from models import MODELS, config_fields
-from sparsecomm_jax import STRATEGIES, optimizers, parse_strategy, runtime
+from sparsecomm_jax import STRATEGIES, distributed, optimizers, parse_strategy
 from sparsecomm_jax.embedding import update
 from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
 from sparsecomm_jax.strategies.rules import check_replicas, check_table_update
@@ -239,7 +239,7 @@ def _batch_bytes(config: RunConfig) -> int:
 
 def _check_resources(config: RunConfig) -> None:
     """A request no machine of this kind can serve, refused before XLA is asked."""
-    if runtime.distributed_args() is None and config.devices > MAX_PROCESS_DEVICES:
+    if distributed.distributed_args() is None and config.devices > MAX_PROCESS_DEVICES:
         raise ValueError(
             f"--devices {config.devices}: one process runs at most "
             f"{MAX_PROCESS_DEVICES} devices (XLA's CPU collectives cannot "
@@ -283,7 +283,7 @@ def check_output_file(path: str, flag: str) -> None:
 
 def is_primary() -> bool:
     """Process 0 of a multi-process job, or a single process (known before JAX starts)."""
-    args = runtime.distributed_args()
+    args = distributed.distributed_args()
     return args is None or args["process_id"] == 0
 
 

@@ -2,8 +2,9 @@
 
 Three layers: ``files`` (a folder's step folders, its run record written atomically,
 the lock that keeps one writer per folder), ``store`` (any pytree of arrays through
-orbax, each checkpoint checked to be this run's) and ``state`` (a library step's state,
-its tables stored as the step stores them). ``Checkpointer`` is the last of them, and
+orbax, each checkpoint checked to be this run's; ``quiet`` keeps orbax's noise around a
+failed save out of the output) and ``state`` (a library step's state, its tables stored
+as the step stores them). ``Checkpointer`` is the last of them, and
 what a training loop uses.
 
 What is saved: any pytree of arrays (``Checkpointer.save``); for the library's steps,

@@ -7,7 +7,7 @@ arrays), optimizer state and the aggregator's per-worker residuals (``portable``
 checkpoint records the form its state is stored in (``TrainStep.form``: the device count
 and each table's layout). A step that stores its state otherwise (another count, other
 layouts, tables packed otherwise) reads the checkpoint in its own form and converts it
-through the model's shapes (``step.form``: resharding). Checkpoints written before
+through the model's shapes (``step.stored_form``: resharding). Checkpoints written before
 forms were recorded hold how their tables are stored together
 (``TrainStep.stored_together``, the table-wise packs) and restore only into a step
 that stores them the same way: a pack read as other layouts would read one table's
@@ -44,8 +44,8 @@ from jax.sharding import SingleDeviceSharding
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.checkpoint.store import MismatchError, Reading, Store, _warn
-from sparsecomm_jax.step import form
-from sparsecomm_jax.step.placement import first_replica
+from sparsecomm_jax.step import stored_form
+from sparsecomm_jax.step.host import first_replica
 from sparsecomm_jax.step.state import TrainState, TrainStep
 
 PyTree = Any
@@ -128,7 +128,7 @@ def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Readi
     """``store.restore``'s ``read_as`` for ``ts``: a checkpoint that recorded another
     form (other layouts, another device count) is read in its own shapes whole on each
     process's CPU (never on every accelerator: a model that fits only sharded would not
-    fit there), and converted through the model's shapes into ``ts``'s (``step.form``),
+    fit there), and converted through the model's shapes into ``ts``'s (``step.stored_form``),
     placed as ``ours`` (``portable(ts, ts.state)``) is."""
 
     def read_as(identity: dict, folder: Path) -> Reading | None:
@@ -136,19 +136,19 @@ def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Readi
         if ts.form is None or record is None or record == _as_json(ts.form.record()):
             return None
         try:
-            saved = form.recorded(ts.form, record)
-            form.check_residuals(saved, ts.form, ours["agg_state"])
+            saved = stored_form.recorded(ts.form, record)
+            stored_form.check_residuals(saved, ts.form, ours["agg_state"])
         except ValueError as e:
             raise MismatchError(f"checkpoint {folder}: {e}") from e
         host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # not the devices
         like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-            form.stored_shapes(saved, ours),
+            stored_form.stored_shapes(saved, ours),
         )
 
         def convert(tree):
             host = jax.tree.map(runtime.to_host, tree)
-            mine = form.to_stored(ts.form, form.to_model(saved, host))
+            mine = stored_form.to_stored(ts.form, stored_form.to_model(saved, host))
             return jax.tree.map(_placed_as, mine, ours)
 
         return Reading(like, convert)

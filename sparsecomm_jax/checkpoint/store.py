@@ -24,11 +24,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import stat
-import sys
-import threading
 import time
 import uuid
 import warnings
@@ -42,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from sparsecomm_jax.checkpoint import files
+from sparsecomm_jax.checkpoint import files, quiet
 from sparsecomm_jax.checkpoint.files import (
     IDENTITY_ITEM,
     MISSING,
@@ -174,78 +171,6 @@ def _reason(error: Exception, folder: Path) -> str:
         return str(error)
     text = " ".join(f"{type(error).__name__}: {error}".split())
     return text if len(text) <= 160 else text[:157] + "..."
-
-
-@contextlib.contextmanager
-def _errors_raised_not_logged():
-    """Orbax's writer threads log each failure with its traceback (hundreds of lines on
-    a full disk) before the save raises it; the caller gets it once, as the raise."""
-
-    def below_error(record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR
-
-    logger = logging.getLogger("absl")
-    logger.addFilter(below_error)
-    try:
-        yield
-    finally:
-        logger.removeFilter(below_error)
-
-
-def _join_writers(timeout: float = 60.0) -> None:
-    """Waits for orbax's writer threads: after a failed save some still write into its
-    unfinished folder (orbax's own ``close`` does not wait for them). Their ``join``
-    raises what failed them: the save has raised it already."""
-    for thread in threading.enumerate():
-        orbax = type(thread).__module__.startswith("orbax.")
-        if orbax and thread is not threading.current_thread():
-            with contextlib.suppress(Exception):
-                thread.join(timeout)
-
-
-def _quiet_failed_writers() -> None:
-    """Drops, from here on, what a failed save's writers print after it has raised.
-
-    After an orbax save fails, its writer threads still in flight fail too and log
-    each failure with its traceback, and tensorstore's writes call back into the event
-    loop the save has closed, which Python prints as ignored exceptions: dozens of
-    lines around the one error the caller gets. Only those two are dropped (the absl
-    records of orbax's failed writer threads, and ``RuntimeError("Event loop is
-    closed")`` in ``sys.unraisablehook``); everything else is printed as before."""
-    _quiet_closed_loops()
-    if not getattr(_quiet_failed_writers, "done", False):
-        logging.getLogger("absl").addFilter(_not_a_failed_writer)
-        _quiet_failed_writers.done = True
-
-
-def _not_a_failed_writer(record: logging.LogRecord) -> bool:
-    return "_SignalingThread.run() raised an exception" not in str(record.msg)
-
-
-def _closed_loop(error: BaseException | None) -> bool:
-    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-
-
-def _quiet_closed_loops() -> None:
-    """Drops ``RuntimeError("Event loop is closed")`` from the hooks Python prints
-    uncaught errors of callbacks with (``sys.unraisablehook``, ``sys.excepthook``):
-    tensorstore's writes still in flight when an orbax save fails raise it from their
-    own threads (installed once, at a checkpointer's first save; every other error is
-    printed as before)."""
-    if getattr(sys.unraisablehook, "quiet_closed_loops", False):
-        return
-    unraisable, excepthook = sys.unraisablehook, sys.excepthook
-
-    def on_unraisable(info) -> None:
-        if not _closed_loop(info.exc_value):
-            unraisable(info)
-
-    def on_uncaught(kind, value, trace) -> None:
-        if not _closed_loop(value):
-            excepthook(kind, value, trace)
-
-    on_unraisable.quiet_closed_loops = True
-    sys.unraisablehook, sys.excepthook = on_unraisable, on_uncaught
 
 
 def _clean_until_quiet(directory: str, quiet: float = 0.5, limit: float = 10.0) -> None:
@@ -404,13 +329,13 @@ class Store:
                     IDENTITY_ITEM: ocp.args.JsonSave(record),
                 }
             )
-            _quiet_closed_loops()
-            with _errors_raised_not_logged():
+            quiet.quiet_closed_loops()
+            with quiet.errors_raised_not_logged():
                 try:
                     return self._manager.save(step, args=args, force=force)
                 except Exception:
                     self._failed_save = True  # its unfinished folder goes at close
-                    _quiet_failed_writers()
+                    quiet.quiet_failed_writers()
                     raise
         except Exception as e:  # orbax and tensorstore raise many kinds; keep the cause
             raise OSError(
@@ -557,7 +482,7 @@ class Store:
             self._manager.close()  # after a failed save it may raise that failure again
         finally:
             if self._failed_save and self._lock is not None:
-                _join_writers()
+                quiet.join_writers()
                 _clean_until_quiet(self.directory)
             if self._own_lock:
                 self._lock.release()

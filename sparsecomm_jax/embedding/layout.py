@@ -28,7 +28,7 @@ serve) and how ``embrace_2d`` carries its tables across steps (``pipelined``: a
 step's gradient in two priorities and fetches the next batch's rows), so the planner,
 the pipeline, the command line and the checkpoints ask the layouts instead of naming
 them. Adding a layout is one file, one value and one line in
-``embedding.layouts`` (or ``layouts.register`` from your own file).
+``embedding.layout_registry`` (or ``layout_registry.register`` from your own file).
 
 Example:
     >>> from sparsecomm_jax.embedding import column

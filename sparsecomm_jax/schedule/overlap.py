@@ -58,8 +58,8 @@ from sparsecomm_jax.embedding.row_optimizers import (
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.errors import few
 from sparsecomm_jax.schedule import pipeline, scopes
-from sparsecomm_jax.step import finish, placement
-from sparsecomm_jax.step.finish import aggregate
+from sparsecomm_jax.step import apply, batches, capacities, placed_state
+from sparsecomm_jax.step.apply import aggregate
 from sparsecomm_jax.step.state import StepContext, TrainState
 
 
@@ -99,7 +99,7 @@ class Pending(NamedTuple):
 
 def split_roles(ctx: StepContext, opt_state) -> list[str]:
     """``"table"``, ``"dense"`` or ``"other"`` (a step count) per optimizer-state leaf."""
-    roles = jax.tree.leaves(finish.row_view(ctx, opt_state).roles)
+    roles = jax.tree.leaves(apply.row_view(ctx, opt_state).roles)
     tables = {t.index for t in ctx.tables}
     return ["other" if r == NOT_A_PARAM else "table" if r in tables else "dense" for r in roles]
 
@@ -126,12 +126,12 @@ def pick(kinds: list[str], wanted: str, new, old):
 def dense_half(ctx: StepContext, state: TrainState, mean, ok, view) -> TrainState:
     """The optimizer on the dense layers (and the step count): the tables and their
     state untouched (the row view of no rows: no pass over a table). ``view`` reads and
-    writes rows (``finish.row_view``)."""
+    writes rows (``apply.row_view``)."""
     empty = {
         t.index: RowGrad(jnp.zeros((0,), jnp.int32), jnp.zeros((0, t.dim), jnp.float32))
         for t in ctx.tables
     }
-    grads = finish.with_tables(ctx, mean, empty)
+    grads = apply.with_tables(ctx, mean, empty)
     params, opt_state = rows_step(
         ctx.optimizer, state.params, state.opt_state, grads, view.roles, ok, view.take, view.put
     )
@@ -186,7 +186,7 @@ def high_exchange_body(ctx: StepContext) -> Callable:
             for carrier, group in planned:
                 got, group, more = carrier.first(where, group)
                 pairs, plans, spill = pairs | got, plans | group, spill | more
-        loss, ok, spill = finish.reduce_scalars(ctx, loss[0], (mean, agg_state, g_rows), spill)
+        loss, ok, spill = apply.reduce_scalars(ctx, loss[0], (mean, agg_state, g_rows), spill)
         firsts = {
             i: (jnp.concatenate([a for a, _ in p]), jnp.concatenate([b for _, b in p]))
             for i, p in pairs.items()
@@ -230,9 +230,9 @@ def table_half(ctx: StepContext, kinds, params, opt_state, fulls: dict, pending:
     """The optimizer on the tables (``ctx.table_update``) from the step count before
     step t: ``(table leaves, opt_state)`` with only the tables' state changed."""
     zeros = split_tables(jax.tree.map(jnp.zeros_like, params), ctx.table_mask)[1]
-    grads = finish.with_tables(ctx, zeros, fulls)
+    grads = apply.with_tables(ctx, zeros, fulls)
     opt_in = with_other(kinds, opt_state, pending.other)
-    view = finish.row_view(ctx, opt_in)
+    view = apply.row_view(ctx, opt_in)
     new_p, new_s = ctx.table_update.apply(ctx.optimizer, params, opt_in, grads, pending.ok, view)
     leaves = jax.tree.leaves(new_p)
     return {t.index: leaves[t.index] for t in ctx.tables}, pick(kinds, "table", new_s, opt_state)
@@ -254,8 +254,8 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
     axis = ctx.axis_name
     rep, per = P(), P(axis)
     no_carry = specs._replace(carry=())
-    grad_specs = finish.gradient_specs(ctx, specs.params)
-    table_specs = finish.table_leaves(ctx, grad_specs.grads)
+    grad_specs = apply.gradient_specs(ctx, specs.params)
+    table_specs = apply.table_leaves(ctx, grad_specs.grads)
     row_specs = {t.index: t.layout.row_specs(axis) for t in ctx.tables}
     mean_specs = split_tables(specs.params, ctx.table_mask)[1]
     handed_specs = {t.index: t.layout.pipelined.carrier.hand_specs(axis) for t in ctx.tables}
@@ -275,7 +275,7 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
         return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs, check_vma=check_vma)
 
     def data_specs(data):
-        return placement.batch_specs(data, axis, ctx.replicated_keys)
+        return batches.batch_specs(data, axis, ctx.replicated_keys)
 
     def fetch(params, data):
         return smap(pipeline.fetch_body(ctx), (specs.params, data_specs(data)), per)(params, data)
@@ -286,10 +286,10 @@ def _programs(ctx: StepContext, specs: TrainState, kinds: list[str]) -> Programs
         return smap(compute_body(ctx), ins, (per, per, per), check_vma=False)(params, rows, data)
 
     def high(state: TrainState, loss, g_dense, g_rows, batch):
-        bspecs = placement.placed_specs(batch, axis, ctx.replicated_keys)
+        bspecs = batches.placed_specs(batch, axis, ctx.replicated_keys)
         ins = (no_carry, per, per, per, bspecs)
         h = smap(high_exchange_body(ctx), ins, high_specs)(state, loss, g_dense, g_rows, batch)
-        new = dense_half(ctx, state, h.mean, h.ok, finish.row_view(ctx, state.opt_state))
+        new = dense_half(ctx, state, h.mean, h.ok, apply.row_view(ctx, state.opt_state))
         new = new._replace(agg_state=update.where(h.ok, h.agg_state, state.agg_state))
         carry = ()
         if batch.next is not None:
@@ -438,11 +438,11 @@ def build(ctx: StepContext) -> Overlapped:
             "(table_layouts): use make_train_step(..., 'embrace_2d'), which takes a layout "
             "per table"
         )
-    state, specs = placement.place_state(ctx, unpadded=True)
+    state, specs = placed_state.place_state(ctx, unpadded=True)
     kinds = split_roles(ctx, state.opt_state)
     progs = _programs(ctx, specs, kinds)
-    policies = placement.layout_policies(ctx, pipeline.carried_capacity)
-    place = placement.batch_placer(ctx, policies, pipeline.LOOKAHEAD)
+    policies = capacities.layout_policies(ctx, pipeline.carried_capacity)
+    place = batches.batch_placer(ctx, policies, pipeline.LOOKAHEAD)
     return Overlapped(
         run=_runner(ctx, progs, place),
         state=state,

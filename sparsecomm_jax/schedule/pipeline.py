@@ -60,16 +60,16 @@ from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax.comm.order import edge, waits_for
 from sparsecomm_jax.comm.vma import vary
-from sparsecomm_jax.embedding import access, replicas
+from sparsecomm_jax.embedding import access, replica_groups
 from sparsecomm_jax.embedding.gradients import fetch_all, outside
 from sparsecomm_jax.embedding.layout import CapacityPolicy, Carrier, Carrying, Layout
 from sparsecomm_jax.embedding.row_optimizers import RowGrad, row_updates, treats_rows_alone
 from sparsecomm_jax.embedding.tables import split_tables
 from sparsecomm_jax.embedding.update import row_gradient
 from sparsecomm_jax.schedule import scopes
-from sparsecomm_jax.step import finish, placement
-from sparsecomm_jax.step.finish import Gradients, aggregate, apply_gradients
-from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step import apply, batches
+from sparsecomm_jax.step.apply import Gradients, aggregate, apply_gradients
+from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState
 
 LOOKAHEAD = 3  # batches t+1..t+3 order the late rows (those t+1 reads go first)
@@ -245,13 +245,13 @@ def prefetch(
 
 def across_groups(ctx: StepContext, pairs: dict[int, list], tables: dict) -> dict[int, list]:
     """With replica groups, each table's pairs summed over the groups
-    (``replicas.sum_tables``: the first chunks in one exchange, the later ones in
+    (``replica_groups.sum_tables``: the first chunks in one exchange, the later ones in
     another); without, ``pairs``. A group's first chunk holds every row any group reads
     next (``priority.future_ids``), so their sum is the whole gradient of those rows."""
     if not ctx.replica_axis:
         return pairs
     rows = {i: tables[i].shape[0] for i in pairs}
-    return replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
+    return replica_groups.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
 
 
 def late_extras(ctx: StepContext, reads, g_rows, tables, after, later: dict) -> dict[int, list]:
@@ -380,8 +380,8 @@ def exchange_body(ctx: StepContext):
             i: ctx.table_update.gradient(firsts.get(i, []) + later.get(i, []), tables[i], num)
             for i in widths
         }
-        grads = finish.with_tables(ctx, rest, fulls)
-        grads, spill = finish.gradients_and_flags(ctx, loss, grads, agg_state, missed, spill)
+        grads = apply.with_tables(ctx, rest, fulls)
+        grads, spill = apply.gradients_and_flags(ctx, loss, grads, agg_state, missed, spill)
         plans = {i: plan for _, group in planned for i, plan in group.items()}
         firsts = {i: early_rows(ctx, pairs, plans[i], tables[i]) for i, pairs in firsts.items()}
         return Exchanged(grads, firsts, spill)
@@ -407,9 +407,9 @@ def early_patches(ctx: StepContext, state: TrainState, firsts: dict[int, RowGrad
     for the dense all-reduce, and the tables read within the step are left to the
     update: their updates here are unused); its new state is dropped (the update
     recomputes it)."""
-    view = finish.row_view(ctx, state.opt_state)
+    view = apply.row_view(ctx, state.opt_state)
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads = finish.with_tables(ctx, zeros, firsts)
+    grads = apply.with_tables(ctx, zeros, firsts)
     updates = row_updates(
         ctx.optimizer, state.params, state.opt_state, grads, view.roles, view.take
     )
@@ -499,18 +499,18 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
     axis = ctx.axis_name
     early = treats_rows_alone(ctx.optimizer, ctx.params)
     per = P(ctx.batch_axes)  # each worker's own (rows carried, batches)
-    grad_specs = finish.gradient_specs(ctx, specs.params, missed=True)
+    grad_specs = apply.gradient_specs(ctx, specs.params, missed=True)
     carried = carried_tables(ctx)
     first_specs = {
         t.index: RowGrad(*t.layout.row_specs(axis)) for t in ctx.tables if t.index in carried
     }
-    table_specs = finish.table_leaves(ctx, grad_specs.grads)
+    table_specs = apply.table_leaves(ctx, grad_specs.grads)
 
     def smap(body, ins, outs):
         return jax.shard_map(body, mesh=ctx.mesh, in_specs=ins, out_specs=outs)
 
     def step(state: TrainState, batch: PlacedBatch):
-        batch_specs = placement.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
+        batch_specs = batches.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
         slots = batch.slots(ctx.tables)  # the carried tables' fetch of batch t+1
         state_in = specs._replace(carry=per if state.carry != () else ())
         out = Exchanged(grad_specs, first_specs, P())
@@ -518,15 +518,15 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
         grads, carry = ex.grads, ()
         if batch.next is not None and early:
             patches = early_patches(ctx, state, ex.firsts)
-            fulls = finish.table_leaves(ctx, grads.grads)
+            fulls = apply.table_leaves(ctx, grads.grads)
             carry, fulls = smap(
                 next_rows_body(ctx, slots),
                 (specs.params, first_specs, batch_specs.next, table_specs),
                 (per, table_specs),
             )(state.params, patches, batch.next, fulls)
-            grads = grads._replace(grads=finish.with_tables(ctx, grads.grads, fulls))
+            grads = grads._replace(grads=apply.with_tables(ctx, grads.grads, fulls))
         new, loss = apply_gradients(ctx, state, grads._replace(carry=carry))
-        loss = finish.mark_missed(grads.missed, loss)
+        loss = apply.mark_missed(grads.missed, loss)
         if batch.next is None:
             return new, loss
         if not early:  # the next rows from the updated tables

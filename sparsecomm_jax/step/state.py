@@ -7,8 +7,8 @@ model code. A *batch* is a flat dict of arrays whose leading axis is the global 
 except the keys in ``replicated_keys`` that every worker sees whole.
 
 A step has two halves: a *body*, run once per worker inside ``jax.shard_map``, computes
-the gradients and exchanges them (``step.finish.Gradients``); the *update* then runs
-the optimizer on global arrays (``step.finish.apply_gradients``). ``StepContext`` is
+the gradients and exchanges them (``step.apply.Gradients``); the *update* then runs
+the optimizer on global arrays (``step.apply.apply_gradients``). ``StepContext`` is
 everything both are built from; ``TrainState`` what a step reads and writes;
 ``TrainStep`` the built result.
 
@@ -82,7 +82,7 @@ class TrainStep(NamedTuple):
         (``jax.pmap``), False for global arrays (``jax.jit``).
       table_update: the name of the tables' ``TableUpdate`` (``"dense"``, ``"rows"``).
       capacity_slots: per entry of a placed batch's ``capacity``, the table's name and
-        what one slot holds (``placement.overflow_message``).
+        what one slot holds (``capacities.overflow_message``).
       runs_as: the strategy whose step was built, as a full name: ``strategy`` itself,
         but ``"embrace"`` for ``"embrace_2d"`` (``"embrace+topk_a2a"`` for
         ``"embrace_2d+topk_a2a"``) where collectives cannot overlap compute (XLA:CPU)
@@ -102,7 +102,7 @@ class TrainStep(NamedTuple):
         batch checked and sized as ``place_batch`` would, then placed stacked along a
         new leading axis with the capacity of the largest (refusing as ``steps`` does).
       scannable: whether ``steps`` and ``place_steps`` run (several steps a call).
-      form: how the state is stored (``step.form.StateForm``: the tables' layouts on
+      form: how the state is stored (``step.stored_form.StateForm``: the tables' layouts on
         the G workers a table is sharded over), which a checkpoint records so that it
         restores onto another count or layout; ``None``: stored as the model made it
         (``jax.pmap``'s replicas).
@@ -158,7 +158,7 @@ class StepContext(NamedTuple):
         table sharded over ``axis_name`` inside a group, replicated across groups), or
         ``None`` (a 1-D mesh: every table sharded over every device).
       replica_sync: how the row gradients are summed across the replica groups
-        (``embedding.replicas``: ``"rows"``, ``"shard"``, or ``"auto"``: per table the
+        (``embedding.replica_groups``: ``"rows"``, ``"shard"``, or ``"auto"``: per table the
         one of fewer bytes).
     """
 

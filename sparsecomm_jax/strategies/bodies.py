@@ -1,8 +1,8 @@
 """Step bodies: what one worker does in one step, per kind of strategy.
 
 A body runs once per worker inside ``jax.shard_map`` (``jax.pmap`` for ``dense_pmap``),
-with ``batch`` a ``step.placement.PlacedBatch`` holding this worker's slice, and
-returns the step's ``step.finish.Gradients``; ``shard_map_step`` wraps a body into a
+with ``batch`` a ``step.batches.PlacedBatch`` holding this worker's slice, and
+returns the step's ``step.apply.Gradients``; ``shard_map_step`` wraps a body into a
 whole step (the body, then the optimizer on global arrays). Two bodies serve every
 non-pipelined strategy:
 
@@ -35,9 +35,9 @@ from sparsecomm_jax.comm.vma import vary
 from sparsecomm_jax.embedding import gradients as table_gradients
 from sparsecomm_jax.embedding.access import PLAIN
 from sparsecomm_jax.embedding.tables import split_tables
-from sparsecomm_jax.step import finish, placement
-from sparsecomm_jax.step.finish import Gradients, aggregate, apply_gradients
-from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step import apply, batches
+from sparsecomm_jax.step.apply import Gradients, aggregate, apply_gradients
+from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState
 
 Body = Callable[[TrainState, PlacedBatch], Gradients]
@@ -51,7 +51,7 @@ def data_parallel_body(ctx: StepContext) -> Body:
     def body(state: TrainState, batch: PlacedBatch) -> Gradients:
         params = vary(state.params, ctx.batch_axes)  # each worker's own gradient
         loss, grads = jax.value_and_grad(ctx.loss_fn)(params, batch.data, PLAIN)
-        return finish.reduced(ctx, loss, grads, {}, state.agg_state)
+        return apply.reduced(ctx, loss, grads, {}, state.agg_state)
 
     return body
 
@@ -80,8 +80,8 @@ def table_body(ctx: StepContext) -> Body:
             ctx.batch_axes,
         )
         dense = split_tables(grads, ctx.table_mask)[1]
-        tables = finish.table_grads(ctx, pairs, state.params)
-        return finish.reduced(ctx, loss, dense, tables, state.agg_state, missed)
+        tables = apply.table_grads(ctx, pairs, state.params)
+        return apply.reduced(ctx, loss, dense, tables, state.agg_state, missed)
 
     return body
 
@@ -109,10 +109,10 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
 
     def build(ctx: StepContext, specs: TrainState):
         body = body_fn(ctx)
-        out_specs = finish.gradient_specs(ctx, specs.params, missed=True)
+        out_specs = apply.gradient_specs(ctx, specs.params, missed=True)
 
         def step(state: TrainState, batch: PlacedBatch):
-            batch_specs = placement.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
+            batch_specs = batches.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
             grads = jax.shard_map(
                 body,
                 mesh=ctx.mesh,
@@ -120,7 +120,7 @@ def shard_map_step(body_fn: Callable[[StepContext], Body]):
                 out_specs=out_specs,
             )(state, batch)
             state, loss = apply_gradients(ctx, state, grads)
-            return state, finish.mark_missed(grads.missed, loss)
+            return state, apply.mark_missed(grads.missed, loss)
 
         return step
 
@@ -134,6 +134,6 @@ def pmap_body(ctx: StepContext):
     def body(state: TrainState, batch: PlacedBatch):
         loss, grads = jax.value_and_grad(ctx.loss_fn)(state.params, batch.data, PLAIN)
         mean, agg_state = aggregate(ctx, grads, state.agg_state)
-        return finish.apply_in_place(ctx, state, loss, mean, agg_state)
+        return apply.apply_in_place(ctx, state, loss, mean, agg_state)
 
     return body

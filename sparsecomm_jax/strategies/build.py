@@ -144,7 +144,7 @@ def make_train_step(
         still hold: tables read by lookups only, column tables' D divisible by P), as
         it does where no table is column-wise, row-wise or hot (nothing to pipeline).
         ``True`` builds the pipelined program anyway (to study or test it on CPU).
-      replicas: R, replica groups (2-D sparse parallelism, ``embedding.replicas``): the
+      replicas: R, replica groups (2-D sparse parallelism, ``embedding.replica_groups``): the
         mesh's P devices split into R groups of G = P / R consecutive devices; each
         table is sharded over a group by its layout and replicated across the groups,
         its lookups exchanged within the group, its row gradients summed across the

@@ -4,7 +4,7 @@
 
 Example:
     >>> import jax.numpy as jnp
-    >>> from sparsecomm_jax.step.placement import PlacedBatch
+    >>> from sparsecomm_jax.step.batches import PlacedBatch
     >>> add = lambda state, batch: (state + batch.data["x"].sum(), state)
     >>> scan_steps(add)(jnp.float32(0), PlacedBatch({"x": jnp.ones((3, 2))}))
     (Array(6., dtype=float32), Array([0., 2., 4.], dtype=float32))
@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import jax
 
-from sparsecomm_jax.step import placement
-from sparsecomm_jax.step.form import form_of
-from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step import batches, capacities, host, placed_state
+from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState, TrainStep
+from sparsecomm_jax.step.stored_form import form_of
 from sparsecomm_jax.strategies.registry import Strategy
 
 
@@ -28,28 +28,28 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
     if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
         strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
-    state, specs = placement.place_state(ctx, strategy.unpadded)
+    state, specs = placed_state.place_state(ctx, strategy.unpadded)
     step = strategy.step(ctx, specs)
-    policies = placement.layout_policies(ctx, strategy.capacity)
-    capacity = placement.capacity_fn(ctx, policies) if policies else None
+    policies = capacities.layout_policies(ctx, strategy.capacity)
+    capacity = capacities.capacity_fn(ctx, policies) if policies else None
     scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
     return TrainStep(
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
-        place_batch=placement.batch_placer(ctx, policies, strategy.lookahead, capacity),
+        place_batch=batches.batch_placer(ctx, policies, strategy.lookahead, capacity),
         steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0), stacked=True)
         if scannable
         else one_step_a_call(strategy, "steps"),
-        place_steps=placement.steps_placer(ctx, capacity)
+        place_steps=batches.steps_placer(ctx, capacity)
         if scannable
         else one_step_a_call(strategy, "place_steps"),
         scannable=scannable,
-        host_params=placement.host_params_of(ctx),
+        host_params=placed_state.host_params_of(ctx),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
         capacity_slots=_capacity_slots(ctx, policies),
         runs_as=strategy.name,
-        stored_together=placement.stored_together(ctx),
+        stored_together=placed_state.stored_together(ctx),
         form=form_of(ctx, state.opt_state),
     )
 
@@ -68,7 +68,7 @@ def scan_steps(step: Callable) -> Callable:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from sparsecomm_jax.step.placement import PlacedBatch
+        >>> from sparsecomm_jax.step.batches import PlacedBatch
         >>> add = lambda state, batch: (state + batch.data["x"].sum(), state)
         >>> scan_steps(add)(jnp.float32(0), PlacedBatch({"x": jnp.ones((3, 2))}))
         (Array(6., dtype=float32), Array([0., 2., 4.], dtype=float32))
@@ -159,7 +159,7 @@ class PmapStep(NamedTuple):
 
     pmapped: Callable
 
-    def __call__(self, state: TrainState, batch: placement.PlacedBatch):
+    def __call__(self, state: TrainState, batch: batches.PlacedBatch):
         check_step_call(state, batch)
         state, loss = self.pmapped(state, batch)
         return state, loss.addressable_data(0).reshape(())
@@ -176,11 +176,11 @@ def pmap_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     body = strategy.step(ctx)
     return TrainStep(
         step=PmapStep(jax.pmap(body, ctx.axis_name, devices=devices, donate_argnums=0)),
-        state=placement.stack_per_device(state, num_local),
-        place_batch=placement.pmap_placer(ctx),
+        state=placed_state.stack_per_device(state, num_local),
+        place_batch=batches.pmap_placer(ctx),
         steps=one_step_a_call(strategy, "steps"),
         place_steps=one_step_a_call(strategy, "place_steps"),
-        host_params=placement.replica_params,
+        host_params=host.replica_params,
         strategy=strategy.name,
         per_device_state=True,
         runs_as=strategy.name,

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from sparsecomm_jax.step.placement import PlacedBatch
+from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import Batch, TrainStep
 
 

@@ -23,9 +23,9 @@ from jax.sharding import Mesh
 
 from sparsecomm_jax import aggregators
 from sparsecomm_jax.comm import wire
-from sparsecomm_jax.embedding import layouts, row_optimizers, update
+from sparsecomm_jax.embedding import layout_registry, row_optimizers, update
 from sparsecomm_jax.embedding.layout import Layout
-from sparsecomm_jax.embedding.replicas import SYNCS
+from sparsecomm_jax.embedding.replica_groups import SYNCS
 from sparsecomm_jax.embedding.tables import (
     Table,
     table_name,
@@ -80,7 +80,7 @@ def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
 
 
 def check_replicas(name: StrategyName, replicas: Any, num: int, sync: Any) -> None:
-    """The rules of replica groups (2-D sparse parallelism, ``embedding.replicas``):
+    """The rules of replica groups (2-D sparse parallelism, ``embedding.replica_groups``):
     ``replicas`` an integer that divides the ``num`` devices, and for more than one, a
     strategy that shards tables (``embrace``, ``embrace_rowwise``, ``sparse_allgather``,
     ``embrace_2d``; the dense layers' aggregator, top-k ones too, spans every device)."""
@@ -184,13 +184,15 @@ def place_tables(
             f"names {few(twice)} more than once (a path as keys and as 'a/b/c' names one "
             "table): give each table one layout",
         )
-    if bad := sorted({str(x) for x in table_layouts.values() if not layouts.known(x)}):
+    if bad := sorted({str(x) for x in table_layouts.values() if not layout_registry.known(x)}):
         raise ArgumentError(
             "table_layouts",
             NO_VALUE,
-            f"names unknown layouts {few(bad)}; choose among {list(layouts.LAYOUTS)}",
+            f"names unknown layouts {few(bad)}; choose among {list(layout_registry.LAYOUTS)}",
         )
-    chosen = {name: layouts.get(x) for name, x in zip(names, table_layouts.values(), strict=True)}
+    chosen = {
+        name: layout_registry.get(x) for name, x in zip(names, table_layouts.values(), strict=True)
+    }
     if unknown := sorted(set(chosen) - {t.name for t in tables}):
         raise ArgumentError(
             "table_layouts",

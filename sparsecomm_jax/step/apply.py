@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from sparsecomm_jax.embedding import replicas, update
+from sparsecomm_jax.embedding import replica_groups, update
 from sparsecomm_jax.embedding.row_optimizers import state_roles
 from sparsecomm_jax.embedding.update import RowView
 from sparsecomm_jax.step.state import StepContext, TrainState
@@ -188,11 +188,11 @@ def aggregate(ctx: StepContext, grads, agg_state):
 
 def table_grads(ctx: StepContext, pairs: dict[int, list], params) -> dict[int, Any]:
     """Each table's mean gradient from its pairs, as ``ctx.table_update`` wants it; with
-    replica groups, the pairs are first summed across them (``replicas.sum_tables``)."""
+    replica groups, the pairs are first summed across them (``replica_groups.sum_tables``)."""
     leaves = jax.tree.leaves(params)
     if ctx.replica_axis:  # every group's sums, in one exchange per kind
         rows = {t.index: leaves[t.index].shape[0] for t in ctx.tables}
-        pairs = replicas.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
+        pairs = replica_groups.sum_tables(pairs, rows, ctx.replica_axis, ctx.replica_sync)
     return {
         t.index: ctx.table_update.gradient(pairs[t.index], leaves[t.index], ctx.num_workers)
         for t in ctx.tables
@@ -238,7 +238,7 @@ def gradient_specs(
 def mark_missed(missed: tuple, loss):
     """``loss``, made +inf where a flag of ``missed`` is set: the step's batch had too
     small a capacity for some table (its rows were NaN, so the step was skipped unless
-    ``nonfinite="off"``); ``placement.overflow_message`` says which capacities. A flag
+    ``nonfinite="off"``); ``capacities.overflow_message`` says which capacities. A flag
     that reaches the host in the loss it already reads: no callback, no extra transfer.
     """
     if not missed:

@@ -1,4 +1,4 @@
-"""The step's finite flag (``finish.finite``): right against numpy on fresh random trees,
+"""The step's finite flag (``apply.finite``): right against numpy on fresh random trees,
 and combined once in the compiled step, not copied into every ``where`` of the skipped
 update (whose size would then grow with leaves x state leaves)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import sparsecomm_jax as sc
 from sparsecomm_jax import runtime
-from sparsecomm_jax.step import finish
+from sparsecomm_jax.step import apply
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -32,8 +32,8 @@ def test_finite_matches_numpy(seed):
         flat[rng.integers(flat.size)] = rng.choice([np.nan, np.inf, -np.inf])
     expected = all(np.isfinite(np.asarray(x, np.float32)).all() for x in tree.values())
     assert expected == (seed % 2 == 0)
-    assert bool(jax.jit(finish.finite)(tree)) == expected
-    assert bool(finish.finite({})) is True
+    assert bool(jax.jit(apply.finite)(tree)) == expected
+    assert bool(apply.finite({})) is True
 
 
 def _compiled_step_ops(num_leaves: int) -> dict[str, int]:

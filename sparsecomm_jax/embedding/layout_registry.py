@@ -10,11 +10,11 @@ module names a layout. A ``TablePlan`` maps tables to layouts and reads and writ
 itself as JSON by their names.
 
 Example:
-    >>> from sparsecomm_jax.embedding import layouts
-    >>> layouts.get("row").name, sorted(layouts.LAYOUTS)
+    >>> from sparsecomm_jax.embedding import layout_registry
+    >>> layout_registry.get("row").name, sorted(layout_registry.LAYOUTS)
     ('row', ['column', 'dense', 'hot', 'replicated', 'row', 'table'])
-    >>> plan = layouts.TablePlan.from_json({"params/user/embedding": "row"})
-    >>> plan["params/user/embedding"] is layouts.get("row"), plan.to_json()
+    >>> plan = layout_registry.TablePlan.from_json({"params/user/embedding": "row"})
+    >>> plan["params/user/embedding"] is layout_registry.get("row"), plan.to_json()
     (True, {'params/user/embedding': 'row'})
 """
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from sparsecomm_jax.embedding import layouts
+from sparsecomm_jax.embedding import layout_registry
 from sparsecomm_jax.embedding.layout import padded_shape
 from sparsecomm_jax.embedding.row_optimizers import NOT_A_PARAM, state_roles
 from sparsecomm_jax.embedding.tables import (
@@ -121,10 +121,10 @@ def recorded(ours: StateForm, record: Any) -> StateForm:
         if name not in index or ours.leaves[index[name]][1] != (vocab, dim):
             has = f"{ours.leaves[index[name]][1]}" if name in index else "no such table"
             raise ValueError(f"it holds table {name} of {vocab} x {dim}; this model has {has}")
-        if not layouts.known(layout):
+        if not layout_registry.known(layout):
             raise ValueError(
                 f"it stores table {name} in layout {layout!r}, which no one registered "
-                f"here; known: {list(layouts.LAYOUTS)}"
+                f"here; known: {list(layout_registry.LAYOUTS)}"
             )
         found.append(Table(index[name], name, vocab, dim, _layout(layout, record)))
     tables = bind_tables(tuple(found), workers)
@@ -133,7 +133,7 @@ def recorded(ours: StateForm, record: Any) -> StateForm:
 
 def _layout(name: str, record: dict):
     """The layout ``name`` as the record made it (``Layout.configure`` of its config)."""
-    layout = layouts.get(name)
+    layout = layout_registry.get(name)
     config = (record.get("configs") or {}).get(name)
     if config is None:
         return layout
