@@ -8,10 +8,11 @@ of names:
   structure tests;
 - the **full tier**, ``python -m pytest --full`` (it includes the fast one; CI runs
   it): also every test marked ``cli`` (it trains through the command line,
-  ``experiments.train`` or an experiment's script), ``processes`` (it starts a job of
-  several processes: the launcher, the emulated cluster, a killed rank, the notebook's
-  kernel) and every case of a ``matrix`` (a test parametrized over models, strategies,
-  layouts or optimizers) after its first.
+  ``experiments.train`` or an experiment's script), ``processes`` (it starts other
+  programs: a job of several processes, the launcher, the emulated cluster, a killed
+  rank, the notebook's kernel, the C++ kernel built and run under sanitizers) and every
+  case of a ``matrix`` (a test parametrized over models, strategies, layouts or
+  optimizers) after its first.
 
 A test leaves the fast tier only by taking one of these markers, and stays in the full
 one. ``-m`` selects within the tier as usual (``--full -m cli``: the command-line runs).
@@ -72,8 +73,8 @@ import pytest  # noqa: E402
 FULL_ONLY = ("cli", "processes")  # markers whose tests run in the full tier alone
 MARKERS = {
     "cli": "trains through the command line (experiments.train, an experiment's script): full tier",
-    "processes": "starts a job of several processes (the launcher, the emulated cluster, "
-    "a kernel): full tier",
+    "processes": "starts other programs (a job of several processes, the launcher, the "
+    "emulated cluster, a kernel, a sanitized build): full tier",
     "matrix": "parametrized over models, strategies, layouts or optimizers: its first case "
     "in the fast tier, every case in the full one",
 }

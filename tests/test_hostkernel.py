@@ -24,6 +24,7 @@ needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.processes
 @needs_compiler
 def test_kernel_under_address_and_undefined_behaviour_sanitizers(tmp_path):
     """Edge cases (k of 1 and of the whole row, rows of 1 entry, zeros, ties, parts of no
