@@ -15,9 +15,13 @@ layouts, and any registered layout that has a ``Pipelined``):
 3. **next rows** (one ``shard_map``): batch t+1's rows, read by the carriers from the
    tables with that update added (``layout.patched_take``), never a copy of a table;
 4. **the update** of every parameter, as ``embrace`` makes it (dense or row-sparse);
-5. **the guard** (one ``shard_map``): a row batch t+1 reads that missed the first chunk,
-   or a skipped step, makes the step fetch the next rows again from the final tables
-   (exact, slower).
+5. **the guard**: a row batch t+1 reads that missed the first chunk, or a skipped step,
+   marks the carried rows stale (``Carried``); step t+1 exchanges on the carried rows
+   at once (nothing of it waits for step t's late chunks) and, where they were stale,
+   does its exchange again on rows fetched from the final tables (a ``jax.lax.cond``:
+   exact, slower, rare). Several steps unrolled in one program call
+   (``TrainStep.steps``) so let step t+1's forward and backward pass run while step
+   t's late chunks are in flight.
 
 A carrier serves every table of every layout that names it (``column.CARRIER``: each
 table's positions in priority chunks; ``row.CARRIER``: two chunks to the owners for
@@ -452,6 +456,19 @@ def _is_float(x) -> bool:
 # ----------------------------------------------------------------- 5. the guard
 
 
+class Carried(NamedTuple):
+    """What a pipelined step hands the next (``TrainState.carry``): batch t+1's rows of
+    every carried read, per worker, and whether they may be stale (the same on every
+    worker): a row batch t+1 reads missed the first chunk (its early update lacks part
+    of its gradient), or the step was skipped (the early update may hold NaN; the
+    tables were kept). The next step exchanges on the carried rows without waiting for
+    this step's late chunks, and where they were stale redoes its exchange on rows
+    fetched from the tables (``jax.lax.cond``: every worker takes the same branch)."""
+
+    rows: tuple  # per carried read float[*ids.shape, D], each worker's own
+    stale: jax.Array  # bool[]
+
+
 def fetch_body(ctx: StepContext, slots: dict[int, int] | None = None):
     """Rows of every read of ``data`` the pipeline carries (per worker), from the
     tables (``slots``: the carried tables' capacities)."""
@@ -460,28 +477,6 @@ def fetch_body(ctx: StepContext, slots: dict[int, int] | None = None):
         reads = carried_reads(ctx, pipelined_reads(ctx, params, data, NO_ATTEND_2D))
         leaves = jax.tree.leaves(params)
         return tuple(prefetch(ctx, {i: leaves[i] for i in ctx.widths}, reads, slots or {}))
-
-    return body
-
-
-def guard_body(ctx: StepContext, slots: dict[int, int] | None = None):
-    """Step 5 per worker: the carried rows, or (when they may be stale) the same rows
-    fetched again from the step's final tables: when a row batch t+1 reads did not fit
-    in the first chunk (the device-side guard), or when the step was skipped (its early
-    update may hold NaN/Inf; the tables were kept). Every worker takes the same branch
-    (both flags are reduced over the axis). ``slots``: the carried tables' capacities."""
-    widths = ctx.widths
-
-    def body(params, carry, stale, data):
-        leaves = jax.tree.leaves(params)
-        reads = carried_reads(ctx, pipelined_reads(ctx, params, data))
-        tables = {i: leaves[i] for i in widths}
-
-        def refetch():
-            with jax.named_scope(scopes.SCOPE_REFETCH):
-                return tuple(prefetch(ctx, tables, reads, slots or {}))
-
-        return jax.lax.cond(stale, refetch, lambda: carry)
 
     return body
 
@@ -511,10 +506,36 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
 
     def step(state: TrainState, batch: PlacedBatch):
         batch_specs = batches.placed_specs(batch, ctx.batch_axes, ctx.replicated_keys)
-        slots = batch.slots(ctx.tables)  # the carried tables' fetch of batch t+1
-        state_in = specs._replace(carry=per if state.carry != () else ())
+        slots = batch.slots(ctx.tables)  # the carried tables' capacities (batch t and t+1)
         out = Exchanged(grad_specs, first_specs, P())
-        ex = smap(exchange_body(ctx), (state_in, batch_specs), out)(state, batch)
+
+        def exchange(rows):  # rows: () at the first step (it fetches its own)
+            state_in = specs._replace(carry=per if rows != () else ())
+            run = smap(exchange_body(ctx), (state_in, batch_specs), out)
+            return run(state._replace(carry=rows), batch)
+
+        def fetch(params, data, data_specs):
+            return smap(fetch_body(ctx, slots), (specs.params, data_specs), per)(params, data)
+
+        if state.carry == ():
+            ex = exchange(())
+        else:  # speculative: on the carried rows, redone from the tables if they were stale
+            rows, stale = state.carry
+            ex_carried = exchange(rows)
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), ex_carried)
+
+            def again():
+                with jax.named_scope(scopes.SCOPE_REFETCH):
+                    rows = fetch(state.params, batch.data, batch_specs.data)
+                return exchange(rows)
+
+            def nothing():  # from shapes alone: this branch waits for none of the step
+                return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+            ex_again = jax.lax.cond(stale, again, nothing)
+            # selected leaf by leaf: what needs only the carried exchange never waits
+            # for the conditional (whose refetch reads the tables step t-1 wrote)
+            ex = jax.tree.map(lambda a, b: jnp.where(stale, a, b), ex_again, ex_carried)
         grads, carry = ex.grads, ()
         if batch.next is not None and early:
             patches = early_patches(ctx, state, ex.firsts)
@@ -525,15 +546,14 @@ def pipelined_step(ctx: StepContext, specs: TrainState):
                 (per, table_specs),
             )(state.params, patches, batch.next, fulls)
             grads = grads._replace(grads=apply.with_tables(ctx, grads.grads, fulls))
-        new, loss = apply_gradients(ctx, state, grads._replace(carry=carry))
+        new, loss = apply_gradients(ctx, state, grads._replace(carry=()))
         loss = apply.mark_missed(grads.missed, loss)
         if batch.next is None:
             return new, loss
         if not early:  # the next rows from the updated tables
-            fetch = smap(fetch_body(ctx, slots), (specs.params, batch_specs.next), per)
-            return new._replace(carry=fetch(new.params, batch.next)), loss
+            rows = fetch(new.params, batch.next, batch_specs.next)
+            return new._replace(carry=Carried(rows, jnp.array(False))), loss
         stale = ex.spill | ~grads.ok if ctx.nonfinite != "off" else ex.spill
-        guard = smap(guard_body(ctx, slots), (specs.params, per, P(), batch_specs.next), per)
-        return new._replace(carry=guard(new.params, carry, stale, batch.next)), loss
+        return new._replace(carry=Carried(carry, stale)), loss
 
     return step

@@ -12,6 +12,6 @@ Example:
 SCOPE_HIGH = "embrace2d_high"  # every carried table's first chunk
 SCOPE_LOW = "embrace2d_low"  # the late chunks, after every first chunk
 SCOPE_NEXT = "embrace2d_next_lookup"  # batch t+1's rows, read with the early update
-SCOPE_REFETCH = "embrace2d_refetch"  # the guard's fetch after the full update (rare)
+SCOPE_REFETCH = "embrace2d_refetch"  # rows fetched again where the carried were stale (rare)
 SCOPE_DENSE = "embrace2d_dense"  # the dense layers' mean (no data edge to the tables')
 SCOPE_ROWS = "embrace2d_step_rows"  # rows fetched in the step, before its forward pass
