@@ -109,8 +109,7 @@ def run_of(config: RunConfig, strategy: str) -> RunConfig:
     """``config`` for one strategy: its checkpoints and logs in a subfolder of their own
     (``--checkpoint-dir D`` -> ``D/<strategy>``), so that no run finds another's;
     ``--steps-per-call`` for the strategies that can run several steps a call (a
-    ``jax.pmap`` step runs one, and so does ``embrace_2d`` where it is pipelined:
-    ``--collectives-overlap yes``, or ``auto`` on devices that are not CPUs)."""
+    ``jax.pmap`` step runs one)."""
 
     def own(folder: str) -> str:
         return str(Path(folder) / strategy) if folder else folder

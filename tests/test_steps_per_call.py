@@ -13,6 +13,7 @@ from helpers import assert_trees_close, strategy_run
 import sparsecomm_jax as sc
 from models import get_workload
 from sparsecomm_jax import runtime
+from sparsecomm_jax.comm import hlo
 
 SMALL = dict(vocab=256, dim=16, hidden=16, seq_len=8, batch=16, sampled_softmax=16)
 
@@ -76,19 +77,53 @@ def test_steps_in_one_call_equal_one_call_a_step(strategy, optimizer, kwargs):
     assert_trees_close(p_many, p_one, rtol=1e-4, atol=1e-5)
 
 
-def test_pipelined_and_pmapped_steps_run_one_step_a_call(pipelined_2d):
-    """A step that carries rows to the next and looks ahead (pipelined ``embrace_2d``),
-    or a ``jax.pmap`` one, cannot scan its steps; asking for a call of several, or
-    calling ``ts.steps`` itself, is an error naming the strategy."""
+@pytest.mark.parametrize("sizes", [[3, 1, 3], [4, 3]])
+def test_pipelined_steps_unrolled_in_one_call_equal_one_call_a_step(pipelined_2d, sizes):
+    """``embrace_2d``'s pipelined step (its rows carried to the next step, batches read
+    ahead) runs several steps a call unrolled: seven steps as calls of ``sizes`` give
+    the losses and parameters of seven calls of one step, the carried rows threaded
+    through (the calls before the run's end read past their own batches, the last one
+    to the run's end), on a fresh random model and data."""
+    seed = random.randrange(2**16)
+    print(f"seed {seed}")  # shown with a failure
+    w = get_workload("lstm_lm", seed=seed, **SMALL)
+    params = w.init(jax.random.key(seed))
+    optimizer = optax.adam(1e-2, eps=1e-3)
+    one, p_one, ts_one = strategy_run(w, optimizer, params, 7, "embrace_2d")
+    many, p_many, ts = scanned_run(w, optimizer, params, sizes, "embrace_2d")
+    assert ts.runs_as == ts_one.runs_as == "embrace_2d" and ts.scannable
+    assert len(many) == 7 and np.all(np.isfinite(one))
+    np.testing.assert_allclose(many, one, rtol=1e-5, err_msg=f"seed {seed}")
+    assert_trees_close(p_many, p_one, rtol=1e-4, atol=1e-5)
+
+
+def test_a_call_of_pipelined_steps_names_each_step_in_its_program(pipelined_2d):
+    """The unrolled steps of one call each run in their own name scope (``step0``,
+    ``step1``, ...), so the compiled program tells them apart; a call reads at most the
+    step's lookahead past its own batches."""
     w = get_workload("lstm_lm", **SMALL)
-    for strategy in ("embrace_2d", "dense_pmap"):
-        ts = build(w, strategy)
-        assert not ts.scannable
-        refused = f"strategy '{strategy}' runs one step a program call"
-        with pytest.raises(ValueError, match=f"ts.place_steps: {refused}"):
-            sc.place_for_call(ts, w.batch_at, (0, 2), 4)
-        with pytest.raises(ValueError, match=f"ts.steps: {refused}"):
-            ts.steps(ts.state, ts.place_batch(w.batch_at(0)))
+    ts = build(w, "embrace_2d")
+    placed = sc.place_for_call(ts, w.batch_at, (0, 3), 10)
+    assert placed.steps == 3 and jax.tree.leaves(placed.data)[0].shape[0] == 3 + ts.lookahead
+    text = hlo.compiled_text(ts.steps, ts.state, placed)
+    scopes = {c.op_name.split("/")[1] for c in hlo.scheduled_collectives(text)}
+    assert {"step0", "step1", "step2"} <= scopes, scopes
+    too_many = [w.batch_at(s) for s in range(3 + ts.lookahead + 1)]
+    with pytest.raises(ValueError, match="at most 3 batches after the call"):
+        ts.place_steps(too_many[:3], *too_many[3:])
+
+
+def test_pmapped_steps_run_one_step_a_call():
+    """A ``jax.pmap`` step cannot run several steps a call; asking for a call of
+    several, or calling ``ts.steps`` itself, is an error naming the strategy."""
+    w = get_workload("lstm_lm", **SMALL)
+    ts = build(w, "dense_pmap")
+    assert not ts.scannable
+    refused = "strategy 'dense_pmap' runs one step a program call"
+    with pytest.raises(ValueError, match=f"ts.place_steps: {refused}"):
+        sc.place_for_call(ts, w.batch_at, (0, 2), 4)
+    with pytest.raises(ValueError, match=f"ts.steps: {refused}"):
+        ts.steps(ts.state, ts.place_batch(w.batch_at(0)))
 
 
 def test_place_steps_checks_and_sizes_every_batch():

@@ -273,9 +273,10 @@ class RunConfig:
     )
     steps_per_call: int = _field(
         1,
-        "steps one program call runs (a scan over their batches): one dispatch, one "
-        "program run and one loss read for them all; checkpoints, evaluations, the "
-        "profiler's window and the last step end a call (steps near them run one a call)",
+        "steps one program call runs (a scan over their batches; embrace_2d's pipelined "
+        "steps unrolled): one dispatch, one program run and one loss read for them all; "
+        "checkpoints, evaluations, the profiler's window and the last step end a call "
+        "(steps near them run one a call)",
         at_least(1),
     )
     checkpoint_dir: str = _field("", 'checkpoint folder, one run per folder ("" = none)')

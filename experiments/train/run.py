@@ -121,8 +121,7 @@ def build(config: RunConfig):
     if config.steps_per_call > 1 and not ts.scannable:
         raise ValueError(
             f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
-            f"as {ts.runs_as}, a pipelined step (its steps carry rows and look ahead), one "
-            "step a call"
+            f"as {ts.runs_as}, one step a call"
         )
     return workload, ts
 

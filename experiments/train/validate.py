@@ -141,29 +141,23 @@ def _check_combinations(config: RunConfig) -> None:
 
 
 def one_step_a_call(config: RunConfig, platform: str | None = None) -> str:
-    """Why ``config.strategy`` runs one step a call, or ``""`` when ``lax.scan`` can
-    repeat its step (``Strategy.scannable``): not ``jax.pmap``'s, not a pipelined one
-    (its steps carry rows and look ahead). ``platform``: the devices' platform, once JAX
+    """Why ``config.strategy`` runs one step a call, or ``""`` when one call can run
+    several of its steps (``Strategy.several_a_call``: scanned, or a pipelined step
+    unrolled): only ``jax.pmap``'s cannot. ``platform``: the devices' platform, once JAX
     has started (``--collectives-overlap auto`` pipelines a strategy with a ``serial``
-    form, ``embrace_2d``, off CPUs); before, only ``yes`` is known, and
-    ``experiments.train.build`` refuses the rest."""
+    form, ``embrace_2d``, off CPUs); before, only ``yes`` is known."""
     strategy = parse_strategy(config.strategy).strategy
     overlap = config.collectives_overlap == "yes" or (
         config.collectives_overlap == "auto" and platform not in (None, "cpu")
     )
     runs = strategy.serial if strategy.serial is not None and not overlap else strategy
-    if runs.engine == "pmap":
-        return "runs one step a call (jax.pmap)"
-    if why := runs.why_one_step_a_call():
-        return (
-            f"with --collectives-overlap {config.collectives_overlap} is a pipelined step, "
-            f"one step a call ({why})"
-        )
+    if not runs.several_a_call:
+        return f"runs one step a call ({runs.why_one_step_a_call()})"
     return ""
 
 
 def _check_steps_per_call(config: RunConfig) -> None:
-    """Several steps a call need a step ``lax.scan`` can repeat (``one_step_a_call``)."""
+    """Several steps a call need a step one call can repeat (``one_step_a_call``)."""
     if why := one_step_a_call(config):
         raise ValueError(
             f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} {why}"

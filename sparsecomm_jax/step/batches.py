@@ -106,35 +106,49 @@ def batch_placer(
 
 
 def steps_placer(
-    ctx: StepContext, capacity: Callable[..., tuple[int, ...]] | None
-) -> Callable[[Sequence[Batch]], PlacedBatch]:
-    """``place_steps(batches) -> PlacedBatch``: the batches of consecutive steps for one
-    program call (``TrainStep.steps``), each checked and sized as ``batch_placer``
-    would, then stacked along a new leading axis and placed once. Capacities never
-    shrink, so the last batch's capacity holds every batch's ids.
+    ctx: StepContext, capacity: Callable[..., tuple[int, ...]] | None, lookahead: int = 0
+) -> Callable[..., PlacedBatch]:
+    """``place_steps(batches, *ahead) -> PlacedBatch``: the batches of consecutive steps
+    for one program call (``TrainStep.steps``), each checked and sized as
+    ``batch_placer`` would, then stacked along a new leading axis and placed once.
+    Capacities never shrink, so the last batch's capacity holds every batch's ids.
+
+    A pipelined step (``lookahead`` > 0) also reads the batches after the call's:
+    ``ahead``, up to ``lookahead`` of them (none when the call ends the run), stacked
+    after the call's own; each step is sized on its batch and the next, as one step a
+    call is.
 
     Args:
       ctx: the step's context.
       capacity: the ``capacity_fn`` the step's ``batch_placer`` uses (``None``: the
         step has no capacities).
+      lookahead: the batches a step reads ahead (``Strategy.lookahead``; 0: none).
 
     Returns:
-      ``place_steps``; its ``PlacedBatch.data`` holds ``[S, *shape]`` arrays (``S``
-      steps), split along the batch axis like a single step's.
+      ``place_steps``; its ``PlacedBatch.data`` holds ``[S + A, *shape]`` arrays (``S``
+      steps and ``A`` ahead), split along the batch axis like a single step's, and
+      ``steps`` is ``S``.
     """
 
-    def place_steps(batches: Sequence[Batch]) -> PlacedBatch:
+    def place_steps(batches: Sequence[Batch], *ahead: Batch) -> PlacedBatch:
         if not batches:
             raise ValueError("place_steps needs the batches of one step or more")
-        check_alike(batches)  # first: the checks below run the loss on each batch
-        for batch in batches:
+        if len(ahead) > lookahead:
+            raise ValueError(
+                f"place_steps takes at most {lookahead} batches after the call's (this "
+                f"step looks {lookahead} ahead); got {len(ahead)}"
+            )
+        every = [*batches, *ahead]
+        check_alike(every)  # first: the checks below run the loss on each batch
+        for batch in every:
             check_host_batch(ctx, batch)
         need = ()  # sized only once every batch passed: a refused call grows nothing
-        for batch in batches:
-            need = capacity(batch) if capacity else ()
-        specs = batch_specs(batches[0], ctx.batch_axes, ctx.replicated_keys)
+        for k, batch in enumerate(batches):
+            nxt = every[k + 1 : k + 2] if lookahead else []  # a pipelined step: and its next
+            need = capacity(batch, *nxt) if capacity else ()
+        specs = batch_specs(every[0], ctx.batch_axes, ctx.replicated_keys)
         data = {
-            k: runtime.put_global(np.stack([b[k] for b in batches]), ctx.mesh, P(None, *spec))
+            k: runtime.put_global(np.stack([b[k] for b in every]), ctx.mesh, P(None, *spec))
             for k, spec in specs.items()
         }
         return PlacedBatch(data, need, steps=len(batches))

@@ -93,14 +93,16 @@ class TrainStep(NamedTuple):
         restores only into a step that stores its tables the same way.
       steps: ``steps(state, placed_steps) -> (state, losses)``: several steps in one
         program call, a ``lax.scan`` of ``step`` over the batches ``place_steps``
-        stacked (``losses``: one per step, in order); the same arithmetic as calling
-        ``step`` on each batch (to float rounding: XLA compiles a loop body on its
-        own), with one dispatch and one program run instead of one per step.
-        Where the step cannot be scanned (``jax.pmap``, pipelined strategies, whose
-        steps carry rows and look ahead) calling it is a ``ValueError`` that says so.
-      place_steps: ``place_steps([batch, ...]) -> PlacedBatch`` of ``steps``: each
-        batch checked and sized as ``place_batch`` would, then placed stacked along a
-        new leading axis with the capacity of the largest (refusing as ``steps`` does).
+        stacked, or for a pipelined strategy (its steps carry rows and look ahead) the
+        steps unrolled (``engines.unrolled_steps``; ``losses``: one per step, in
+        order); the same arithmetic as calling ``step`` on each batch (to float
+        rounding: XLA compiles the program whole), with one dispatch and one program
+        run instead of one per step. A ``jax.pmap`` step runs one step a call: calling
+        it is a ``ValueError`` that says so.
+      place_steps: ``place_steps([batch, ...], *ahead) -> PlacedBatch`` of ``steps``:
+        each batch checked and sized as ``place_batch`` would, then placed stacked
+        along a new leading axis with the capacity of the largest (``ahead``: the
+        batches a pipelined step reads past the call's; refusing as ``steps`` does).
       scannable: whether ``steps`` and ``place_steps`` run (several steps a call).
       form: how the state is stored (``step.stored_form.StateForm``: the tables' layouts on
         the G workers a table is sharded over), which a checkpoint records so that it

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from sparsecomm_jax.step import batches, capacities, host, placed_state
 from sparsecomm_jax.step.batches import PlacedBatch
@@ -32,18 +33,15 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     step = strategy.step(ctx, specs)
     policies = capacities.layout_policies(ctx, strategy.capacity)
     capacity = capacities.capacity_fn(ctx, policies) if policies else None
-    scannable = strategy.scannable  # a pipelined step carries rows, looks ahead
+    # a pipelined step carries rows and looks ahead: its steps unrolled, not scanned
+    several = scan_steps(step) if strategy.scannable else unrolled_steps(step, strategy.lookahead)
     return TrainStep(
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
         place_batch=batches.batch_placer(ctx, policies, strategy.lookahead, capacity),
-        steps=DonatingStep(jax.jit(scan_steps(step), donate_argnums=0), stacked=True)
-        if scannable
-        else one_step_a_call(strategy, "steps"),
-        place_steps=batches.steps_placer(ctx, capacity)
-        if scannable
-        else one_step_a_call(strategy, "place_steps"),
-        scannable=scannable,
+        steps=DonatingStep(jax.jit(several, donate_argnums=0), stacked=True),
+        place_steps=batches.steps_placer(ctx, capacity, strategy.lookahead),
+        scannable=True,
         host_params=placed_state.host_params_of(ctx),
         strategy=strategy.name,
         lookahead=strategy.lookahead,
@@ -79,6 +77,51 @@ def scan_steps(step: Callable) -> Callable:
             return step(state, PlacedBatch(data, placed.capacity))
 
         return jax.lax.scan(one, state, placed.data)  # placed.data: [S, B, ...] per key
+
+    return steps
+
+
+def unrolled_steps(step: Callable, lookahead: int) -> Callable:
+    """``steps(state, placed) -> (state, losses)`` of a pipelined step: ``step`` on each
+    of ``placed.steps`` batches in turn, unrolled in one program (each step's carried
+    rows feed the next; ``lax.scan`` cannot carry them, since the first step makes
+    their structure). ``placed.data`` stacks the call's batches and then those the last
+    step looks ahead to (none when the call ends the run); step ``k`` is given batch
+    ``k + 1`` as its next and up to ``lookahead - 1`` after it, the last batch standing
+    in for those past the end, as ``place_for_step`` does one step a call. Each step
+    runs in the name scope ``step{k}``, so the compiled program tells them apart.
+
+    Args:
+      step: ``step(state, placed_batch) -> (state, loss)`` (not yet jitted).
+      lookahead: the batches a step reads ahead (``Strategy.lookahead``).
+
+    Returns:
+      The unrolled steps; ``losses`` holds one loss per step.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from sparsecomm_jax.step.batches import PlacedBatch
+        >>> seen = lambda state, b: (state + b.data["x"][0], b.next["x"][0] if b.next else 0)
+        >>> batches = PlacedBatch({"x": jnp.arange(4.0)[:, None]}, steps=3)  # 3 steps, 1 ahead
+        >>> unrolled_steps(seen, 3)(jnp.float32(0), batches)
+        (Array(3., dtype=float32), Array([1., 2., 3.], dtype=float32))
+    """
+
+    def steps(state: TrainState, placed: PlacedBatch):
+        total = jax.tree.leaves(placed.data)[0].shape[0]  # the call's steps, then ahead
+
+        def batch(j):
+            return jax.tree.map(lambda x: x[min(j, total - 1)], placed.data)
+
+        losses = []
+        for k in range(placed.steps):
+            nxt = batch(k + 1) if k + 1 < total else None
+            ahead = range(k + 2, k + 1 + lookahead) if nxt is not None else ()
+            later = tuple(batch(j) for j in ahead)
+            with jax.named_scope(f"step{k}"):
+                state, loss = step(state, PlacedBatch(batch(k), placed.capacity, nxt, later))
+            losses.append(loss)
+        return state, jnp.stack(losses)
 
     return steps
 

@@ -114,11 +114,18 @@ def place_for_call(
     ts: TrainStep, batch_at: Callable[[int], Batch], call: tuple[int, int], steps: int
 ) -> PlacedBatch:
     """The placed batch of one call of ``call_plan``: ``place_for_step``'s for a call
-    of one step, the call's batches stacked by ``ts.place_steps`` for several."""
+    of one step, the call's batches stacked by ``ts.place_steps`` for several (with
+    those a pipelined step looks ahead to, past the call)."""
     first, size = call
     if size == 1:
         return place_for_step(ts, batch_at, first, steps)
-    return ts.place_steps([batch_at(s) for s in range(first, first + size)])
+    batches = [batch_at(s) for s in range(first, first + size)]
+    end = first + size
+    if not ts.lookahead or end >= steps:
+        return ts.place_steps(batches)
+    # a pipelined step looks ahead past the call: the last batch stands in near the end
+    ahead = [batch_at(min(s, steps - 1)) for s in range(end, end + ts.lookahead)]
+    return ts.place_steps(batches, *ahead)
 
 
 def placed_calls(

@@ -90,17 +90,20 @@ class Strategy(NamedTuple):
 
     @property
     def scannable(self) -> bool:
-        """Whether ``lax.scan`` can repeat its step (``TrainStep.steps``): not a
-        ``jax.pmap`` step, not a pipelined one (its steps carry rows and look ahead)."""
+        """Whether ``lax.scan`` can repeat its step: not a ``jax.pmap`` step, not a
+        pipelined one (its steps carry rows, whose structure the first step makes, and
+        look ahead: ``TrainStep.steps`` unrolls those instead)."""
         return self.engine != "pmap" and not self.lookahead
 
+    @property
+    def several_a_call(self) -> bool:
+        """Whether one program call can run several of its steps (``TrainStep.steps``):
+        scanned, or unrolled for a pipelined step; not a ``jax.pmap`` step."""
+        return self.engine != "pmap"
+
     def why_one_step_a_call(self) -> str:
-        """Why the step runs one step a program call (``""`` when it can scan)."""
-        if self.engine == "pmap":
-            return "jax.pmap"
-        if self.lookahead:
-            return "a pipelined step: its steps carry rows and look ahead"
-        return ""
+        """Why the step runs one step a program call (``""`` when it runs several)."""
+        return "jax.pmap" if self.engine == "pmap" else ""
 
 
 # embrace_2d where nothing can overlap: embrace's step, refusing what the pipeline refuses
