@@ -1,5 +1,6 @@
 """A quick check of one accelerator: selectors and scatter-add at d = 25M, one training
-step of every model on one device, and a profiler trace; sized for under eight minutes on one GPU.
+step of every model on one device, a profiler trace, and the first model's program set
+beside the compile-only one for the same card; sized for under eight minutes on one GPU.
 
     python -m experiments.gpu_check --out gpu_check.json
     python -m experiments.gpu_check --small --out /tmp/gpu_check.json   # CPU, seconds
@@ -8,14 +9,26 @@ Writes a JSON (device, jax version, every timing in seconds) and prints a short 
 (GB/s = the 4 d bytes of the float32 vector over the time). The trace
 (``<--out without .json>.trace/``) holds two more steps of the first model; open it with
 TensorBoard's profile plugin or at ui.perfetto.dev (``*.trace.json.gz``).
+
+On an H100 or H200 the first model's step is also compiled for the compile-only
+description of that card (``sparsecomm_jax.compile_only``, in a child process with
+``JAX_PLATFORMS=cpu``: ``python -m experiments.gpu_schedule --gpus 1``), and the two
+programs are compared: the entry computation's operations by opcode and the peak memory.
+Equal counts say the description this library compiles GPU programs from on a CPU host
+leads XLA to the program the real card gets; a difference is listed. Elsewhere (a CPU, or
+a card with no description) the comparison is skipped, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +41,8 @@ from experiments.studies.selection_cost import selector_times
 from experiments.train import build, start_devices
 from experiments.train.config import RunConfig
 from models import MODELS
-from sparsecomm_jax import loss_value
+from sparsecomm_jax import compile_only, loss_value
+from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.comm.costmodel import median_seconds
 from sparsecomm_jax.topk import selectors
 
@@ -90,10 +104,77 @@ def model_step(
         "first_step_s": times[0],
         "step_s": statistics.median(times[1:]),
         "loss": loss,
+        "program": program_summary(
+            program.as_text(), getattr(program.memory_analysis(), "peak_memory_in_bytes", 0)
+        ),
     }
     if trace_dir:
         out["trace"] = trace_steps(program, state, batches[steps:], trace_dir)
     return out
+
+
+def program_summary(text: str, peak: int) -> dict[str, Any]:
+    """A compiled program in brief: its entry computation's operations by opcode, and
+    ``peak``, its peak memory per device (``memory_analysis``)."""
+    opcodes = collections.Counter(i.opcode for i in hlo.entry_instructions(text))
+    return {"opcodes": dict(sorted(opcodes.items())), "peak_memory_in_bytes": int(peak)}
+
+
+def card_of(device_kind: str) -> str | None:
+    """The key of ``compile_only.GPUS`` describing ``device_kind`` ("NVIDIA H100 80GB
+    HBM3" -> ``"h100"``), or ``None``."""
+    return next((g for g in compile_only.GPUS if g in device_kind.lower()), None)
+
+
+def compile_only_summary(gpu: str, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s dense step on one compile-only ``gpu``, compiled by
+    ``experiments.gpu_schedule`` in a child process (it needs ``JAX_PLATFORMS=cpu``
+    before JAX starts), as ``program_summary`` gives it."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "one_gpu.json"
+        command = [sys.executable, "-m", "experiments.gpu_schedule", "--gpu", gpu, "--gpus", "1"]
+        command += ["--model", model, "--strategy", "dense", *flags, "--out", str(out)]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"gpu_schedule failed: {done.stderr.strip()[-300:]}")
+        report = json.loads(out.read_text())
+        text = Path(report["hlo"]).read_text()
+    return program_summary(text, report["programs"]["first call"]["memory"]["peak_memory_in_bytes"])
+
+
+def compare_programs(real: dict[str, Any], described: dict[str, Any]) -> dict[str, Any]:
+    """Where the real card's program and the compile-only one differ: opcodes whose
+    counts differ (``{opcode: [real, compile-only]}``) and the two peaks."""
+    codes = sorted(set(real["opcodes"]) | set(described["opcodes"]))
+    differ = {
+        c: [real["opcodes"].get(c, 0), described["opcodes"].get(c, 0)]
+        for c in codes
+        if real["opcodes"].get(c, 0) != described["opcodes"].get(c, 0)
+    }
+    return {
+        "same_opcodes": not differ,
+        "opcodes_that_differ": differ,
+        "peak_memory_in_bytes": [real["peak_memory_in_bytes"], described["peak_memory_in_bytes"]],
+    }
+
+
+def schedule_comparison(first: dict[str, Any], size: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The first model's real program against the compile-only one for this card, or
+    ``{"skipped": why}``."""
+    gpu = card_of(kind)
+    if "program" not in first:
+        return {"skipped": f"the first model failed: {first.get('error')}"}
+    if jax.default_backend() != "gpu" or gpu is None:
+        return {
+            "skipped": f"{kind!r} has no compile-only description ({sorted(compile_only.GPUS)})"
+        }
+    try:
+        described = compile_only_summary(gpu, first["model"], size)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    return {"gpu": gpu, "model": first["model"], **compare_programs(first["program"], described)}
 
 
 def trace_steps(program, state, batches: list, folder: Path) -> dict[str, Any]:
@@ -136,6 +217,7 @@ def run_check(small: bool, models: list[str], trace_dir: Path) -> dict[str, Any]
         ],
     }
     first = result["models"][0]
+    result["compile_only"] = schedule_comparison(first, sizes[models[0]], result["device"])
     result["trace"] = {"model": first["model"], **first.pop("trace", {"error": first.get("error")})}
     result["total_s"] = time.perf_counter() - started
     return result
@@ -156,6 +238,18 @@ def table(result: dict[str, Any]) -> str:
         rows.append(
             f"  {m['model']:<12} {m['params']:>12,} {m['compile_s']:>10.1f} "
             f"{m['step_s'] * 1e3:>10.2f}"
+        )
+    same = result["compile_only"]
+    if "skipped" in same:
+        rows.append(f"  compile-only comparison skipped: {same['skipped']}")
+    else:
+        verdict = (
+            "same operations" if same["same_opcodes"] else f"differ: {same['opcodes_that_differ']}"
+        )
+        real, described = (b / 2**20 for b in same["peak_memory_in_bytes"])
+        rows.append(
+            f"  {same['model']} on this card vs compile-only {same['gpu']}: {verdict}; "
+            f"peak {real:.1f} vs {described:.1f} MiB"
         )
     trace = result["trace"]
     rows.append(f"  trace: {trace.get('dir')} {trace.get('files', trace.get('error'))}")

@@ -12,7 +12,7 @@ inside a host; ``replica_mesh`` adds the replica groups' axis; ``put_global`` an
 ``to_host`` move arrays on and off the mesh.
 
 Example:
-    >>> from sparsecomm_jax import
+    >>> from sparsecomm_jax import runtime
     >>> runtime.simulate_cpu_devices(8)          # before any other JAX call
     >>> mesh = runtime.data_mesh(8, axis_name="data")
     >>> runtime.host_mesh(hosts=2).shape         # 8 devices as 2 simulated hosts x 4
@@ -266,11 +266,23 @@ def mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
     return mesh.shape[axis_name]
 
 
-def put_global(x: np.ndarray, mesh: Mesh, spec: P) -> jax.Array:
-    """Places a host array, identical on every process, as a global sharded array."""
+def put_global(x: np.ndarray, mesh: Mesh, spec: P) -> jax.Array | jax.ShapeDtypeStruct:
+    """Places a host array, identical on every process, as a global sharded array. On a
+    mesh of compile-only devices (``compile_only``: they hold no data) the array as it
+    would lie there, a ``jax.ShapeDtypeStruct`` with its sharding, for a program to be
+    lowered and compiled on."""
     x = np.asarray(x)
     sharding = NamedSharding(mesh, spec)
+    if compile_only(mesh):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def compile_only(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s devices compile programs but hold no data (GPUs described, not
+    present: ``sparsecomm_jax.compile_only.gpu_mesh``)."""
+    client = getattr(mesh.devices.flat[0], "client", None)
+    return getattr(client, "runtime_type", "") == "compile_only_runtime"
 
 
 def to_host(x: jax.Array) -> np.ndarray:

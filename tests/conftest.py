@@ -36,6 +36,9 @@ import tempfile
 # their bytes, are unaffected. Subprocesses started by tests inherit the flags.
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE).strip()
+# The suite runs on CPU devices; with the gpu-compile extra installed, the CUDA plugin
+# then makes compile-only GPUs (test_compile_only) instead of looking for a driver.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 

@@ -93,13 +93,15 @@ def _check_tables(config: RunConfig, workload) -> None:
         )
 
 
-def build(config: RunConfig):
+def build(config: RunConfig, mesh=None):
     """The workload and ``TrainStep`` of ``config`` (JAX must be started); with
-    ``--overlap`` an ``Overlapped`` trainer instead of the ``TrainStep``."""
+    ``--overlap`` an ``Overlapped`` trainer instead of the ``TrainStep``. ``mesh``: the
+    devices to build for (default ``--devices`` of this job's: ``runtime.data_mesh``;
+    ``experiments.gpu_schedule`` gives compile-only GPUs)."""
     workload = get_workload(config.model, **config.model_overrides())
     _check_tables(config, workload)
     try:
-        mesh = runtime.data_mesh(config.devices)
+        mesh = runtime.data_mesh(config.devices) if mesh is None else mesh
     except ArgumentError as e:
         raise in_flags(e) from None
     params = workload.init(jax.random.key(config.seed))

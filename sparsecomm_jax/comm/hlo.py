@@ -285,3 +285,88 @@ def scheduled_collectives(text: str) -> list[Instruction]:
     scheduled order; their ``op_name`` tells which part of the step issued them."""
     kinds = set(KINDS) | {k + "-start" for k in KINDS}
     return [i for i in entry_instructions(text) if i.opcode in kinds]
+
+
+#: Instructions that move no data and compute nothing (left out of a window's ops).
+BOOKKEEPING = frozenset(
+    {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "copy-start", "copy-done"}
+)
+
+
+class Window(NamedTuple):
+    """An asynchronous collective (a GPU program's ``-start`` and ``-done`` pair) and
+    what the scheduled program runs between them.
+
+    Attributes:
+      start: the ``-start`` instruction's name.
+      done: its ``-done``'s name.
+      kind: one of ``KINDS``.
+      op_name: the start's JAX op path (its ``jax.named_scope`` names).
+      sync: XLA made it synchronous (``"is_sync":true``: nothing overlaps it).
+      between: the instructions between start and done, ``Instruction`` s in order
+        (``BOOKKEEPING`` left out): what may run while the collective is in flight.
+    """
+
+    start: str
+    done: str
+    kind: str
+    op_name: str
+    sync: bool
+    between: tuple
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "done": self.done,
+            "kind": self.kind,
+            "op_name": self.op_name,
+            "sync": self.sync,
+            "between": [[i.name, i.opcode, i.op_name] for i in self.between],
+        }
+
+
+def async_windows(text: str) -> list[Window]:
+    """Every asynchronous collective of the entry computation, in scheduled order, with
+    the instructions scheduled between its start and its done (a CPU program has none:
+    XLA:CPU's collectives are synchronous).
+
+    Example:
+        >>> text = (
+        ...     "ENTRY %main (p: f32[4]) -> f32[4] {\\n"
+        ...     "  %p = f32[4] parameter(0)\\n"
+        ...     '  %s = (f32[4], f32[4]) all-to-all-start(%p), backend_config={"is_sync":false}\\n'
+        ...     "  %m = f32[4] multiply(%p, %p)\\n"
+        ...     "  %d = f32[4] all-to-all-done(%s)\\n"
+        ...     "  ROOT %r = f32[4] add(%d, %m)\\n"
+        ...     "}"
+        ... )
+        >>> [(w.kind, w.sync, [i.name for i in w.between]) for w in async_windows(text)]
+        [('all-to-all', False, ['m'])]
+    """
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    sync: set[str] = set()
+    for line in lines[first + 1 :]:
+        if line.startswith("}"):
+            break
+        m = _INSTR.match(line)
+        if m and re.search(r'"is_sync":\s*true', line):
+            sync.add(m.group(1))
+    instrs = entry_instructions(text)
+    position = {ins.name: k for k, ins in enumerate(instrs)}
+    out = []
+    for k, ins in enumerate(instrs):
+        base = ins.opcode.removesuffix("-start")
+        if not ins.opcode.endswith("-start") or base not in KINDS:
+            continue
+        done = next(
+            (d for d in instrs[k + 1 :] if d.opcode == f"{base}-done" and ins.name in d.operands),
+            None,
+        )
+        if done is None:
+            continue
+        between = tuple(
+            i for i in instrs[k + 1 : position[done.name]] if i.opcode not in BOOKKEEPING
+        )
+        out.append(Window(ins.name, done.name, base, ins.op_name, ins.name in sync, between))
+    return out
