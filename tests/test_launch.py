@@ -85,11 +85,11 @@ def _all_gone(pids, within_s):
 def test_rank_env_is_complete():
     job = launch.make_job(3, 2, nnodes=2, node_rank=1, coordinator="10.0.0.1:1234")
     env = launch.rank_env(job, 2)
-    assert env[runtime.ENV_PROCESS_ID] == str(1 * 3 + 2)
-    assert env[runtime.ENV_NUM_PROCESSES] == "6" and env[runtime.ENV_NODE_RANK] == "1"
-    assert env[runtime.ENV_LOCAL_DEVICES] == "2" and env[runtime.ENV_LOCAL_DEVICE_IDS] == "4,5"
-    assert env[runtime.ENV_COORDINATOR] == "10.0.0.1:1234"
-    pid, start = env[runtime.ENV_LAUNCHER].split(":")
+    assert env[launch.ENV_PROCESS_ID] == str(1 * 3 + 2)
+    assert env[launch.ENV_NUM_PROCESSES] == "6" and env[launch.ENV_NODE_RANK] == "1"
+    assert env[launch.ENV_LOCAL_DEVICES] == "2" and env[launch.ENV_LOCAL_DEVICE_IDS] == "4,5"
+    assert env[launch.ENV_COORDINATOR] == "10.0.0.1:1234"
+    pid, start = env[launch.ENV_LAUNCHER].split(":")
     assert int(pid) == os.getpid() and launch.process_alive(int(pid), start)
     assert not launch.process_alive(int(pid), str(int(start) + 1))  # a reused pid is not us
 
@@ -655,10 +655,10 @@ def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env
     _set(
         clean_env,
         {
-            runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
-            runtime.ENV_NUM_PROCESSES: "2",
-            runtime.ENV_PROCESS_ID: "1",
-            runtime.ENV_INIT_TIMEOUT: "1",
+            launch.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+            launch.ENV_NUM_PROCESSES: "2",
+            launch.ENV_PROCESS_ID: "1",
+            launch.ENV_INIT_TIMEOUT: "1",
         },
     )
     with pytest.raises(distributed.JobError, match="did not answer within 1 s"):
@@ -666,11 +666,11 @@ def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen(1)
-        clean_env.setenv(runtime.ENV_COORDINATOR, f"127.0.0.1:{busy.getsockname()[1]}")
-        clean_env.setenv(runtime.ENV_PROCESS_ID, "0")
+        clean_env.setenv(launch.ENV_COORDINATOR, f"127.0.0.1:{busy.getsockname()[1]}")
+        clean_env.setenv(launch.ENV_PROCESS_ID, "0")
         with pytest.raises(distributed.JobError, match="in use"):
             distributed.initialize_distributed()
-    clean_env.setenv(runtime.ENV_COORDINATOR, "nonexistent.invalid:29517")
+    clean_env.setenv(launch.ENV_COORDINATOR, "nonexistent.invalid:29517")
     with pytest.raises(distributed.JobError, match="'nonexistent.invalid' does not resolve"):
         distributed.initialize_distributed()
     assert calls == []  # jax would have aborted the process
@@ -681,14 +681,14 @@ def test_unreachable_coordinator_or_busy_port_is_an_error_not_an_abort(clean_env
     [
         ({**SLURM, "SLURM_PROCID": "7", "SLURM_NTASKS": "4"}, "SLURM_PROCID=7 is not a process id"),
         (
-            {runtime.ENV_COORDINATOR: "127.0.0.1:1", runtime.ENV_NUM_PROCESSES: "2"}
-            | {runtime.ENV_PROCESS_ID: "5"},
+            {launch.ENV_COORDINATOR: "127.0.0.1:1", launch.ENV_NUM_PROCESSES: "2"}
+            | {launch.ENV_PROCESS_ID: "5"},
             "SPARSECOMM_PROCESS_ID=5 is not a process id of a job of 2",
         ),
-        ({runtime.ENV_NUM_PROCESSES: "2"}, "SPARSECOMM_COORDINATOR and SPARSECOMM_PROCESS_ID not"),
+        ({launch.ENV_NUM_PROCESSES: "2"}, "SPARSECOMM_COORDINATOR and SPARSECOMM_PROCESS_ID not"),
         (
-            {runtime.ENV_COORDINATOR: "h:1", runtime.ENV_NUM_PROCESSES: "two"}
-            | {runtime.ENV_PROCESS_ID: "0"},
+            {launch.ENV_COORDINATOR: "h:1", launch.ENV_NUM_PROCESSES: "two"}
+            | {launch.ENV_PROCESS_ID: "0"},
             "SPARSECOMM_NUM_PROCESSES='two' is not an integer",
         ),
         ({**SLURM, "SLURM_NTASKS": "x"}, "could not be read by jax"),
@@ -722,10 +722,10 @@ def test_a_job_that_never_assembles_ends_in_one_line(clean_env):
     C++ stack)."""
     env = {
         **os.environ,
-        runtime.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
-        runtime.ENV_NUM_PROCESSES: "2",
-        runtime.ENV_PROCESS_ID: "0",
-        runtime.ENV_INIT_TIMEOUT: "3",
+        launch.ENV_COORDINATOR: f"127.0.0.1:{_free_port()}",
+        launch.ENV_NUM_PROCESSES: "2",
+        launch.ENV_PROCESS_ID: "0",
+        launch.ENV_INIT_TIMEOUT: "3",
     }
     proc = subprocess.run(
         [sys.executable, "-c", ALONE], cwd=REPO, env=env, capture_output=True, text=True, timeout=60

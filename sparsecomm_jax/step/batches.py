@@ -6,7 +6,7 @@ program call, a ``pmap`` step's per-device slices), each checking the host batch
 Example:
     >>> from sparsecomm_jax.step.batches import batch_specs
     >>> batch_specs({"tokens": None, "negatives": None}, "data", ["negatives"])
-    {'tokens': PartitionSpec('data',), 'negatives': PartitionSpec()}
+    {'tokens': P('data',), 'negatives': P()}
 """
 
 from __future__ import annotations

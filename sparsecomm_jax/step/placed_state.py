@@ -7,7 +7,7 @@ Example:
     >>> from jax.sharding import PartitionSpec as P
     >>> opt_specs(optax.sgd(0.1, momentum=0.9), optax.sgd(0.1, momentum=0.9).init(
     ...     {"w": jnp.zeros(3)}), {"w": P("data")})[0].trace
-    {'w': PartitionSpec('data',)}
+    {'w': P('data',)}
 """
 
 from __future__ import annotations
