@@ -9,6 +9,19 @@ import optax
 import sparsecomm_jax as sc
 from sparsecomm_jax import runtime
 
+#: Lines the gpu-compile extra's CUDA plugin prints when JAX starts in any process (from
+#: its C++ extension's import, outside this project; harmless without a GPU).
+PLUGIN_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+
+
+def stderr_lines(stderr: str) -> list[str]:
+    """What a process wrote to stderr, line by line, less progress bars (``it/s``), blank
+    lines and the CUDA plugin's start-up lines (``PLUGIN_NOISE``)."""
+    lines = stderr.replace("\r", "\n").splitlines()
+    return [
+        x for x in lines if x.strip() and "it/s" not in x and not any(n in x for n in PLUGIN_NOISE)
+    ]
+
 
 def reference_run(workload, optimizer, params, steps):
     """Plain single-device training on the whole global batch: the ground truth."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 from conftest import CACHE_SETTINGS, REPO
+from helpers import stderr_lines
 
 from experiments.train import main
 from sparsecomm_jax import checkpoint
@@ -210,8 +211,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_stray_file(tmp_path, limit):
         text=True,
         timeout=120,
     )
-    lines = [x for x in proc.stderr.replace("\r", "\n").splitlines() if "it/s" not in x]
-    lines = [x for x in lines if x.strip()]
+    lines = stderr_lines(proc.stderr)
     # A known race outside this project: writes still in flight when orbax's save fails
     # call back into its closed event loop from tensorstore's threads, which print
     # "RuntimeError: Event loop is closed" tracebacks (4 runs of 16 of 8a1bc0a, 1 of 6 of

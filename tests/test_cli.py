@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
-from helpers import record_loop_events
+from helpers import record_loop_events, stderr_lines
 
 import sparsecomm_jax as sc
 from experiments.train import command, loop, main, run, train_and_evaluate
@@ -274,7 +274,7 @@ def test_bad_input_as_a_process_is_one_line_without_traceback():
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = stderr_lines(proc.stderr)
     assert len(lines) == 1 and "--lr must be > 0" in lines[0]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO
+from helpers import stderr_lines
 from jax.sharding import PartitionSpec as P
 from test_dlrm import write_criteo
 
@@ -628,6 +629,6 @@ def test_the_command_line_process_exits_2_with_one_line_and_no_traceback(tmp_pat
             text=True,
             timeout=300,
         )
-        lines = [x for x in done.stderr.splitlines() if x.strip() and "it/s" not in x]
+        lines = stderr_lines(done.stderr)
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
         assert lines[0].startswith("error: ") and "Traceback" not in done.stderr

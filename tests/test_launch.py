@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import NUM_DEVICES, REPO
+from helpers import stderr_lines
 from jax.sharding import PartitionSpec as P
 
 from experiments.train import train_and_evaluate
@@ -253,7 +254,7 @@ def test_sigkill_of_the_launcher_leaves_no_rank(tmp_path):
     marker = tmp_path / "pids"
     grandchild = (
         "import os, time\n"
-        "from sparsecomm_jax import runtime\n"
+        "from sparsecomm_jax import distributed\n"
         "distributed.watch_launcher(poll_s=0.2)\n"
         f"open({str(marker)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
         "time.sleep(120)\n"
@@ -713,7 +714,9 @@ def test_a_batch_script_without_srun_runs_alone_and_says_so(clean_env, capsys):
     assert distributed.detect_scheduler() is None
 
 
-ALONE = "from sparsecomm_jax import runtime; distributed.initialize_distributed(); print('joined')"
+ALONE = (
+    "from sparsecomm_jax import distributed; distributed.initialize_distributed(); print('joined')"
+)
 
 
 def test_a_job_that_never_assembles_ends_in_one_line(clean_env):
@@ -730,7 +733,7 @@ def test_a_job_that_never_assembles_ends_in_one_line(clean_env):
     proc = subprocess.run(
         [sys.executable, "-c", ALONE], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
     )
-    lines = proc.stderr.strip().splitlines()
+    lines = stderr_lines(proc.stderr)
     assert proc.returncode == 2 and "joined" not in proc.stdout, proc.stderr[-2000:]
     assert len(lines) == 2, lines
     assert "process 0 of 2: waiting for the job's other processes" in lines[0]

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import REPO
-from helpers import place, record_loop_events
+from helpers import place, record_loop_events, stderr_lines
 
 import sparsecomm_jax as sc
 from experiments.train import loop, main, train_and_evaluate
@@ -290,7 +290,7 @@ def test_unwritable_checkpoint_dir_exits_fast(tmp_path, where):
     t = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert time.monotonic() - t < 30
-    lines = proc.stderr.strip().splitlines()
+    lines = stderr_lines(proc.stderr)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith(f"error: --checkpoint-dir {target}")
 

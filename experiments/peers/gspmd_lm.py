@@ -35,9 +35,9 @@ p.add_argument(
 p.add_argument("--out", default="")
 a = p.parse_args()
 
-from sparsecomm_jax import runtime  # noqa: E402  (job start-up only)
+from sparsecomm_jax import distributed  # noqa: E402  (job start-up only)
 
-runtime.initialize_distributed()
+distributed.initialize_distributed()
 import jax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402

@@ -111,7 +111,7 @@ def one_d(workers: int, unique: float, dim: int, node: int) -> Traffic:
 
 
 def across(replicas: int, group: int, group_unique: float, vocab: int, dim: int) -> tuple:
-    """The sum across the groups, the fewer bytes of the two (``replicas.choose``), all
+    """The sum across the groups, the fewer bytes of the two (``replica_groups.choose``), all
     between nodes; returns ``(Traffic, "rows" or "shard")``."""
     row = 4 * dim + 4
     rows = (replicas - 1) * group_unique / group
