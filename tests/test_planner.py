@@ -20,7 +20,7 @@ from models import get_workload
 from sparsecomm_jax import checkpoint, planner
 from sparsecomm_jax.comm import costmodel, wire
 from sparsecomm_jax.comm.costmodel import Link
-from sparsecomm_jax.embedding import access, layout_registry, tablewise
+from sparsecomm_jax.embedding import access, layout_registry, row, tablewise
 from sparsecomm_jax.embedding.layout import next_power_of_two
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
@@ -321,16 +321,19 @@ def test_resume_with_plan_auto_keeps_the_layout_the_checkpoints_hold(tmp_path, f
 
 
 def test_table_wise_tables_are_priced_by_their_packs():
-    """Eight equal tables over four owners cost what row-wise costs them (two tables per
-    owner: buckets of twice a table's ids); one table alone costs P times as much (its
-    owner's bucket holds all its ids); the memory is an owner's rows."""
+    """Eight equal tables over four owners, one exchange: each owner's bucket holds two
+    tables' ids (2 x 200, padded to 512 as table-wise buckets are, a power of two), where
+    row-wise asks each owner for 50 of each table's ids (with its margin); one table
+    alone sends its 200 ids to its owner (256); the memory is an owner's rows."""
     eight = [stats(f"t{i}", 1000, reads=256, distinct=200, bucket=50) for i in range(8)]
+    one_way = 4 + 2 * 16 * 4  # an id and a row each way, float32
     packed = tablewise.price_together(eight, 4, SLOW, 1)
+    assert sum(c.bytes for c in packed) == pytest.approx((4 - 1) * 512 * one_way)  # one exchange
     rows = [planner.layout_cost(s, "row", 4, SLOW) for s in eight]
-    assert sum(c.bytes for c in packed) == pytest.approx(sum(c.bytes for c in rows))
+    assert rows[0].bytes == (4 - 1) * row.CAPACITY.grow(50) * one_way
     assert sum(c.memory for c in packed) == 2 * 1000 * 16 * 4 * 2  # R = two tables' rows
     (alone,) = tablewise.price_together(eight[:1], 4, SLOW, 1)
-    assert alone.bytes == pytest.approx(4 * rows[0].bytes)
+    assert alone.bytes == pytest.approx((4 - 1) * 256 * one_way)
     plan = planner.plan_tables(eight, 4, SLOW, layouts=["table"])
     assert plan.seconds == pytest.approx(
         sum(c.seconds for c in packed) + planner.group_seconds({"table"}, 4, SLOW)
@@ -378,8 +381,8 @@ def test_a_table_read_by_a_full_softmax_is_never_table_wise():
 def test_the_planner_prices_the_chosen_wire():
     """Each layout's bytes with FP8 rows (a float32 scale a row) and a bfloat16 dense
     mean, from the float32 formula's terms: ids 4 bytes, rows out and back in their
-    codecs; each exchange's slots padded as its buffers are (row: 90 -> 128, a power of
-    two; column: 300 -> 344, an eighth more in multiples of 8)."""
+    codecs; each exchange's slots padded as its buffers are (row: 90 -> 119, 3 sqrt(90)
+    more; column: 300 -> 344, 2.5 sqrt(300) more: ``layout.grow_with_margin``)."""
     s = planner.TableStats("t", 10_000, 64, 512, 300, 90)
     link, p = Link(0.0, 1.0), 4
     spec = wire.parse("forward=float8_e4m3fn,backward=float8_e5m2,dense=bfloat16")
@@ -387,7 +390,7 @@ def test_the_planner_prices_the_chosen_wire():
     def nbytes(layout, chosen=spec):
         return planner.layout_cost(s, layout, p, link, 0, wire=chosen).bytes
 
-    assert nbytes("row") == (p - 1) * 128 * (4 + 2 * (64 + 4))
+    assert nbytes("row") == (p - 1) * 119 * (4 + 2 * (64 + 4))
     assert nbytes("column") == (p - 1) * 344 * (4 + 2 * (64 // p + 4))
     assert nbytes("replicated") == (p - 1) * 512 * (64 + 4 + 4)
     assert nbytes("dense") == nbytes("dense", wire.DEFAULT) / 2
@@ -395,6 +398,6 @@ def test_the_planner_prices_the_chosen_wire():
     fp8 = wire.parse("float8_e4m3fn")
     priced = planner.layout_cost(small, "dense", p, link, 0, wire=fp8).bytes
     assert priced == costmodel.flat_mean_cost(300, p, wire.E4M3)[1] > 300 * 2 * (p - 1) / p
-    assert nbytes("row", wire.DEFAULT) == (p - 1) * 128 * (4 + 2 * 64 * 4)
+    assert nbytes("row", wire.DEFAULT) == (p - 1) * 119 * (4 + 2 * 64 * 4)
     plan = planner.plan_tables([s], p, Link.from_bandwidth(0.1), wire=spec)
     assert plan.choices[0].bytes == nbytes(plan.choices[0].layout)

@@ -194,7 +194,8 @@ class RunConfig:
         "fixed slots of the tables' exchange buffers (embrace: distinct ids per worker; "
         "embrace_rowwise: rows per bucket; embrace_2d: its first chunk, and each other "
         "layout's own), an error when a "
-        "batch needs more; 0 = sized per batch",
+        "batch needs more; 0 = sized from the first batch with a margin, grown (a new "
+        "program, warned about after the warm-up) only if a batch needs more",
         at_least(0),
     )
     density: float = _field(

@@ -93,6 +93,7 @@ class RunLog(NamedTuple):
     last_end: float = 0.0  # when the last step's loss was read (time.perf_counter)
     call_sizes: list | tuple = ()  # steps of each program call run, in order
     held: float = 0.0  # host seconds since last_end spent saving, evaluating, tracing
+    compiled_at: list | tuple = ()  # the first step of each call whose program compiled
 
 
 def warm_steps(log: RunLog, warmup: int) -> int:
@@ -129,6 +130,23 @@ def _compiled(ts, log: RunLog, state, batch, key) -> tuple[Any, RunLog]:
         log = log._replace(compile_s=log.compile_s + time.perf_counter() - t)
     log.runs[key] = log.runs.get(key, 0) + size
     return _runner(ts, log.programs[key]), log
+
+
+class RecompileWarning(RuntimeWarning):
+    """A program compiled after the warm-up steps for a call size already compiled."""
+
+
+def late_compile_message(ts, batch, step: int) -> str:
+    """Why step ``step`` compiles again, and how to fix the slots up front."""
+    per_table = ", ".join(
+        f"{name} {slots}"
+        for (name, _), slots in zip(ts.capacity_slots, getattr(batch, "capacity", ()), strict=False)
+    )
+    return (
+        f"step {step} compiles a new program after the warm-up: a batch needed more slots "
+        f"than the first batches showed (slots per table now: {per_table or 'none'}); "
+        "pass --capacity N (at least the largest) to size them once, up front"
+    )
 
 
 def program_key(state, batch, size: int) -> tuple:
@@ -177,8 +195,11 @@ class StepLoop:
             hooks,
         )
         self.state = None
-        self.log = RunLog([], [], [], {}, {}, 0.0, place_times=[], wall_times=[], call_sizes=[])
+        self.log = RunLog(
+            [], [], [], {}, {}, 0.0, place_times=[], wall_times=[], call_sizes=[], compiled_at=[]
+        )
         self.flying: Flight | None = None
+        self._capacity_of: dict[int, tuple] = {}  # call size -> capacity last compiled
 
     def run(self, state, start: int, show: bool):
         """Steps ``start .. config.steps - 1`` in program calls of ``config.steps_per_call``
@@ -279,10 +300,26 @@ class StepLoop:
         ``Flight`` are not waited for."""
         key = program_key(self.state, batch, size)
         compiles = key not in self.log.programs
+        if compiles:
+            self._note_compile(batch, key, first)
         program, self.log = _compiled(self.ts, self.log, self.state, batch, key)
         t = time.perf_counter()
         self.state, loss = program(self.state, batch)
         return Flight(first, loss, batch, key, compiles, t, size)
+
+    def _note_compile(self, batch, key, first: int) -> None:
+        """Records that the call starting at step ``first`` compiles a program, and warns
+        where the tables' slots grew after the warm-up steps: the batch's capacity differs
+        from that of the last program compiled for calls of its size (a new call size,
+        or the carried rows of a pipelined step, compile without a warning)."""
+        self.log.compiled_at.append(first)
+        capacity = getattr(batch, "capacity", ())
+        before = self._capacity_of.get(key[0], capacity)
+        self._capacity_of[key[0]] = capacity
+        if capacity != before and first >= warm_steps(self.log, self.config.warmup):
+            warnings.warn(
+                late_compile_message(self.ts, batch, first), RecompileWarning, stacklevel=3
+            )
 
     def land(self, flight: Flight, ahead: int) -> None:
         """Reads ``flight``'s losses and does what follows each of its steps: the

@@ -71,6 +71,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "peak_memory_bytes": max((peak_memory(p) or 0) for p in steady) or None,
         "compile_s": log.compile_s,
         "programs": len(log.programs),
+        "compiled_at_steps": list(log.compiled_at),  # the first step of each compiling call
         "start_step": start,
         "skipped_steps": log.skipped,
         "rank": rank,

@@ -65,7 +65,7 @@ from sparsecomm_jax.embedding.layout import (
     TableStats,
     both_ways,
     distinct_per_worker,
-    grow_by_eighth,
+    grow_with_margin,
     padded_slots,
     patched_take,
 )
@@ -93,7 +93,7 @@ def distinct_bound(reads: HostReads, table, workers: int) -> int:
 
 
 CAPACITY = CapacityPolicy(
-    distinct_reads, "distinct rows of one table on one worker", grow_by_eighth, distinct_bound
+    distinct_reads, "distinct rows of one table on one worker", grow_with_margin, distinct_bound
 )
 
 
@@ -268,15 +268,15 @@ def price(
 ) -> Price:
     """One table column-wise, for one worker per step: its C ids to every owner (4 bytes
     each) and C rows of D/P columns each way, ``(P-1) C (4 + 2 D b / P)`` bytes, C =
-    ``stats.distinct`` padded as the buffers are (``CAPACITY.grow``: 12.5% more, a
-    multiple of 8; D padded to a multiple of P; ``b`` the bytes of a value in the
-    ``wire``'s codecs, plus a scale per row of D/P for FP8); memory its columns, 1/P of
-    the table and its optimizer state.
+    ``stats.distinct`` padded as the buffers are (``CAPACITY.grow``: its margin for the
+    batches after the first, ``layout.grow_with_margin``; D padded to a multiple of P;
+    ``b`` the bytes of a value in the ``wire``'s codecs, plus a scale per row of D/P for
+    FP8); memory its columns, 1/P of the table and its optimizer state.
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
-        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 16
-        960.0
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 18
+        1080.0
     """
     p, padded = workers, -(-stats.dim // workers) * workers
     c = padded_slots(CAPACITY.grow, stats.distinct)

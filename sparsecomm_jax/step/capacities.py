@@ -7,10 +7,9 @@ slots when a batch needs more (a new program) and never shrinks them, or holds a
 (``overflow_message`` says what to do).
 
 Example:
-    >>> from sparsecomm_jax.embedding.layout import grow_by_eighth
     >>> from sparsecomm_jax.embedding.column import CAPACITY
-    >>> grow_capacities({0: 16}, {0: 12, 1: 100}, None, CAPACITY)
-    {0: 16, 1: 112}
+    >>> grow_capacities({0: 16}, {0: 12, 1: 100}, None, CAPACITY)  # 100 + 2.5 sqrt(100)
+    {0: 16, 1: 125}
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ def grow_capacities(
     """Each table's slots for ``needs``: ``fixed`` when given (``ValueError`` when a table
     needs more), else grown by ``policy.grow`` past ``current`` when needed, never shrunk.
 
-    Example: current {0: 16}, needs {0: 12, 1: 100}, grow by an eighth -> {0: 16, 1: 112}.
+    Example: current {0: 16}, needs {0: 12, 1: 100}, column-wise -> {0: 16, 1: 125}.
     """
     return {i: _sized(need, current.get(i, 0), fixed, policy) for i, need in needs.items()}
 
