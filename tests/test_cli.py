@@ -16,6 +16,7 @@ from experiments.train.config import RunConfig
 from experiments.train.startup import adaptive_link
 from experiments.train.validate import validate
 from models import MODELS
+from sparsecomm_jax.step import capacities
 from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import SELECTORS
 
@@ -326,8 +327,15 @@ def test_writes_json(tmp_path):
 @pytest.mark.cli
 def test_rowwise_run_survives_capacity_growth(monkeypatch):
     """Bucket capacity grows mid-run (a new program); the runner recompiles, not fails,
-    and reads the step in flight before compiling (no step's time holds a compile)."""
+    and reads the step in flight before compiling (no step's time holds a compile).
+    Slots sized to each batch's exact need, no margin, so a later batch outgrows them."""
     events = record_loop_events(monkeypatch, loop)
+    real_grow = capacities.grow_capacities
+
+    def exact(current, needs, fixed, policy):
+        return real_grow(current, needs, fixed, policy._replace(grow=lambda need: need))
+
+    monkeypatch.setattr(capacities, "grow_capacities", exact)
     real_compiled = loop._compiled
 
     def compiled(ts, log, state, batch, key):

@@ -381,8 +381,8 @@ def test_a_table_read_by_a_full_softmax_is_never_table_wise():
 def test_the_planner_prices_the_chosen_wire():
     """Each layout's bytes with FP8 rows (a float32 scale a row) and a bfloat16 dense
     mean, from the float32 formula's terms: ids 4 bytes, rows out and back in their
-    codecs; each exchange's slots padded as its buffers are (row: 90 -> 119, 3 sqrt(90)
-    more; column: 300 -> 344, 2.5 sqrt(300) more: ``layout.grow_with_margin``)."""
+    codecs; each exchange's slots padded as its buffers are (row: 90 -> 119, column:
+    300 -> 352, 3 sqrt(need) more: ``layout.grow_with_margin``)."""
     s = planner.TableStats("t", 10_000, 64, 512, 300, 90)
     link, p = Link(0.0, 1.0), 4
     spec = wire.parse("forward=float8_e4m3fn,backward=float8_e5m2,dense=bfloat16")
@@ -391,7 +391,7 @@ def test_the_planner_prices_the_chosen_wire():
         return planner.layout_cost(s, layout, p, link, 0, wire=chosen).bytes
 
     assert nbytes("row") == (p - 1) * 119 * (4 + 2 * (64 + 4))
-    assert nbytes("column") == (p - 1) * 344 * (4 + 2 * (64 // p + 4))
+    assert nbytes("column") == (p - 1) * 352 * (4 + 2 * (64 // p + 4))
     assert nbytes("replicated") == (p - 1) * 512 * (64 + 4 + 4)
     assert nbytes("dense") == nbytes("dense", wire.DEFAULT) / 2
     small = planner.TableStats("s", 300, 1, 64, 30, 9)  # 300 entries: slices under a block

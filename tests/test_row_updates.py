@@ -181,9 +181,9 @@ def test_nonfinite_rows_skip_the_step(strategy, comm_dtype):
         np.testing.assert_array_equal(a, b)
 
 
-def _row_bytes(strategy, comm_dtype, dim=16):
+def _row_bytes(strategy, comm_dtype, dim=16, batch=32):
     w = get_workload(
-        "lstm_lm", seed=5, vocab=512, dim=dim, hidden=16, seq_len=8, batch=32, sampled_softmax=16
+        "lstm_lm", seed=5, vocab=512, dim=dim, hidden=16, seq_len=8, batch=batch, sampled_softmax=16
     )
     ts = sc.make_train_step(
         w.loss,
@@ -287,9 +287,9 @@ def test_embrace_sends_each_distinct_row_once():
     """One id all-gather and one all-to-all each way for all lookups; each worker's slots
     per table = the most distinct ids any worker reads of it (numpy) with its margin,
     at most every id a worker reads."""
-    _, colls = _row_bytes("embrace", "float32")
+    _, colls = _row_bytes("embrace", "float32", batch=128)  # 16 sequences a worker
     w = get_workload(
-        "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=32, sampled_softmax=16
+        "lstm_lm", seed=5, vocab=512, dim=16, hidden=16, seq_len=8, batch=128, sampled_softmax=16
     )
     batch, num = w.batch_at(0), 8
     parts = np.split(batch["tokens"], num)

@@ -23,7 +23,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -52,15 +51,12 @@ CASES = (
 )
 
 
-def _with_sigmas(sigmas: float, need: int) -> int:
-    return max(8, need + math.ceil(sigmas * math.sqrt(need)))
-
-
 RULES = {
     "an eighth more (before)": layout.grow_by_eighth,
     "next power of two (row-wise before)": layout.next_power_of_two,
     **{
-        f"margin {k} sd": functools.partial(_with_sigmas, k) for k in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
+        f"margin {k} sd": functools.partial(layout.grow_with_margin, sigmas=k)
+        for k in (1.5, 2.0, 2.5, 3.0, 3.5, 4.0)
     },
 }
 

@@ -275,8 +275,8 @@ def price(
 
     Example:
         >>> from sparsecomm_jax.comm.costmodel import Link
-        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 18
-        1080.0
+        >>> price(TableStats("t", 1000, 8, 64, 10, 4), 4, Link(0.0, 1.0), 0).bytes  # C = 20
+        1200.0
     """
     p, padded = workers, -(-stats.dim // workers) * workers
     c = padded_slots(CAPACITY.grow, stats.distinct)

@@ -544,7 +544,7 @@ def grow_by_quarter(need: int) -> int:
 
 
 #: Standard deviations of a batch's distinct ids that ``grow_with_margin`` leaves free.
-MARGIN_SIGMAS = 2.5
+MARGIN_SIGMAS = 3.0
 
 
 def grow_with_margin(need: int, sigmas: float = MARGIN_SIGMAS) -> int:
@@ -554,23 +554,22 @@ def grow_with_margin(need: int, sigmas: float = MARGIN_SIGMAS) -> int:
 
     The ids of a table that a worker reads differ from batch to batch, and so does how
     many are distinct. That count is a sum of "id v appears" indicators, negatively
-    associated for draws from one distribution, so its variance is at most its mean: one
-    standard deviation is at most sqrt(need) (less on skewed streams, whose head appears
-    in every batch). ``experiments.studies.steady_slots`` replays the rules on the needs
-    of 200-batch Zipf streams: at 2.5 no column-wise slot of a DLRM or an LM grew after
-    the first batch; growing by an eighth grew in most DLRM streams.
+    associated for independent draws, so its variance is at most its mean: one standard
+    deviation is at most sqrt(need). A slot count is a maximum over workers (and over
+    owners, for buckets), which spreads wider. ``experiments.studies.steady_slots``
+    replays the rules on the needs of 200-batch Zipf streams (a DLRM column- and
+    row-wise, an LM): at 3 no stream of 36 grew after its first batch; at 2.5, 2 did.
 
     Args:
       need: the slots the first batch needs.
-      sigmas: standard deviations of margin (a layout whose slots are a maximum over
-        many counts, as the row-wise buckets are, needs more).
+      sigmas: standard deviations of margin.
 
     Returns:
       The slots.
 
     Example:
         >>> grow_with_margin(100), grow_with_margin(10_000), grow_with_margin(1)
-        (125, 10250, 8)
+        (130, 10300, 8)
     """
     return max(8, need + math.ceil(sigmas * math.sqrt(need)))
 

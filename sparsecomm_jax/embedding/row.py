@@ -5,8 +5,7 @@ The layout's trio, per read:
 
 1. **plan** (host): per table, the most *distinct* ids any worker asks of any one owner
    (``bucket_slots``), with a margin for the batches after it (``CAPACITY``:
-   ``layout.grow_with_margin`` at ``BUCKET_SIGMAS``, measured by
-   ``experiments.studies.steady_slots``);
+   ``layout.grow_with_margin``);
 2. **fetch**: a worker buckets its distinct ids by owner (``bucket_plan``, ``C`` slots per
    owner), one all-to-all sends each owner the ids asked of it, the owner takes those
    rows, and one all-to-all returns them; each position picks its row. The buckets of
@@ -116,17 +115,9 @@ def _bucket_bound(reads: HostReads, table, workers: int) -> int:
     return min(reads[table.index][0].shape[1], -(-table.vocab // workers))
 
 
-#: Standard deviations of a bucket's margin: its need is a maximum over P x P counts,
-#: which spreads wider than one count (2.5 grew in 1 of 12 DLRM streams, 3 in none).
-BUCKET_SIGMAS = 3.0
-
-
-def _bucket_grow(need: int) -> int:
-    """A bucket's slots: ``layout.grow_with_margin`` at ``BUCKET_SIGMAS``."""
-    return grow_with_margin(need, BUCKET_SIGMAS)
-
-
-CAPACITY = CapacityPolicy(_bucket_need, "distinct rows from one owner", _bucket_grow, _bucket_bound)
+CAPACITY = CapacityPolicy(
+    _bucket_need, "distinct rows from one owner", grow_with_margin, _bucket_bound
+)
 
 
 def bucket_plan(ids, vocab: int, num_workers: int, capacity: int):

@@ -8,8 +8,8 @@ slots when a batch needs more (a new program) and never shrinks them, or holds a
 
 Example:
     >>> from sparsecomm_jax.embedding.column import CAPACITY
-    >>> grow_capacities({0: 16}, {0: 12, 1: 100}, None, CAPACITY)  # 100 + 2.5 sqrt(100)
-    {0: 16, 1: 125}
+    >>> grow_capacities({0: 16}, {0: 12, 1: 100}, None, CAPACITY)  # 100 + 3 sqrt(100)
+    {0: 16, 1: 130}
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def grow_capacities(
     """Each table's slots for ``needs``: ``fixed`` when given (``ValueError`` when a table
     needs more), else grown by ``policy.grow`` past ``current`` when needed, never shrunk.
 
-    Example: current {0: 16}, needs {0: 12, 1: 100}, column-wise -> {0: 16, 1: 125}.
+    Example: current {0: 16}, needs {0: 12, 1: 100}, column-wise -> {0: 16, 1: 130}.
     """
     return {i: _sized(need, current.get(i, 0), fixed, policy) for i, need in needs.items()}
 
