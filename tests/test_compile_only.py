@@ -245,3 +245,22 @@ def test_gpu_check_compares_a_card_with_its_compile_only_program():
     assert gpu_check.card_of("NVIDIA H100 80GB HBM3") == "h100"
     skipped = gpu_check.schedule_comparison({"model": "lstm_lm", "program": here}, size, "cpu")
     assert "no compile-only description" in skipped["skipped"]
+
+
+def test_the_papers_scale_study_on_a_small_lm():
+    """``experiments.studies.gpu_scale`` on a small LM for 8 H100s: ``embrace`` sends
+    fewer bytes a GPU than ``dense`` and needs less memory, and the modelled time is the
+    link model applied to the compiled collectives (NVLink on one host)."""
+    from experiments.studies import gpu_scale
+
+    small = dict(README, per_gpu=2)
+    dense, embrace = (gpu_scale.measure("lstm_lm", small, s, hosts=1) for s in ("dense", "embrace"))
+    assert embrace["runs_as"] == "embrace" and embrace["link"] == "NVLink"
+    assert 0 < embrace["mb_a_gpu"] < dense["mb_a_gpu"]
+    assert 0 < embrace["peak_gb"] <= dense["peak_gb"] and embrace["fits"]
+    assert embrace["collectives"] > 0 and embrace["comm_ms"] > 0
+    # the modelled time is at least the bytes sent over NVLink's bandwidth, plus latency
+    beta = gpu_scale.LINKS["nvlink"].beta
+    assert embrace["comm_ms"] > 1e3 * embrace["mb_a_gpu"] * 1e6 * beta
+    table = gpu_scale.table([{"workload": "LM", **dense}, {"workload": "LM", **embrace}])
+    assert table.count("| LM | 8 |") == 2 and "`embrace`" in table
