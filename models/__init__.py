@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from models import bert, dlrm, gpt2, lstm_lm, transformer, vision
+from models import bert, dlrm, dlrm_nnx, gpt2, lstm_lm, transformer, vision
 from models.workload import Workload
 
 # name -> (config class, builder)
@@ -23,6 +23,7 @@ MODELS: dict[str, tuple[type, Callable[[Any], Workload]]] = {
     "resnet": (vision.VisionConfig, lambda cfg: vision.workload("resnet", cfg)),
     "vgg": (vision.VisionConfig, lambda cfg: vision.workload("vgg", cfg)),
     "dlrm": (dlrm.DLRMConfig, dlrm.workload),
+    "dlrm_nnx": (dlrm.DLRMConfig, dlrm_nnx.workload),  # the same model written in flax NNX
 }
 
 

@@ -295,15 +295,10 @@ def criteo_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
     return batch_at, heldout
 
 
-def workload(cfg: DLRMConfig) -> Workload:
-    """DLRM as a ``Workload``: one ``EmbedBag`` table per sparse feature."""
+def checked_shape(cfg: DLRMConfig) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The rows of each table and the bottom and top MLPs' widths of ``cfg``
+    (``ValueError`` naming the flag that is wrong)."""
     sizes = table_sizes(cfg)
-    model = DLRM(
-        tuple(sizes),
-        cfg.dim,
-        tuple(_widths(cfg.bottom, "--bottom")),
-        tuple(_widths(cfg.top, "--top")),
-    )
     if cfg.multi_hot < 1:
         raise ValueError(f"--multi-hot must be >= 1, got {cfg.multi_hot}")
     if cfg.data_dir and cfg.multi_hot != 1:
@@ -311,7 +306,29 @@ def workload(cfg: DLRMConfig) -> Workload:
             f"--multi-hot {cfg.multi_hot} is for the synthetic data: a Criteo file "
             "(--data-dir) has one id per sparse feature; leave --multi-hot at 1"
         )
-    batch_at, heldout = (criteo_data if cfg.data_dir else synthetic_data)(cfg)
+    return tuple(sizes), tuple(_widths(cfg.bottom, "--bottom")), tuple(_widths(cfg.top, "--top"))
+
+
+def data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
+    """``(batch_at, heldout)``: a Criteo file's (``--data-dir``) or synthetic data."""
+    return (criteo_data if cfg.data_dir else synthetic_data)(cfg)
+
+
+def click_metrics(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+    """Log loss, accuracy and AUC of click ``logits`` against ``labels`` (0/1)."""
+    correct = (logits > 0) == (labels > 0.5)
+    return {
+        "loss": log_loss(logits, labels),
+        "accuracy": jnp.mean(correct),
+        "auc": auc(logits, labels),
+    }
+
+
+def workload(cfg: DLRMConfig) -> Workload:
+    """DLRM as a ``Workload``: one ``EmbedBag`` table per sparse feature."""
+    sizes, bottom, top = checked_shape(cfg)
+    model = DLRM(sizes, cfg.dim, bottom, top)
+    batch_at, heldout = data(cfg)
 
     def init(key):  # parameters only: the forward pass on the batch is not computed
         return model.lazy_init(key, batch_at(0))
@@ -321,13 +338,7 @@ def workload(cfg: DLRMConfig) -> Workload:
             return log_loss(model.apply(params, batch), batch["label"])
 
     def metrics(params, batch):
-        logits = model.apply(params, batch)
-        correct = (logits > 0) == (batch["label"] > 0.5)
-        return {
-            "loss": log_loss(logits, batch["label"]),
-            "accuracy": jnp.mean(correct),
-            "auc": auc(logits, batch["label"]),
-        }
+        return click_metrics(model.apply(params, batch), batch["label"])
 
     return Workload(
         name="dlrm",

@@ -108,6 +108,9 @@ class TrainStep(NamedTuple):
         the G workers a table is sharded over), which a checkpoint records so that it
         restores onto another count or layout; ``None``: stored as the model made it
         (``jax.pmap``'s replicas).
+      module: for a flax NNX model (``nnx_tables``), ``module(state) -> nnx.Module``:
+        the user's module with the state's parameters (a model to call, save or keep
+        training); ``None`` for a Linen parameter tree.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -125,6 +128,7 @@ class TrainStep(NamedTuple):
     place_steps: Callable[..., Any] | None = None
     scannable: bool = False
     form: Any = None
+    module: Callable[[TrainState], Any] | None = None
 
 
 class StepContext(NamedTuple):

@@ -25,7 +25,7 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from sparsecomm_jax import runtime
+from sparsecomm_jax import nnx_tables, runtime
 from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.layout import Layout
@@ -85,11 +85,14 @@ def make_train_step(
     for the dense layers).
 
     Args:
-      loss_fn: ``loss_fn(params, batch, emb) -> scalar``, mean over the batch's examples.
+      loss_fn: ``loss_fn(params, batch, emb) -> scalar``, mean over the batch's examples;
+        with an NNX model, ``loss_fn(model, batch)`` as flax's NNX guides write it.
       optimizer: any optax optimizer; it runs on global arrays (a sharded table's
         gradient is summed over its shards by any transform that reduces over the tree).
       mesh: a mesh with axis ``axis_name`` (see ``runtime.data_mesh``).
-      params: initial parameters (host or device arrays, unsharded).
+      params: initial parameters (host or device arrays, unsharded), or a flax
+        ``nnx.Module`` (``nnx_tables``: its ``nnx.Embed`` tables found and sharded, the
+        module unchanged; ``ts.module(state)`` gives it back trained).
       strategy: one of ``strategy_names()`` (or a ``StrategyName``).
       axis_name: the data-parallel mesh axis.
       replicated_keys: batch keys every worker sees whole (e.g. shared negatives).
@@ -167,6 +170,14 @@ def make_train_step(
         make.
     """
     name = parse_strategy(strategy)
+    nnx_tables.refuse_nnx_optimizer(optimizer)
+    split = None
+    if nnx_tables.is_module(params):  # an NNX model: its tables found, its loss wrapped
+        split = nnx_tables.split_model(params, loss_fn)
+        embedding_paths, table_layouts = nnx_tables.step_tables(
+            params, split, name, embedding_paths, table_layouts
+        )
+        loss_fn, params = split.loss_fn, split.params
     ctx = make_context(
         loss_fn,
         optimizer,
@@ -193,6 +204,7 @@ def make_train_step(
         strategy=str(strategy),
         table_update=ctx.table_update.name,
         runs_as=str(name._replace(tables=built.runs_as)),  # the table half may differ
+        module=None if split is None else nnx_tables.module_of(split, built.host_params),
     )
 
 

@@ -1,0 +1,364 @@
+"""Flax NNX models under every strategy, unchanged: their ``nnx.Embed`` tables found and
+served by the strategy's lookups.
+
+``make_train_step(loss_fn, optimizer, mesh, model, strategy)`` takes an ``nnx.Module``
+where it takes a Linen parameter tree, with ``loss_fn(model, batch)`` as flax's NNX
+guides write losses. ``split_model`` does the work: it splits the module into its graph
+and its ``nnx.Param`` values (a plain dict, the tree every strategy already places),
+finds the tables (every plain ``flax.nnx.Embed`` and this module's ``EmbedBag``: their
+``"embedding"`` parameters) and wraps the loss as the ``loss_fn(params, batch, emb)``
+the strategies call. Inside that loss the module is rebuilt from the worker's
+parameters, whose tables may be shards (V x D/P column-wise, V/P x D row-wise), and
+each table's lookups and ``attend`` go through the strategy's ``EmbeddingOps``; the
+user's module is never modified (the rebuilt copy's ``nnx.Embed`` objects are served
+in place of theirs for the trace). ``TrainStep.module(state)`` rebuilds the user's
+module with the trained parameters.
+
+A subclass of ``nnx.Embed`` other than ``EmbedBag`` may read its table its own way, so
+it is not taken as a table: its parameters stay dense (name it in ``embedding_paths``
+only if it reads the table through ``__call__``/``attend`` as ``nnx.Embed`` does).
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> class Bag(nnx.Module):
+    ...     def __init__(self, rngs):
+    ...         self.embed = nnx.Embed(10, 4, rngs=rngs)
+    ...         self.out = nnx.Linear(4, 2, rngs=rngs)
+    ...     def __call__(self, ids):
+    ...         return self.out(self.embed(ids).mean(axis=1))
+    >>> split = split_model(Bag(nnx.Rngs(0)), lambda model, batch: model(batch).sum())
+    >>> split.table_paths
+    (('embed', 'embedding'),)
+    >>> float(split.loss_fn(split.params, jnp.zeros((2, 3), jnp.int32))) != 0.0
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparsecomm_jax import nn
+from sparsecomm_jax.embedding.access import PLAIN, EmbeddingOps
+from sparsecomm_jax.embedding.tables import table_name
+
+PyTree = Any
+TABLE_NAME = nn.TABLE_NAME  # nnx.Embed's parameter, as flax.linen.Embed's
+
+
+def is_module(x: Any) -> bool:
+    """Whether ``x`` is a flax NNX module (what ``make_train_step`` splits)."""
+    return isinstance(x, nnx.Module)
+
+
+# ---------------------------------------------------------------------- the lookups
+
+
+def _rows(module: nnx.Embed, inputs: jax.Array, shared: bool = False) -> jax.Array:
+    """``module``'s rows of ``inputs`` through the current ``EmbeddingOps``."""
+    if not jnp.issubdtype(jnp.asarray(inputs).dtype, jnp.integer):
+        raise ValueError("Input type must be an integer or unsigned integer.")
+    table = module.embedding[...]  # float[V, D], or this worker's shard of it
+    ops = nn.current_ops() or PLAIN
+    rows = (ops.lookup_shared if shared else ops.lookup)(table, inputs)  # [*ids, D]
+    return rows.astype(module.dtype or table.dtype)
+
+
+class _ServedEmbed(nnx.Embed):
+    """A rebuilt ``nnx.Embed`` whose lookups go through the strategy (``serve``)."""
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        return _rows(self, inputs)
+
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+        table = self.embedding[...]  # float[V, D], or this worker's shard of it
+        dtype = self.dtype or jnp.result_type(query, table)
+        logits = (nn.current_ops() or PLAIN).attend(table, query.astype(dtype))
+        return logits.astype(dtype)  # [..., V]
+
+    def lookup_shared(self, inputs: jax.Array) -> jax.Array:
+        """As ``__call__``, for ids every worker holds identically (shared negatives)."""
+        return _rows(self, inputs, shared=True)
+
+
+POOLINGS = nn.POOLINGS
+
+
+class EmbedBag(nnx.Embed):
+    """Pooled lookups of bags of ids for NNX models, as ``sparsecomm_jax.nn.EmbedBag``
+    is for Linen (PyTorch's ``nn.EmbeddingBag``, TorchRec's pooled tables): one row per
+    bag, the sum or the mean of its ids' rows; padded places hold ``padding_id`` or lie
+    past the bag's ``lengths``. Its lookups always go through the current strategy's
+    ``EmbeddingOps`` (a plain ``take`` outside a step).
+
+    Args (besides ``nnx.Embed``'s):
+      mode: ``"sum"`` or ``"mean"`` (an empty bag is zeros).
+      padding_id: the id of padded places, or ``None``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> bag = EmbedBag(10, 2, mode="mean", padding_id=0, rngs=nnx.Rngs(0))
+        >>> pooled = bag(jnp.array([[3, 5, 0], [7, 0, 0]]))  # bags of 2 and 1 ids
+        >>> table = bag.embedding[...]
+        >>> bool(jnp.allclose(pooled[0], (table[3] + table[5]) / 2))
+        True
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        mode: str = "sum",
+        padding_id: int | None = None,
+        **kwargs: Any,
+    ):
+        if mode not in POOLINGS:
+            raise ValueError(f"EmbedBag mode must be one of {POOLINGS}, got {mode!r}")
+        super().__init__(num_embeddings, features, **kwargs)
+        self.mode = mode
+        self.padding_id = padding_id
+
+    def __call__(self, inputs: jax.Array, lengths: jax.Array | None = None) -> jax.Array:
+        """Pooled rows ``[*inputs.shape[:-1], features]`` of bags ``inputs[..., L]``."""
+        if jnp.ndim(inputs) < 1:
+            raise ValueError("EmbedBag inputs must be bags [..., L] of ids, got a scalar")
+        rows = _rows(self, inputs)  # [..., L, D]
+        counted = jnp.ones(jnp.shape(inputs), bool)
+        if self.padding_id is not None:
+            counted &= inputs != self.padding_id
+        if lengths is not None:
+            counted &= jnp.arange(jnp.shape(inputs)[-1]) < jnp.asarray(lengths)[..., None]
+        weights = counted.astype(rows.dtype)[..., None]
+        pooled = jnp.sum(rows * weights, axis=-2)
+        if self.mode == "mean":
+            pooled = pooled / jnp.maximum(jnp.sum(weights, axis=-2), 1)
+        return pooled
+
+
+def _is_table(module: Any) -> bool:
+    return type(module) in (nnx.Embed, _ServedEmbed) or isinstance(module, EmbedBag)
+
+
+def serve(model: nnx.Module) -> nnx.Module:
+    """Routes the lookups of every plain ``nnx.Embed`` in ``model`` through the current
+    ``EmbeddingOps`` (``nn.use_ops``): each becomes a ``_ServedEmbed`` in place (the
+    same attributes and parameters). Used on the copy a step's loss rebuilds, never on
+    the user's module. Returns ``model``."""
+    for _, module in nnx.iter_modules(model):
+        if type(module) is nnx.Embed:
+            object.__setattr__(module, "__class__", _ServedEmbed)
+    return model
+
+
+# ---------------------------------------------------------------------- the split
+
+
+def _key(k: Any) -> str:
+    return str(k)
+
+
+def _str_keys(tree: Any) -> Any:
+    """A pure dict with every key a string (``nnx.List`` entries are ints)."""
+    if isinstance(tree, dict):
+        return {_key(k): _str_keys(v) for k, v in tree.items()}
+    return tree
+
+
+def _like(template: Any, tree: Any) -> Any:
+    """``tree`` (string keys) with ``template``'s keys again."""
+    if isinstance(template, dict):
+        return {k: _like(v, tree[_key(k)]) for k, v in template.items()}
+    return tree
+
+
+class SplitModel(NamedTuple):
+    """An NNX module as a strategy's step takes it (``split_model``).
+
+    Attributes:
+      params: the ``nnx.Param`` values, a nested dict with string keys.
+      loss_fn: ``loss_fn(params, batch, emb) -> scalar``: the module rebuilt from
+        ``params`` (its tables served by ``emb``) and the user's ``loss(model, batch)``.
+      table_paths: each table's path in ``params``, e.g. ``("embed", "embedding")``.
+      module: ``module(params) -> nnx.Module``: the user's module with ``params``.
+    """
+
+    params: PyTree
+    loss_fn: Callable[..., jax.Array]
+    table_paths: tuple[tuple[str, ...], ...]
+    module: Callable[[PyTree], nnx.Module]
+
+
+def table_paths(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
+    """The path of every table of ``model`` in its parameters (``SplitModel.params``):
+    each plain ``nnx.Embed``'s and ``EmbedBag``'s ``"embedding"``.
+
+    Example:
+        >>> from flax import nnx
+        >>> table_paths(nnx.Embed(10, 4, rngs=nnx.Rngs(0)))
+        (('embedding',),)
+    """
+    return tuple(
+        (*map(_key, path), TABLE_NAME) for path, m in nnx.iter_modules(model) if _is_table(m)
+    )
+
+
+#: The metadata keys flax has used for a variable's logical axis names, newest first.
+SHARDING_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def metadata_layouts(model: nnx.Module) -> dict[str, str]:
+    """Each table's layout as its NNX sharding metadata names it (MaxText's logical axes,
+    ``nnx.with_partitioning`` or ``embedding_metadata``): the vocabulary axis (the first)
+    named and the feature axis not means ``"row"``; the feature axis named and the
+    vocabulary axis not means ``"column"``; neither or both: no preference (the
+    strategy's layout). Keys are table names (``"embed/embedding"``).
+
+    Example:
+        >>> from flax import nnx
+        >>> named = dict(out_sharding=("vocab", None), eager_sharding=False)
+        >>> metadata_layouts(nnx.Embed(10, 4, embedding_metadata=named, rngs=nnx.Rngs(0)))
+        {'embedding': 'row'}
+    """
+    out = {}
+    for path, module in nnx.iter_modules(model):
+        if not _is_table(module):
+            continue
+        meta = module.embedding.get_metadata()
+        names = next((meta[k] for k in SHARDING_KEYS if meta.get(k) is not None), None)
+        if names is None or len(names) != 2:
+            continue
+        vocab, features = (n is not None for n in names)
+        if vocab != features:
+            out["/".join((*map(_key, path), TABLE_NAME))] = "row" if vocab else "column"
+    return out
+
+
+def _check_loss(loss: Callable) -> None:
+    try:
+        params = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a C callable: trust it
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > 2:
+        raise TypeError(
+            f"loss_fn({', '.join(p.name for p in required)}) has the Linen form "
+            "loss_fn(params, batch, emb); with an nnx.Module pass loss_fn(model, batch)"
+        )
+
+
+def _check_state(rest: nnx.State) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(
+        rest, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    if leaves:
+        held = ", ".join(
+            f"{'/'.join(_key(getattr(k, 'key', k)) for k in path)} ({type(v).__name__})"
+            for path, v in leaves[:4]
+        )
+        more = f" and {len(leaves) - 4} more" if len(leaves) > 4 else ""
+        raise ValueError(
+            f"model holds state other than nnx.Param that the step cannot carry: {held}"
+            f"{more}; keep random keys and statistics out of the module (pass keys in "
+            "the batch)"
+        )
+
+
+def split_model(model: nnx.Module, loss: Callable[[nnx.Module, Any], jax.Array]) -> SplitModel:
+    """``model`` and its ``loss(model, batch)`` as a strategy's step takes them.
+
+    Args:
+      model: an ``nnx.Module`` holding ``nnx.Param`` state only.
+      loss: ``loss(model, batch) -> scalar``, the mean over the batch's examples.
+
+    Returns:
+      A ``SplitModel``.
+
+    Raises:
+      TypeError: ``loss`` has the Linen form ``loss(params, batch, emb)``.
+      ValueError: ``model`` holds state other than parameters (which, named).
+    """
+    _check_loss(loss)
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    _check_state(rest)
+    pure = nnx.to_pure_dict(state)
+
+    def module(params: PyTree) -> nnx.Module:
+        values = jax.tree_util.tree_map(lambda x: x, state)  # a fresh State to fill
+        nnx.replace_by_pure_dict(values, _like(pure, params))
+        return nnx.merge(graphdef, values, rest)
+
+    def loss_fn(params: PyTree, batch: Any, emb: EmbeddingOps | None = None) -> jax.Array:
+        rebuilt = serve(module(params))
+        with nn.use_ops(emb):
+            return loss(rebuilt, batch)
+
+    return SplitModel(_str_keys(pure), loss_fn, table_paths(model), module)
+
+
+def module_of(
+    split: SplitModel, host_params: Callable[[Any], PyTree]
+) -> Callable[[Any], nnx.Module]:
+    """``TrainStep.module``: ``state -> `` the user's module with the state's parameters
+    (``host_params(state)``, the tables gathered back to V x D)."""
+
+    def module(state: Any) -> nnx.Module:
+        params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), host_params(state))
+        return split.module(params)
+
+    return module
+
+
+def refuse_nnx_optimizer(optimizer: Any) -> None:
+    """A one-line ``TypeError`` for an ``nnx.Optimizer`` (the step runs optax itself)."""
+    if isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            "optimizer is an nnx.Optimizer; pass its optax transformation instead, e.g. "
+            "make_train_step(loss_fn, optax.adam(1e-3), mesh, model, ...): the step keeps "
+            "the optimizer state itself"
+        )
+
+
+def with_metadata_layouts(
+    model: nnx.Module, table_layouts: Mapping[Any, Any] | None
+) -> Mapping[Any, Any] | None:
+    """``table_layouts`` with each table's ``metadata_layouts`` where it names none."""
+    named = {table_name(p) for p in (table_layouts or {})}
+    found = {k: v for k, v in metadata_layouts(model).items() if k not in named}
+    if not found:
+        return table_layouts
+    return {**found, **(table_layouts or {})}
+
+
+def step_tables(
+    model: nnx.Module,
+    split: SplitModel,
+    name: Any,
+    embedding_paths: Any,
+    table_layouts: Mapping[Any, Any] | None,
+) -> tuple[Any, Mapping[Any, Any] | None]:
+    """``make_train_step``'s ``embedding_paths`` and ``table_layouts`` for an NNX model:
+    the tables found (unless ``embedding_paths`` names them) and, for a strategy that
+    takes a layout per table (``name``: a ``StrategyName``), each table's sharding
+    metadata unless ``table_layouts`` names it.
+
+    Raises:
+      ValueError: the strategy shards tables and the model has none.
+    """
+    if not embedding_paths and name.strategy.needs_tables and not split.table_paths:
+        raise ValueError(
+            f"strategy {name.tables!r} needs embedding tables: the model has no "
+            "flax.nnx.Embed (or nnx_tables.EmbedBag); pass embedding_paths to name one"
+        )
+    if name.strategy.any_layout:
+        table_layouts = with_metadata_layouts(model, table_layouts)
+    return embedding_paths or split.table_paths, table_layouts
