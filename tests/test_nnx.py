@@ -393,3 +393,17 @@ def test_the_command_line_trains_and_resumes_the_nnx_dlrm(tmp_path):
     again = [*flags, "--steps", "4", "--devices", "8", "--resume", f"--checkpoint-dir={saved}"]
     assert main([*again, f"--out={out}"]) == 0
     assert json.loads(out.read_text())["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
+
+
+def test_the_parity_study_on_a_small_model(tmp_path):
+    """``experiments.studies.nnx_parity`` at a small size: the NNX and Linen programs send
+    the same bytes with the same collectives, and their losses are equal."""
+    from experiments.studies import nnx_parity
+
+    args = ["--out-dir", str(tmp_path), "--strategies", "embrace", "--vocab", "500"]
+    assert nnx_parity.main([*args, "--batch", "64", "--steps", "3", "--rounds", "1"]) == 0
+    (row,) = json.loads((tmp_path / "nnx_parity.json").read_text())
+    assert row["nnx_mb"] == row["linen_mb"] > 0
+    assert row["nnx_collectives"] == row["linen_collectives"]
+    assert row["loss_gap"] < 1e-6 and len(row["nnx_losses"]) == 3
+    assert "`embrace`" in (tmp_path / "nnx_parity.md").read_text()
