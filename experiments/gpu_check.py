@@ -62,7 +62,8 @@ FULL_SIZES: dict[str, dict[str, Any]] = {
         batch=2048,
     ),
 }
-FULL_SIZES["dlrm_nnx"] = FULL_SIZES["dlrm"]  # the same model in flax NNX
+FULL_SIZES["dlrm_nnx"] = FULL_SIZES["dlrm"]  # the same models in flax NNX
+FULL_SIZES["lstm_lm_nnx"] = FULL_SIZES["lstm_lm"]
 SMALL_SIZES = dict(vocab=200, dim=16, hidden=16, heads=2, seq_len=8, batch=4, width=4)
 
 

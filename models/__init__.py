@@ -11,12 +11,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from models import bert, dlrm, dlrm_nnx, gpt2, lstm_lm, transformer, vision
+from models import bert, dlrm, dlrm_nnx, gpt2, lstm_lm, lstm_lm_nnx, transformer, vision
 from models.workload import Workload
 
 # name -> (config class, builder)
 MODELS: dict[str, tuple[type, Callable[[Any], Workload]]] = {
     "lstm_lm": (lstm_lm.LSTMConfig, lstm_lm.workload),
+    "lstm_lm_nnx": (lstm_lm.LSTMConfig, lstm_lm_nnx.workload),  # the same model in flax NNX
     "transformer": (transformer.TransformerConfig, transformer.workload),
     "bert": (bert.BERTConfig, bert.workload),
     "gpt2": (gpt2.GPT2Config, gpt2.workload),

@@ -407,3 +407,34 @@ def test_the_parity_study_on_a_small_model(tmp_path):
     assert row["nnx_collectives"] == row["linen_collectives"]
     assert row["loss_gap"] < 1e-6 and len(row["nnx_losses"]) == 3
     assert "`embrace`" in (tmp_path / "nnx_parity.md").read_text()
+
+
+def linen_lstm_params(params: dict) -> dict:
+    """``--model lstm_lm_nnx``'s parameters in ``--model lstm_lm``'s tree (one layer):
+    the NNX cell's packed gate kernels (i, f, g, o) split into Linen's per-gate ones."""
+    cell = params["lstm"]["0"]["cell"]
+    gates = "ifgo"
+    inputs = np.split(np.asarray(cell["dense_i"]["kernel"]), 4, axis=-1)
+    hidden = np.split(np.asarray(cell["dense_h"]["kernel"]), 4, axis=-1)
+    bias = np.split(np.asarray(cell["dense_h"]["bias"]), 4, axis=-1)
+    lstm = {f"i{g}": {"kernel": k} for g, k in zip(gates, inputs, strict=True)}
+    lstm |= {f"h{g}": {"kernel": k, "bias": b} for g, k, b in zip(gates, hidden, bias, strict=True)}
+    rest = {k: v for k, v in params.items() if k != "lstm"}
+    return {**rest, "lstm": {"OptimizedLSTMCell_0": lstm}}
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "dense_pmap", "embrace_2d"])
+def test_the_nnx_lstm_lm_takes_the_linen_lms_steps(strategy):
+    """``--model lstm_lm_nnx`` (``models.lstm_lm_nnx``: plain ``nnx.Embed`` tables, a sampled
+    softmax over shared negatives) given ``--model lstm_lm``'s parameter values takes its
+    steps: the same losses to 1e-6 (SGD)."""
+    sizes = dict(vocab=300, dim=8, hidden=16, seq_len=6, batch=32, sampled_softmax=24)
+    linen_w, nnx_w = get_workload("lstm_lm", **sizes), get_workload("lstm_lm_nnx", **sizes)
+    params = nnx_w.init(jax.random.key(0))
+    twin = linen_lstm_params(params)
+    assert jax.tree.map(jnp.shape, twin) == jax.tree.map(jnp.shape, linen_w.init(jax.random.key(0)))
+    opt = optax.sgd(0.5)
+    nnx_losses, _, _ = strategy_run(nnx_w, opt, params, 3, strategy)
+    linen_losses, _, _ = strategy_run(linen_w, opt, twin, 3, strategy)
+    np.testing.assert_allclose(nnx_losses, linen_losses, rtol=1e-6, atol=1e-6)
