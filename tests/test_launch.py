@@ -320,6 +320,21 @@ def test_two_processes_match_single_process(tmp_path):
     assert multi["deferred_entries"] == single["deferred_entries"] == 0
 
 
+def test_an_nnx_model_on_two_processes_matches_one(tmp_path):
+    """The LSTM LM written in flax NNX (``--model lstm_lm_nnx``), ``embrace``: 2 processes
+    x 2 devices equal one process with 4."""
+    out = tmp_path / "nnx.json"
+    cmd = [*_train_cmd(out, strategy="embrace"), "--model", "lstm_lm_nnx"]
+    proc = _launch(2, 2, cmd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    config = RunConfig(model="lstm_lm_nnx", strategy="embrace", devices=4, **ARGS)
+    single = train_and_evaluate(config, progress=False)
+    multi = json.loads(out.read_text())
+    assert multi["devices"] == 4
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-6)
+    assert multi["comm_bytes_per_step"] == pytest.approx(single["comm_bytes_per_step"])
+
+
 AGREE = """
 from sparsecomm_jax import distributed, runtime
 from sparsecomm_jax.comm import costmodel
