@@ -256,6 +256,26 @@ def _check_loss(loss: Callable) -> None:
         )
 
 
+def check_tree_loss(loss: Callable) -> None:
+    """A one-line ``TypeError`` when a loss given with a Linen parameter tree cannot take
+    ``(params, batch, emb)``: the NNX form ``loss(model, batch)`` (or any two-argument
+    loss) given a tree."""
+    try:
+        params = inspect.signature(loss).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a C callable: trust it
+        return
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 3:
+        names = ", ".join(p.name for p in positional)
+        raise TypeError(
+            f"loss_fn({names}) cannot take (params, batch, emb): with a parameter tree pass "
+            "nn.loss_with_embeddings(loss) for a loss(params, batch); an NNX model goes to "
+            "make_train_step as the module itself, with loss_fn(model, batch)"
+        )
+
+
 def _check_state(rest: nnx.State) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(
         rest, is_leaf=lambda x: isinstance(x, nnx.Variable)

@@ -243,7 +243,7 @@ class NoTable(nnx.Module):
 def test_bad_input_says_what_to_pass():
     """One line each, naming the argument: a Linen-form loss with an NNX model, an
     ``nnx.Optimizer``, state the step cannot carry, a model with no table, a plan naming
-    a table the model lacks."""
+    a table the model lacks; and the reverse, an NNX-form loss given a Linen tree."""
     mesh, model = runtime.data_mesh(8), NnxModel(nnx.Rngs(0))
 
     def linen_form(params, batch, emb):
@@ -258,6 +258,10 @@ def test_bad_input_says_what_to_pass():
         sc.make_train_step(nnx_loss, optax.sgd(0.1), mesh, Normed(nnx.Rngs(0)), "embrace")
     with pytest.raises(ValueError, match=r"'embrace' needs embedding tables: the model has no"):
         sc.make_train_step(nnx_loss, optax.sgd(0.1), mesh, NoTable(nnx.Rngs(0)), "embrace")
+    with pytest.raises(
+        TypeError, match=r"^loss_fn\(model, batch\) cannot take \(params, batch, emb"
+    ):
+        sc.make_train_step(nnx_loss, optax.sgd(0.1), mesh, linen_params(model), "embrace")
     plan = {"nope/embedding": "row"}  # a table the module lacks: the tables it has, named
     with pytest.raises(
         ValueError,

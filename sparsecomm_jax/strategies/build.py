@@ -178,6 +178,8 @@ def make_train_step(
             params, split, name, embedding_paths, table_layouts
         )
         loss_fn, params = split.loss_fn, split.params
+    else:
+        nnx_tables.check_tree_loss(loss_fn)
     ctx = make_context(
         loss_fn,
         optimizer,
