@@ -16,7 +16,7 @@ from helpers import assert_trees_close, strategy_run
 
 import sparsecomm_jax as sc
 from models import get_workload
-from sparsecomm_jax import nn, nnx_tables, runtime
+from sparsecomm_jax import checkpoint, nn, nnx_tables, runtime
 from sparsecomm_jax.strategies.registry import strategy_names
 
 V, BAGS, D, C, T, L, B = 96, 40, 16, 4, 5, 3, 32  # vocab, bag vocab, width, classes, ...
@@ -278,16 +278,23 @@ OPTIONS = {  # name -> (the NNX step's options, the Linen twin's)
     ),
     "replicas": ({"replicas": 2}, {"replicas": 2}),
     "comm_dtype": ({"comm_dtype": "bfloat16"}, {"comm_dtype": "bfloat16"}),
+    "rows": ({"table_update": "rows"}, {"table_update": "rows"}),
 }
+CLIPPED = optax.chain(  # clipping by global norm and a schedule: the row update is exact
+    optax.clip_by_global_norm(0.5),
+    optax.adagrad(optax.warmup_cosine_decay_schedule(0.0, 0.2, 2, 6)),
+)
 
 
 @pytest.mark.matrix
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_the_step_options_work_as_for_linen(option):
-    """A plan of layouts by table path, replica groups and a narrow wire: the NNX model's
-    steps equal its Linen twin's under the same options (``embrace``, Adagrad)."""
+    """A plan of layouts by table path, replica groups, a narrow wire, the row update of
+    a clipped and scheduled optimizer: the NNX model's steps equal its Linen twin's under
+    the same options (``embrace``; Adagrad)."""
     mine, twins = OPTIONS[option]
-    model, mesh, opt = NnxModel(nnx.Rngs(4)), runtime.data_mesh(8), optax.adagrad(0.1)
+    model, mesh = NnxModel(nnx.Rngs(4)), runtime.data_mesh(8)
+    opt = CLIPPED if option == "rows" else optax.adagrad(0.1)
     twin = linen_params(model)
     ts_nnx = sc.make_train_step(nnx_loss, opt, mesh, model, "embrace", **mine)
     ts_linen = sc.make_train_step(
@@ -299,6 +306,7 @@ def test_the_step_options_work_as_for_linen(option):
         embedding_paths=nn.embedding_paths(twin),
         **twins,
     )
+    assert ts_nnx.table_update == ts_linen.table_update
     _, losses_nnx = run(ts_nnx)
     _, losses_linen = run(ts_linen)
     np.testing.assert_allclose(losses_nnx, losses_linen, rtol=1e-6, atol=1e-6)
@@ -450,3 +458,35 @@ def test_the_nnx_lstm_lm_takes_the_linen_lms_steps(strategy):
     nnx_losses, _, _ = strategy_run(nnx_w, opt, params, 3, strategy)
     linen_losses, _, _ = strategy_run(linen_w, opt, twin, 3, strategy)
     np.testing.assert_allclose(nnx_losses, linen_losses, rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoint_of_an_nnx_model_resumes_on_another_count_and_layout(tmp_path):
+    """Two steps on 8 devices (``embrace``, Adam), saved with ``checkpoint.Checkpointer``,
+    restored into the same module's step on 4 devices with its tables row-wise: the next
+    steps' losses and the trained module equal the uninterrupted run's."""
+    opt = optax.adam(0.02)
+    first = sc.make_train_step(
+        nnx_loss, opt, runtime.data_mesh(8), NnxModel(nnx.Rngs(7)), "embrace"
+    )
+    state, batches = first.state, [sc.place_for_step(first, batch_at, k, 4) for k in range(4)]
+    for batch in batches[:2]:
+        state, _ = first.step(state, batch)
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save_state(2, first, state, force=True)
+    after = []
+    for batch in batches[2:]:
+        state, loss = first.step(state, batch)
+        after.append(sc.loss_value(loss))
+    rows = {"embed/embedding": "row", "bags/0/embedding": "row"}
+    then = sc.make_train_step(
+        nnx_loss, opt, runtime.data_mesh(4), NnxModel(nnx.Rngs(8)), "embrace", table_layouts=rows
+    )
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        restored, step = ckpt.restore_state(then)
+    assert step == 2
+    again = []
+    for k in (2, 3):
+        restored, loss = then.step(restored, sc.place_for_step(then, batch_at, k, 4))
+        again.append(sc.loss_value(loss))
+    np.testing.assert_allclose(again, after, rtol=1e-5, atol=1e-6)
+    assert_trees_close(params_of(then.module(restored)), params_of(first.module(state)))
