@@ -14,9 +14,12 @@ user's module is never modified (the rebuilt copy's ``nnx.Embed`` objects are se
 in place of theirs for the trace). ``TrainStep.module(state)`` rebuilds the user's
 module with the trained parameters.
 
-A subclass of ``nnx.Embed`` other than ``EmbedBag`` may read its table its own way, so
-it is not taken as a table: its parameters stay dense (name it in ``embedding_paths``
-only if it reads the table through ``__call__``/``attend`` as ``nnx.Embed`` does).
+A subclass of ``nnx.Embed`` that overrides ``__call__`` or ``attend`` reads its table its
+own way, so it is not taken as a table: its parameters stay dense, and naming it in
+``embedding_paths`` is refused. Other subclasses are tables, served as ``nnx.Embed``.
+The served reads compute as the Linen layer does (``nn.Embed``): rows cast to the
+layer's ``dtype``, ``attend`` on the query cast to it (a custom ``promote_dtype`` and
+``out_sharding`` are not consulted).
 
 Example:
     >>> import jax.numpy as jnp
@@ -36,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -71,21 +75,23 @@ def _rows(module: nnx.Embed, inputs: jax.Array, shared: bool = False) -> jax.Arr
     return rows.astype(module.dtype or table.dtype)
 
 
-class _ServedEmbed(nnx.Embed):
-    """A rebuilt ``nnx.Embed`` whose lookups go through the strategy (``serve``)."""
+def _served_call(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """``nnx.Embed.__call__`` through the strategy (the Linen layer's arithmetic)."""
+    return _rows(self, inputs)
 
-    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
-        return _rows(self, inputs)
 
-    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
-        table = self.embedding[...]  # float[V, D], or this worker's shard of it
-        dtype = self.dtype or jnp.result_type(query, table)
-        logits = (nn.current_ops() or PLAIN).attend(table, query.astype(dtype))
-        return logits.astype(dtype)  # [..., V]
+def _served_attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """``nnx.Embed.attend`` through the strategy: the query cast to the layer's dtype,
+    the logits ``[..., V]`` too (as the Linen layer computes it)."""
+    table = self.embedding[...]  # float[V, D], or this worker's shard of it
+    dtype = self.dtype or jnp.result_type(query, table)
+    logits = (nn.current_ops() or PLAIN).attend(table, query.astype(dtype))
+    return logits.astype(dtype)
 
-    def lookup_shared(self, inputs: jax.Array) -> jax.Array:
-        """As ``__call__``, for ids every worker holds identically (shared negatives)."""
-        return _rows(self, inputs, shared=True)
+
+def _served_lookup_shared(self, inputs: jax.Array) -> jax.Array:
+    """As ``__call__``, for ids every worker holds identically (shared negatives)."""
+    return _rows(self, inputs, shared=True)
 
 
 POOLINGS = nn.POOLINGS
@@ -144,18 +150,41 @@ class EmbedBag(nnx.Embed):
         return pooled
 
 
+def _serves(cls: type) -> bool:
+    """Whether instances of ``cls`` read their table only through ``nnx.Embed``'s
+    ``__call__`` and ``attend`` (or ``EmbedBag``'s own lookups), so the step can serve
+    them: ``nnx.Embed``, ``EmbedBag`` and their subclasses that override neither."""
+    if not issubclass(cls, nnx.Embed):
+        return False
+    own_call = EmbedBag.__call__ if issubclass(cls, EmbedBag) else nnx.Embed.__call__
+    served = getattr(cls, "_sparsecomm_served", False)
+    return served or (cls.__call__ is own_call and cls.attend is nnx.Embed.attend)
+
+
 def _is_table(module: Any) -> bool:
-    return type(module) in (nnx.Embed, _ServedEmbed) or isinstance(module, EmbedBag)
+    return _serves(type(module))
+
+
+@functools.cache
+def _served_class(cls: type) -> type:
+    """``cls`` with its table's reads routed through the current ``EmbeddingOps``."""
+    methods = {"attend": _served_attend, "lookup_shared": _served_lookup_shared}
+    if not issubclass(cls, EmbedBag):  # EmbedBag reads through _rows already
+        methods["__call__"] = _served_call
+    return type(f"Served{cls.__name__}", (cls,), {**methods, "_sparsecomm_served": True})
 
 
 def serve(model: nnx.Module) -> nnx.Module:
-    """Routes the lookups of every plain ``nnx.Embed`` in ``model`` through the current
-    ``EmbeddingOps`` (``nn.use_ops``): each becomes a ``_ServedEmbed`` in place (the
-    same attributes and parameters). Used on the copy a step's loss rebuilds, never on
-    the user's module. Returns ``model``."""
+    """Routes the table reads of every table of ``model`` (``nnx.Embed``, ``EmbedBag``
+    and their subclasses that read the table as they do) through the current
+    ``EmbeddingOps`` (``nn.use_ops``): each object's class becomes a subclass of its own
+    with served ``__call__``, ``attend`` and ``lookup_shared`` (the same attributes and
+    parameters). Used on the copy a step's loss rebuilds, never on the user's module.
+    Returns ``model``."""
     for _, module in nnx.iter_modules(model):
-        if type(module) is nnx.Embed:
-            object.__setattr__(module, "__class__", _ServedEmbed)
+        cls = type(module)
+        if _serves(cls) and not getattr(cls, "_sparsecomm_served", False):
+            object.__setattr__(module, "__class__", _served_class(cls))
     return model
 
 
@@ -199,7 +228,8 @@ class SplitModel(NamedTuple):
 
 def table_paths(model: nnx.Module) -> tuple[tuple[str, ...], ...]:
     """The path of every table of ``model`` in its parameters (``SplitModel.params``):
-    each plain ``nnx.Embed``'s and ``EmbedBag``'s ``"embedding"``.
+    the ``"embedding"`` of each ``nnx.Embed`` and ``EmbedBag`` (and each subclass that
+    reads its table through their methods).
 
     Example:
         >>> from flax import nnx
@@ -234,7 +264,11 @@ def metadata_layouts(model: nnx.Module) -> dict[str, str]:
             continue
         meta = module.embedding.get_metadata()
         names = next((meta[k] for k in SHARDING_KEYS if meta.get(k) is not None), None)
-        if names is None or len(names) != 2:
+        if isinstance(names, jax.sharding.NamedSharding):
+            names = names.spec
+        if isinstance(names, jax.sharding.PartitionSpec):
+            names = tuple(names)
+        if not isinstance(names, tuple | list) or len(names) != 2:
             continue
         vocab, features = (n is not None for n in names)
         if vocab != features:
@@ -259,9 +293,9 @@ def _check_loss(loss: Callable) -> None:
 def check_tree_loss(loss: Callable) -> None:
     """A one-line ``TypeError`` when a loss given with a Linen parameter tree cannot take
     ``(params, batch, emb)``: the NNX form ``loss(model, batch)`` (or any two-argument
-    loss) given a tree."""
+    loss) given a tree. A wrapper is judged by its own signature."""
     try:
-        params = inspect.signature(loss).parameters.values()
+        params = inspect.signature(loss, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # a builtin or a C callable: trust it
         return
     if any(p.kind == p.VAR_POSITIONAL for p in params):
@@ -311,10 +345,13 @@ def split_model(model: nnx.Module, loss: Callable[[nnx.Module, Any], jax.Array])
     graphdef, state, rest = nnx.split(model, nnx.Param, ...)
     _check_state(rest)
     pure = nnx.to_pure_dict(state)
+    # shapes only: the step does not keep a copy of the initial parameters alive
+    template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    keys = jax.tree_util.tree_map(lambda _: None, pure)
 
     def module(params: PyTree) -> nnx.Module:
-        values = jax.tree_util.tree_map(lambda x: x, state)  # a fresh State to fill
-        nnx.replace_by_pure_dict(values, _like(pure, params))
+        values = jax.tree_util.tree_map(lambda x: x, template)  # a fresh State to fill
+        nnx.replace_by_pure_dict(values, _like(keys, params))
         return nnx.merge(graphdef, values, rest)
 
     def loss_fn(params: PyTree, batch: Any, emb: EmbeddingOps | None = None) -> jax.Array:
@@ -330,10 +367,11 @@ def module_of(
 ) -> Callable[[Any], nnx.Module]:
     """``TrainStep.module``: ``state -> `` the user's module with the state's parameters
     (``host_params(state)``, the tables gathered back to V x D)."""
+    rebuild = split.module  # not ``split``, which holds the initial parameters
 
     def module(state: Any) -> nnx.Module:
         params = jax.tree_util.tree_map(lambda x: jnp.asarray(np.asarray(x)), host_params(state))
-        return split.module(params)
+        return rebuild(params)
 
     return module
 
@@ -349,11 +387,12 @@ def refuse_nnx_optimizer(optimizer: Any) -> None:
 
 
 def with_metadata_layouts(
-    model: nnx.Module, table_layouts: Mapping[Any, Any] | None
+    model: nnx.Module, table_layouts: Mapping[Any, Any] | None, tables: set[str]
 ) -> Mapping[Any, Any] | None:
-    """``table_layouts`` with each table's ``metadata_layouts`` where it names none."""
+    """``table_layouts`` with the ``metadata_layouts`` of each of ``tables`` (names)
+    that it does not name."""
     named = {table_name(p) for p in (table_layouts or {})}
-    found = {k: v for k, v in metadata_layouts(model).items() if k not in named}
+    found = {k: v for k, v in metadata_layouts(model).items() if k in tables and k not in named}
     if not found:
         return table_layouts
     return {**found, **(table_layouts or {})}
@@ -377,8 +416,28 @@ def step_tables(
     if not embedding_paths and name.strategy.needs_tables and not split.table_paths:
         raise ValueError(
             f"strategy {name.tables!r} needs embedding tables: the model has no "
-            "flax.nnx.Embed (or nnx_tables.EmbedBag); pass embedding_paths to name one"
+            "flax.nnx.Embed (or nnx_tables.EmbedBag, or a subclass of either that reads "
+            "its table through their __call__ and attend)"
         )
-    if name.strategy.any_layout:
-        table_layouts = with_metadata_layouts(model, table_layouts)
-    return embedding_paths or split.table_paths, table_layouts
+    paths = embedding_paths or split.table_paths
+    if not callable(paths):
+        served = {table_name(p) for p in split.table_paths}
+        named = {table_name(p) for p in paths}
+        if unserved := sorted((_embed_tables(model) - served) & named):
+            raise ValueError(
+                f"embedding_paths names {unserved}, tables of nnx.Embed subclasses that "
+                "override __call__ or attend: the step cannot route their reads; read the "
+                "table through nnx.Embed's methods, or leave it out (a dense parameter)"
+            )
+    if name.strategy.any_layout and not callable(paths):
+        table_layouts = with_metadata_layouts(model, table_layouts, named)
+    return paths, table_layouts
+
+
+def _embed_tables(model: nnx.Module) -> set[str]:
+    """The names of every ``nnx.Embed`` (of any subclass)'s table in ``model``."""
+    return {
+        "/".join((*map(_key, path), TABLE_NAME))
+        for path, m in nnx.iter_modules(model)
+        if isinstance(m, nnx.Embed)
+    }

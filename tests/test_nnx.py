@@ -490,3 +490,84 @@ def test_a_checkpoint_of_an_nnx_model_resumes_on_another_count_and_layout(tmp_pa
         again.append(sc.loss_value(loss))
     np.testing.assert_allclose(again, after, rtol=1e-5, atol=1e-6)
     assert_trees_close(params_of(then.module(restored)), params_of(first.module(state)))
+
+
+class PlainSubclass(nnx.Embed):
+    """A subclass that reads its table through ``nnx.Embed``'s methods: a table."""
+
+
+class OwnReads(nnx.Embed):
+    """A subclass that reads its table its own way: not a table."""
+
+    def __call__(self, inputs):
+        return jnp.take(self.embedding[...], inputs, axis=0) * 2.0
+
+
+class Kinds(nnx.Module):
+    """A subclass table, a pooled table read by ``attend`` too, and an own-reads one."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.words = PlainSubclass(V, D, rngs=rngs)
+        self.bag = nnx_tables.EmbedBag(C, D, padding_id=0, rngs=rngs)
+        self.own = OwnReads(BAGS, D, rngs=rngs)
+
+    def __call__(self, tokens, bags):
+        h = self.words(tokens).mean(axis=1) + self.own(bags).mean(axis=1)  # float[B, D]
+        return self.bag.attend(jnp.tanh(h))  # float[B, C]: the bag's table, tied
+
+
+def test_subclasses_and_a_pooled_tables_attend_go_through_the_strategy():
+    """A subclass of ``nnx.Embed`` that keeps its methods is a table and is served, so is
+    ``EmbedBag.attend``; a subclass with its own reads stays dense, and naming it is
+    refused. Lossless on 8 devices against one device's ``nnx.Optimizer`` training."""
+    model = Kinds(nnx.Rngs(9))
+    assert nnx_tables.table_paths(model) == (("bag", "embedding"), ("words", "embedding"))
+    opt = optax.sgd(0.3)
+    for strategy in ("embrace", "embrace_rowwise"):
+        want_losses, want = reference(Kinds(nnx.Rngs(9)), opt)
+        ts = sc.make_train_step(nnx_loss, opt, runtime.data_mesh(8), Kinds(nnx.Rngs(9)), strategy)
+        state, losses = run(ts)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+        assert_trees_close(params_of(ts.module(state)), jax.tree.map(np.asarray, want))
+    with pytest.raises(ValueError, match=r"^embedding_paths names \['own/embedding'\], tables"):
+        sc.make_train_step(
+            nnx_loss, opt, runtime.data_mesh(8), model, "embrace", embedding_paths=["own/embedding"]
+        )
+
+
+def test_metadata_names_only_the_tables_the_step_shards():
+    """Sharding metadata on a table that ``embedding_paths`` leaves out is ignored (no
+    ``table_layouts`` error the user did not write); a ``PartitionSpec`` names axes too."""
+    spec = {"out_sharding": jax.sharding.PartitionSpec("vocab", None), "eager_sharding": False}
+    model = Named(nnx.Rngs(0))
+    assert nnx_tables.metadata_layouts(
+        nnx.Embed(V, D, embedding_metadata=spec, rngs=nnx.Rngs(0))
+    ) == {"embedding": "row"}
+    ts = sc.make_train_step(
+        nnx_loss, optax.sgd(0.1), runtime.data_mesh(8), model, "embrace",
+        embedding_paths=["bags/0/embedding"],
+    )  # fmt: skip
+    assert tuple(ts.state.params["bags"]["0"]["embedding"].sharding.spec) == (None, "data")
+    assert tuple(ts.state.params["embed"]["embedding"].sharding.spec) in ((), (None, None))
+
+
+def test_a_wrapped_three_argument_loss_is_not_refused():
+    """``functools.wraps`` of a two-argument loss into ``(params, batch, emb=None)``: the
+    wrapper's own signature is what the step calls."""
+    import functools
+
+    def two(params, batch):
+        return linen_loss(params, batch)
+
+    @functools.wraps(two)
+    def three(params, batch, emb=None):
+        with nn.use_ops(emb):
+            return two(params, batch)
+
+    twin = linen_params(NnxModel(nnx.Rngs(0)))
+    ts = sc.make_train_step(
+        three, optax.sgd(0.1), runtime.data_mesh(8), twin, "embrace",
+        embedding_paths=nn.embedding_paths(twin),
+    )  # fmt: skip
+    _, losses = run(ts, steps=1)
+    assert np.isfinite(losses[0])
