@@ -411,7 +411,9 @@ def step_tables(
     metadata unless ``table_layouts`` names it.
 
     Raises:
-      ValueError: the strategy shards tables and the model has none.
+      ValueError: the strategy shards tables and the model has none, or
+        ``embedding_paths`` names a table whose reads the step cannot serve (an
+        ``nnx.Embed`` subclass overriding ``__call__`` or ``attend``).
     """
     if not embedding_paths and name.strategy.needs_tables and not split.table_paths:
         raise ValueError(
