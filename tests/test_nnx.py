@@ -3,6 +3,7 @@ written twice, in Linen and in NNX with the same initial parameters, takes the s
 under every strategy; lossless strategies equal one device's plain training of the NNX
 model with ``nnx.Optimizer``; the user's module is never modified."""
 
+import functools
 import json
 
 import flax.linen as linen
@@ -544,9 +545,13 @@ def test_metadata_names_only_the_tables_the_step_shards():
         nnx.Embed(V, D, embedding_metadata=spec, rngs=nnx.Rngs(0))
     ) == {"embedding": "row"}
     ts = sc.make_train_step(
-        nnx_loss, optax.sgd(0.1), runtime.data_mesh(8), model, "embrace",
+        nnx_loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        model,
+        "embrace",
         embedding_paths=["bags/0/embedding"],
-    )  # fmt: skip
+    )
     assert tuple(ts.state.params["bags"]["0"]["embedding"].sharding.spec) == (None, "data")
     assert tuple(ts.state.params["embed"]["embedding"].sharding.spec) in ((), (None, None))
 
@@ -554,7 +559,6 @@ def test_metadata_names_only_the_tables_the_step_shards():
 def test_a_wrapped_three_argument_loss_is_not_refused():
     """``functools.wraps`` of a two-argument loss into ``(params, batch, emb=None)``: the
     wrapper's own signature is what the step calls."""
-    import functools
 
     def two(params, batch):
         return linen_loss(params, batch)
@@ -566,8 +570,12 @@ def test_a_wrapped_three_argument_loss_is_not_refused():
 
     twin = linen_params(NnxModel(nnx.Rngs(0)))
     ts = sc.make_train_step(
-        three, optax.sgd(0.1), runtime.data_mesh(8), twin, "embrace",
+        three,
+        optax.sgd(0.1),
+        runtime.data_mesh(8),
+        twin,
+        "embrace",
         embedding_paths=nn.embedding_paths(twin),
-    )  # fmt: skip
+    )
     _, losses = run(ts, steps=1)
     assert np.isfinite(losses[0])

@@ -44,9 +44,33 @@ from sparsecomm_jax.comm import costmodel  # noqa: E402
 
 #: Criteo 1TB's 26 sparse features (rows per feature, as MLPerf's DLRM caps them at 40M).
 CRITEO = (
-    45833188, 36746, 17245, 7413, 20243, 3, 7114, 1441, 62, 29275261, 1572176, 345138, 10,
-    2209, 11267, 128, 4, 974, 14, 48937457, 11316796, 40094537, 452104, 12606, 104, 35,
-)  # fmt: skip
+    45833188,
+    36746,
+    17245,
+    7413,
+    20243,
+    3,
+    7114,
+    1441,
+    62,
+    29275261,
+    1572176,
+    345138,
+    10,
+    2209,
+    11267,
+    128,
+    4,
+    974,
+    14,
+    48937457,
+    11316796,
+    40094537,
+    452104,
+    12606,
+    104,
+    35,
+)
 CAP = 1_000_000  # rows a table here (the initial parameters are made on this host)
 
 #: name -> (model, its sizes with the batch a GPU as ``per_gpu``, strategies)
