@@ -11,6 +11,9 @@ import sys
 import threading
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from conftest import CACHE_SETTINGS, REPO
@@ -126,6 +129,62 @@ def test_a_deleted_array_index_falls_back(runs, folder, tmp_path, capsys):
     assert losses(tmp_path / "r") == runs[1][3:]
 
 
+def _flip_middle_bytes(step: Path) -> int:
+    """Flips one bit in the middle of each array data file of a checkpoint; returns how
+    many."""
+    data = [p for p in (step / checkpoint.STATE_ITEM).rglob("*") if p.parent.name == "d"]
+    for path in data:
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+    return len(data)
+
+
+def test_a_flipped_byte_is_caught_before_a_step_trains_on_it(tmp_path):
+    """One bit flipped in the middle of the data file of a 64 x 64 table: orbax reads it
+    without complaint (the value changes), the digest saved beside the run id does not
+    match, and the checkpoint before it is restored exactly."""
+    rng = np.random.default_rng(0)
+    tree = {"w": jnp.asarray(rng.normal(size=(64, 64)).astype(np.float32)), "b": jnp.ones(5)}
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, tree, force=True)
+        ckpt.save(2, jax.tree.map(lambda x: x + 1, tree), force=True)
+    files = [p for p in (tmp_path / "2").rglob("*") if p.parent.name == "d"]
+    path = max(files, key=lambda p: p.stat().st_size)  # the table's data, compressed
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    skipped = []
+    with checkpoint.Checkpointer(tmp_path) as ckpt:
+        restored, step = ckpt.restore(tree, on_skip=lambda s, why: skipped.append((s, why)))
+    assert step == 1 and len(skipped) == 1 and skipped[0][0] == 2
+    assert "differs from the digest saved with it in array w" in skipped[0][1]
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+
+
+def test_flipped_bytes_in_a_runs_checkpoint_never_train(runs, folder, tmp_path, capsys):
+    """A bit flipped in every data file of step 4: the resume skips it in one line (the
+    digest or orbax catches it) and continues from step 3 to the uninterrupted losses."""
+    assert _flip_middle_bytes(folder / "4") > 0
+    assert resume(folder, out=tmp_path / "r") == 0
+    notes = [x for x in capsys.readouterr().err.splitlines() if "skipped" in x]
+    assert len(notes) == 1 and "checkpoint step 4 skipped" in notes[0]
+    assert losses(tmp_path / "r") == runs[1][3:]
+
+
+def test_another_runs_state_beside_this_runs_identity_is_skipped(runs, folder, tmp_path, capsys):
+    """Run b's saved state copied into run a's step 4, a's own identity (run id, step)
+    left beside it: the digest binds the two, so step 4 is skipped, not trained on."""
+    shutil.rmtree(folder / "4" / checkpoint.STATE_ITEM)
+    shutil.copytree(
+        runs[0] / "b" / "4" / checkpoint.STATE_ITEM, folder / "4" / checkpoint.STATE_ITEM
+    )
+    assert resume(folder, out=tmp_path / "r") == 0
+    notes = [x for x in capsys.readouterr().err.splitlines() if "skipped" in x]
+    assert len(notes) == 1 and "another run's state copied in" in notes[0]
+    assert losses(tmp_path / "r") == runs[1][3:]
+
+
 def test_a_failing_disk_is_raised_and_the_checkpoint_kept(runs, folder, monkeypatch, capsys):
     """One EIO while reading an intact step 4 is the file system's failure, not damage:
     one line, step 4 kept; the next try resumes from it."""
@@ -156,12 +215,18 @@ def test_a_linked_lock_file_is_refused_its_target_untouched(folder, tmp_path, ca
     assert precious.read_text() == "keep me"
 
 
-@pytest.mark.parametrize("record", ["[1, 2]", '"a run"', '{"lr": 1}', "fifo", "{"])
+DEEP = '{"run_id": "x", "config": {"plan": ' + '{"a": ' * 5000 + "1" + "}" * 5002
+
+
+@pytest.mark.parametrize("record", ["[1, 2]", '"a run"', '{"lr": 1}', "fifo", "{", DEEP])
 def test_a_run_record_that_is_none_is_one_line(folder, record, capsys):
+    """Among them a recorded plan nested 5,000 levels deep, resumed with ``--plan
+    model`` (which reads the recorded plan)."""
     path = folder / checkpoint.RUN_FILE
     path.unlink()
     os.mkfifo(path) if record == "fifo" else path.write_text(record)
-    assert resume(folder) == 2
+    plan = ["--strategy", "embrace", "--plan", "model"] if record == DEEP else []
+    assert resume(folder, *plan) == 2
     assert str(path) in one_line(capsys)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from sparsecomm_jax.checkpoint import files, quiet
+from sparsecomm_jax.checkpoint import digest, files, quiet
 from sparsecomm_jax.checkpoint.files import (
     IDENTITY_ITEM,
     MISSING,
@@ -111,20 +111,9 @@ def _placed_like(target: PyTree, tree: PyTree) -> PyTree:
     return jax.tree.map(leaf, target, tree)
 
 
-def _name(path) -> str:
-    """A key path as orbax names the array: ``opt_state.0.mu.w``."""
-    parts = []
-    for key in path:
-        for field in ("key", "name", "idx"):
-            if hasattr(key, field):
-                parts.append(str(getattr(key, field)))
-                break
-    return ".".join(parts)
-
-
 def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {_name(path): tuple(leaf.shape) for path, leaf in leaves}
+    return {digest.array_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def _check_shapes(saved: PyTree, target: PyTree, where: str, hint: Hint | None = None) -> None:
@@ -322,7 +311,8 @@ class Store:
             self._replace_superseded()
             self._record_run()
             run = self.run_id if jax.process_index() == 0 else None
-            record = {**(identity or {}), "run_id": run, "step": step}
+            sums = digest.of(tree)  # every process: its shards' part of each sum
+            record = {**(identity or {}), "run_id": run, "step": step, "digest": sums}
             args = ocp.args.Composite(
                 **{
                     STATE_ITEM: ocp.args.StandardSave(tree),
@@ -399,8 +389,16 @@ class Store:
         if check is not None:
             check(self.identity(step) if identity is None else identity, folder)
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(read)})
+        quiet.quiet_closed_loops()  # reads of a damaged checkpoint still in flight
         tree = self._manager.restore(step, args=args)[STATE_ITEM]
         tree = jax.tree.unflatten(jax.tree.structure(read), jax.tree.leaves(tree))
+        recorded = (self.identity(step) if identity is None else identity).get("digest")
+        if recorded and (changed := digest.differing(recorded, tree)):
+            raise _Damaged(
+                f"its data differs from the digest saved with it in array {changed[0]}"
+                f"{f' and {len(changed) - 1} more' if len(changed) > 1 else ''}: damaged, "
+                "or another run's state copied in"
+            )
         return reading.convert(tree) if reading is not None else tree
 
     def restore(
