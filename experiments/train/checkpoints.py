@@ -104,8 +104,8 @@ def recorded_plan(value: Any) -> str | TablePlan | None:
     try:
         plan = json.loads(value) if isinstance(value, str) else value
         return TablePlan.from_json(plan) if isinstance(plan, dict) else None
-    except ValueError:  # not JSON (auto, model), or a layout unknown here
-        return None
+    except (ValueError, RecursionError):  # not JSON (auto, model), a layout unknown here,
+        return None  # or nested deeper than Python goes
 
 
 def _check_owner(config: RunConfig) -> None:

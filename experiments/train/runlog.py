@@ -138,7 +138,7 @@ def kept_lines(path: Path, start: int) -> list[dict[str, Any]]:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if (
             isinstance(record, dict)

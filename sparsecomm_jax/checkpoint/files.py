@@ -99,6 +99,10 @@ def read_run(directory: str | Path) -> dict[str, Any] | None:
     try:
         text = read_regular(path)
         record = None if text is None else json.loads(text)
+    except RecursionError:  # JSON nested deeper than Python goes: not a record we wrote
+        raise ValueError(
+            f"{path} is unreadable (nested too deep); move it away or start afresh"
+        ) from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{path} is unreadable ({e}); move it away or start afresh") from e
     if text is not None and not (
