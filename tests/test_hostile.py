@@ -9,11 +9,13 @@ turn into its one-line error fails the test); ``test_the_command_line_process_*`
 the real process for the exit code and the absence of any traceback.
 """
 
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import zipfile
 
 import flax.linen as linen
 import jax
@@ -30,7 +32,7 @@ import sparsecomm_jax as sc
 from experiments.train import main
 from models import dlrm
 from sparsecomm_jax import checkpoint, distributed, nn, runtime
-from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.comm import hlo, wire
 from sparsecomm_jax.errors import ArgumentError
 
 N = 8
@@ -190,6 +192,32 @@ def write(path, **arrays):
     return str(path)
 
 
+def declared(path, name: str, count: int, data: bytes = b"") -> str:
+    """A .npz whose array ``name`` declares ``count`` float64 counts in its header but
+    holds ``data``."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f8", "fortran_order": False, "shape": (count,)}
+    )
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(f"{name}.npy", header.getvalue() + data)
+    return str(path)
+
+
+def untrusted_histograms(tmp_path) -> dict[str, str]:
+    """Files given as ``--histogram`` that are not what it takes."""
+    (tmp_path / "blank.npz").write_bytes(b"")
+    (tmp_path / "text.npz").write_text("user,count\n1,2\n")
+    np.save(tmp_path / "counts.npy", np.ones(64))
+    return {
+        "EMPTY_FILE": str(tmp_path / "blank.npz"),
+        "TEXT": str(tmp_path / "text.npz"),
+        "NPY": str(tmp_path / "counts.npy"),
+        "HEADER": declared(tmp_path / "header.npz", HOT_PATHS[0], 10**13),
+        "DECLARED": declared(tmp_path / "big.npz", HOT_PATHS[0], 300_000_000, bytes(2**21)),
+    }
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -200,10 +228,19 @@ def write(path, **arrays):
         (["--hot-rows", "4", "--histogram", "SHORT"], "has counts of shape (10,)"),
         (["--hot-rows", "4", "--histogram", "NEGATIVE"], "has negative counts"),
         (["--hot-rows", "4", "--histogram", "MISSING"], "has no counts for table"),
+        (["--hot-rows", "4", "--histogram", "EMPTY_FILE"], "not a .npz of counts"),
+        (["--hot-rows", "4", "--histogram", "NPY"], "not a .npz of counts"),
+        (["--hot-rows", "4", "--histogram", "TEXT"], "not a .npz of counts"),
+        (["--hot-rows", "4", "--histogram", "HEADER"], "has counts of shape (10000000000000,)"),
+        (["--hot-rows", "4", "--histogram", "DECLARED"], "has counts of shape (300000000,)"),
     ],
 )
 def test_hot_flags_that_cannot_be_are_one_line(tmp_path, capsys, flags, message):
+    """Among them histograms that are no .npz (empty, a .npy, text) and ones whose
+    header declares more counts than the file holds (10^13, or 300M in a small file):
+    refused from the header, before any count is read."""
     files = {
+        **untrusted_histograms(tmp_path),
         "SHORT": write(tmp_path / "s.npz", **{p: np.ones(10) for p in HOT_PATHS}),
         "NEGATIVE": write(
             tmp_path / "n.npz",
@@ -242,6 +279,9 @@ HUGE = '{"params/sparse_0/embedding": {"layout": "hot", "config": [1844674407370
         (["--plan", "model", "--histogram", "NAN"], "has counts that are not finite"),
         (["--plan", "model", "--histogram", "BOOL"], "has counts of type bool"),
         (["--plan", "model", "--histogram", "EMPTY"], "holds no counts"),
+        (["--plan", "model", "--histogram", "EMPTY_FILE"], "not a .npz of counts"),
+        (["--plan", "model", "--histogram", "NPY"], "not a .npz of counts"),
+        (["--plan", "model", "--histogram", "HEADER"], "has counts of shape (10000000000000,)"),
     ],
 )
 def test_planned_and_configured_hot_rows_that_cannot_be_are_one_line(
@@ -252,6 +292,7 @@ def test_planned_and_configured_hot_rows_that_cannot_be_are_one_line(
     configured entry that is malformed, not a list of integers, beyond any table, or
     given to a layout that takes none."""
     files = {
+        **untrusted_histograms(tmp_path),
         "STRAY": write(tmp_path / "stray.npz", **{"params/other": np.ones(3)}),
         "NAN": write(tmp_path / "nan.npz", **{HOT_PATHS[0]: np.full(64, np.nan)}),
         "BOOL": write(tmp_path / "bool.npz", **{HOT_PATHS[0]: np.ones(64, bool)}),
@@ -327,6 +368,60 @@ def two_table_batch(item_id: int | None = None) -> dict:
     if item_id is not None:
         batch["item"][3] = item_id
     return batch
+
+
+def user_read_directly(params, batch, ops):
+    user = params["user"][batch["user"]]  # not through ops: a worker sees its shard only
+    item = ops.lookup(params["item"], batch["item"])
+    return jnp.mean(((user * item).sum(-1) - batch["label"]) ** 2)
+
+
+def item_penalised(params, batch, ops):
+    return two_tables(params, batch, ops) + 1e-3 * jnp.sum(params["item"] ** 2)
+
+
+@pytest.mark.parametrize("strategy", ["embrace", "embrace_rowwise", "sparse_allgather"])
+@pytest.mark.parametrize("loss", [user_read_directly, item_penalised])
+def test_a_table_read_outside_emb_is_refused_naming_it(strategy, loss):
+    """A table indexed directly (or penalised whole) trained to finite wrong losses under
+    ``embrace`` (each worker its own columns) and to NaN under ``embrace_rowwise``: now
+    the first batch is refused in one line naming the table."""
+    ts = two_table_step(strategy, loss=loss)
+    name = "user" if loss is user_read_directly else "item"
+    with pytest.raises(ValueError, match=f"the loss reads table {name} other than through emb"):
+        ts.place_batch(two_table_batch())
+    plain = two_table_step("dense", loss=loss)  # data parallel: the read sees the table
+    plain.step(plain.state, plain.place_batch(two_table_batch()))
+
+
+def test_a_plain_flax_nnx_embed_under_a_table_strategy_is_refused():
+    """The two-tower model of plain ``flax.nnx.Embed`` tables, passed as a params tree
+    with ``embedding_paths``: refused, naming the first table, instead of a loss of
+    0.801 where one device gives 0.863."""
+    from flax import nnx
+
+    class TwoTower(nnx.Module):
+        def __init__(self, rngs):
+            self.user = nnx.Embed(USER, 4, rngs=rngs)
+            self.item = nnx.Embed(ITEM, 4, rngs=rngs)
+
+    graph, params = nnx.split(TwoTower(nnx.Rngs(0)), nnx.Param)
+
+    def loss(p, batch, emb):
+        model = nnx.merge(graph, p)
+        score = (model.user(batch["user"]) * model.item(batch["item"])).sum(-1)
+        return jnp.mean((score - batch["label"]) ** 2)
+
+    ts = sc.make_train_step(
+        loss,
+        optax.sgd(0.1),
+        runtime.data_mesh(N),
+        params,
+        "embrace",
+        embedding_paths=lambda path, leaf: getattr(leaf, "ndim", 0) == 2,
+    )
+    with pytest.raises(ValueError, match=r"the loss reads table item\S* other than through emb"):
+        ts.place_batch(two_table_batch())
 
 
 @pytest.mark.matrix
@@ -501,6 +596,46 @@ def test_batches_of_one_call_with_other_keys_are_refused_before_the_loss_runs():
         ts.place_steps([two_table_batch(), other])
 
 
+def test_a_wire_of_codec_names_and_a_wrong_field():
+    """``Wire(forward="bfloat16")`` is the wire ``"forward=bfloat16"`` names (it raised
+    ``AttributeError``); a field that names no codec is refused naming comm_dtype."""
+    batch = two_table_batch()
+    named = two_table_step("embrace", comm_dtype=wire.Wire(forward="bfloat16"))
+    spec = two_table_step("embrace", comm_dtype="forward=bfloat16")
+    wide = two_table_step("embrace")
+
+    def sent(ts):
+        return hlo.total_bytes(hlo.collectives(ts.step, ts.state, ts.place_batch(batch)))
+
+    assert sent(named) == sent(spec) < sent(wide)
+    assert float(named.step(named.state, named.place_batch(batch))[1]) == float(
+        spec.step(spec.state, spec.place_batch(batch))[1]
+    )
+    with pytest.raises(ArgumentError, match="gives forward 'bf16'; choose one of") as e:
+        two_table_step("embrace", comm_dtype=wire.Wire(forward="bf16"))
+    assert e.value.argument == "comm_dtype"
+    with pytest.raises(ArgumentError, match="comm_dtype='xxxx.*\\.\\.\\. is unknown"):
+        two_table_step("embrace", comm_dtype="x" * 100_000)
+
+
+@pytest.mark.parametrize("capacity", [True, False, 2.0, 0])
+def test_a_capacity_that_is_no_count_is_refused_at_once(capacity):
+    """``capacity=True`` was taken as 1 and failed only at the first step."""
+    with pytest.raises(ArgumentError, match="capacity=.* must be an integer >= 1"):
+        two_table_step("embrace_rowwise", capacity=capacity)
+
+
+def test_placed_batches_that_would_run_nothing_say_so():
+    """``placed_batches(ts, f, 10, 10)``, a resume that took ``steps`` for a count, ran
+    nothing without a word."""
+    ts = two_table_step("embrace")
+    with pytest.raises(ArgumentError, match="steps=10 is the step to end before .* start=10"):
+        sc.placed_batches(ts, lambda step: two_table_batch(), 10, 10)
+    with pytest.raises(ArgumentError, match="start=-1 must be >= 0"):
+        sc.placed_batches(ts, lambda step: two_table_batch(), -1, 3)
+    assert len(list(sc.placed_batches(ts, lambda step: two_table_batch(), 10, 12))) == 2
+
+
 def test_embed_bag_lengths_of_the_wrong_shape():
     bag = nn.EmbedBag(10, 2)
     ids = jnp.array([[3, 5, 0], [7, 0, 0]])
@@ -578,6 +713,14 @@ def test_a_wire_that_cannot_be_is_one_line(capsys, flags, message):
     carry it: exit 2, one line naming --comm-dtype, before anything runs."""
     assert main([*TINY, "--strategy", "embrace", "--optimizer", "sgd", *flags]) == 2
     assert message in one_line(capsys)
+
+
+def test_a_long_wire_spec_is_echoed_cut_short(capsys):
+    """An invalid ``--comm-dtype`` of 100 KB: one line, its echo cut at 80 characters as
+    ``--plan``'s is."""
+    assert main([*TINY, "--strategy", "embrace", "--comm-dtype", "x" * 100_000]) == 2
+    line = one_line(capsys)
+    assert "--comm-dtype 'xxxx" in line and "... is unknown" in line and len(line) < 300
 
 
 def test_a_deeply_nested_plan_is_one_line(capsys):

@@ -13,6 +13,7 @@ ids (a plan's JSON may give them: ``{"table": {"layout": "hot", "config": [ids]}
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +70,62 @@ def check_flags(config: RunConfig) -> None:
             raise ValueError(f"--histogram {config.histogram} {problem}; give a .npz of counts")
 
 
+def _not_npz(path: str, why: str = "") -> ValueError:
+    return ValueError(
+        f"--histogram {path}: not a .npz of counts (a zip of .npy arrays, as numpy.savez "
+        f"writes){why}"
+    )
+
+
+def _headers(archive: zipfile.ZipFile, path: str) -> dict[str, tuple]:
+    """Each array's ``(member, shape, dtype)`` from its ``.npy`` header alone: nothing
+    is read before its shape is checked (a small file may declare billions of counts)."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0}
+    readers[(2, 0)] = np.lib.format.read_array_header_2_0
+    found = {}
+    for info in archive.infolist():
+        try:
+            with archive.open(info) as f:
+                read = readers.get(np.lib.format.read_magic(f))
+                shape, _, dtype = read(f) if read else (None, None, None)
+        except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+            read = None
+        if read is None:
+            raise _not_npz(path, f"; {info.filename[:40]!r} is not a .npy array")
+        found[info.filename.removesuffix(".npy")] = (info, shape, dtype)
+    return found
+
+
+def _counts_of(archive: zipfile.ZipFile, path: str, table, header: tuple) -> np.ndarray:
+    """Table ``table``'s counts, read once their header says one number per row."""
+    info, shape, dtype = header
+    if dtype.kind not in "iuf":  # no bools, complex numbers, strings, objects
+        raise ValueError(
+            f"--histogram {path}: table {table.name} has counts of type {dtype}; give "
+            "integer or float counts"
+        )
+    if shape != (table.vocab,):
+        raise ValueError(
+            f"--histogram {path}: table {table.name} has counts of shape {shape}; the "
+            f"table has {table.vocab} rows: give one count per row"
+        )
+    try:
+        with archive.open(info) as f:
+            counts = np.lib.format.read_array(f, allow_pickle=False)
+    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+        raise _not_npz(path, f"; the counts of {table.name} are cut short") from None
+    if not np.all(np.isfinite(counts)):
+        raise ValueError(f"--histogram {path}: table {table.name} has counts that are not finite")
+    if np.any(counts < 0):
+        raise ValueError(f"--histogram {path}: table {table.name} has negative counts")
+    return counts
+
+
 def read_counts(path: str, tables: list, every: bool = True) -> dict[str, np.ndarray]:
     """Each table's counts from the ``.npz`` at ``path`` (``ValueError`` naming the flag,
-    the file and the table for a missing table, another length, negative counts).
+    the file and the table for a file that is no ``.npz``, a missing table, another
+    length, negative counts). Each array's header is checked before its data is read,
+    so a file is never read into more memory than one count per row of each table.
 
     Args:
       path: the file. tables: the ``Table`` records to read counts for.
@@ -79,39 +133,26 @@ def read_counts(path: str, tables: list, every: bool = True) -> dict[str, np.nda
         without any is left out, and counts naming no table are refused.
     """
     try:
-        with np.load(path, allow_pickle=False) as saved:
-            found = {k: np.asarray(saved[k]) for k in saved.files}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--histogram {path}: not a .npz of counts ({e})") from None
-    if not every and (stray := sorted(set(found) - {t.name for t in tables})):
-        raise ValueError(
-            f"--histogram {path} has counts for {stray[0]}, no table of the model (its "
-            f"tables: {[t.name for t in tables][:4]})"
-        )
-    out = {}
-    for t in tables:
-        if t.name not in found and not every:
-            continue
-        if t.name not in found:
+        archive = zipfile.ZipFile(path)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+        raise _not_npz(path) from None
+    with archive:
+        found = _headers(archive, path)
+        if not every and (stray := sorted(set(found) - {t.name for t in tables})):
             raise ValueError(
-                f"--histogram {path} has no counts for table {t.name} (it has {sorted(found)[:4]})"
+                f"--histogram {path} has counts for {stray[0][:40]}, no table of the "
+                f"model (its tables: {[t.name for t in tables][:4]})"
             )
-        counts = found[t.name]
-        if counts.dtype.kind not in "iuf":  # no bools, complex numbers, strings
-            raise ValueError(
-                f"--histogram {path}: table {t.name} has counts of type {counts.dtype}; "
-                "give integer or float counts"
-            )
-        if counts.shape != (t.vocab,):
-            raise ValueError(
-                f"--histogram {path}: table {t.name} has counts of shape {counts.shape}; the "
-                f"table has {t.vocab} rows: give one count per row"
-            )
-        if not np.all(np.isfinite(counts)):
-            raise ValueError(f"--histogram {path}: table {t.name} has counts that are not finite")
-        if np.any(counts < 0):
-            raise ValueError(f"--histogram {path}: table {t.name} has negative counts")
-        out[t.name] = counts
+        out = {}
+        for t in tables:
+            if t.name not in found and not every:
+                continue
+            if t.name not in found:
+                raise ValueError(
+                    f"--histogram {path} has no counts for table {t.name} (it has "
+                    f"{[name[:40] for name in sorted(found)[:4]]})"
+                )
+            out[t.name] = _counts_of(archive, path, t, found[t.name])
     if not out:
         raise ValueError(f"--histogram {path} holds no counts; give a .npz of table -> counts")
     return out
