@@ -51,16 +51,28 @@ class Call(NamedTuple):
     value: Any
 
 
+def clipped(text: str, most: int = 80) -> str:
+    """``text`` cut after ``most`` characters (``...`` says so): a value a user gave is
+    echoed in an error, never 100 KB of it.
+
+    Example:
+        >>> clipped("x" * 100, 10)
+        'xxxxxxx...'
+    """
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def python_words(argument: str, value: Any) -> str:
     """An argument as a Python call passes it: ``table_update='rows'`` (a long list cut
-    short by ``few``; ``NO_VALUE``: the name alone; a ``Call``: the call to make)."""
+    short by ``few``, a long value by ``clipped``; ``NO_VALUE``: the name alone; a
+    ``Call``: the call to make)."""
     if value is NO_VALUE:
         return argument
     if isinstance(value, Call):
         return f"call {value.function}({value.value!r})"
     if isinstance(value, list | tuple | set | frozenset) and len(value) > 8:
         return f"{argument}={few(value)}"
-    return f"{argument}={value!r}"
+    return f"{argument}={clipped(repr(value))}"
 
 
 class ArgumentError(ValueError):

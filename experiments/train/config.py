@@ -26,7 +26,7 @@ from sparsecomm_jax import optimizers, parse_strategy, strategy_names
 from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.comm import wire
 from sparsecomm_jax.embedding.layout_registry import TablePlan
-from sparsecomm_jax.errors import ArgumentError, few
+from sparsecomm_jax.errors import ArgumentError, clipped, few
 from sparsecomm_jax.strategies.rules import NONFINITE
 from sparsecomm_jax.topk.selectors import DEFAULT_DENSITY, SELECTORS, check_density
 
@@ -79,7 +79,7 @@ def wire_spec(v: str) -> str | None:
     try:
         wire.parse(v)
     except ArgumentError as e:
-        return f"{v!r} {e.problem}"
+        return f"{clipped(repr(v))} {e.problem}"
     return None
 
 

@@ -25,7 +25,7 @@ from experiments.train.config import RunConfig, check_fields
 from models import MODELS, config_fields
 from sparsecomm_jax import STRATEGIES, distributed, optimizers, parse_strategy
 from sparsecomm_jax.embedding import update
-from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, python_words
+from sparsecomm_jax.errors import NO_VALUE, ArgumentError, Call, clipped, python_words
 from sparsecomm_jax.strategies.rules import check_replicas, check_table_update
 
 # XLA's CPU backend runs a collective on a pool of at most 256 threads, one per
@@ -62,7 +62,7 @@ def flag_words(argument: str, value: Any) -> str:
     if name not in {f.name for f in dataclasses.fields(RunConfig)}:
         return python_words(argument, value)
     flag = "--" + name.replace("_", "-")
-    return flag if value is NO_VALUE else f"{flag} {value}"
+    return flag if value is NO_VALUE else f"{flag} {clipped(str(value))}"
 
 
 def in_flags(error: Exception) -> Exception:

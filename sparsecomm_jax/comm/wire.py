@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsecomm_jax.comm import fusion
-from sparsecomm_jax.errors import ArgumentError
+from sparsecomm_jax.errors import ArgumentError, clipped
 
 F32 = jnp.float32
 SCALE_BYTES = 4  # one float32 scale per row (or per block) of a scaled codec
@@ -117,22 +117,37 @@ def codec(name: str) -> Codec:
     return CODECS[name]
 
 
+def _field_codec(spec: Wire, direction: str, value: Codec | str) -> Codec:
+    """A ``Wire`` field given as a codec or as its name (``Wire(forward="bfloat16")``)."""
+    if isinstance(value, Codec):
+        return value
+    if isinstance(value, str) and value in CODECS:
+        return CODECS[value]
+    raise ArgumentError(
+        "comm_dtype",
+        spec,
+        f"gives {direction} {clipped(repr(value))}; choose one of {sorted(CODECS)}",
+    )
+
+
 def parse(spec: str | Wire) -> Wire:
-    """A ``Wire`` from ``"bfloat16"`` (all three exchanges) or from
+    """A ``Wire`` from ``"bfloat16"`` (all three exchanges), from
     ``"forward=float8_e4m3fn,backward=bfloat16"`` (the directions not named stay
-    float32).
+    float32), or a ``Wire`` whose fields are codecs or their names.
 
     Example:
         >>> parse("bfloat16").name
         'bfloat16'
         >>> parse("dense=float8_e5m2").name
         'forward=float32,backward=float32,dense=float8_e5m2'
+        >>> parse(Wire(forward="bfloat16")).name
+        'forward=bfloat16,backward=float32,dense=float32'
 
     Raises:
       ArgumentError: an unknown codec or direction, a direction given twice.
     """
-    if isinstance(spec, Wire):
-        return spec
+    if isinstance(spec, Wire):  # its fields may be codecs or their names
+        return Wire(*[_field_codec(spec, d, c) for d, c in zip(DIRECTIONS, spec, strict=True)])
     if not isinstance(spec, str) or not spec:
         raise ArgumentError("comm_dtype", spec, f"must name a codec among {sorted(CODECS)}")
     if "=" not in spec:
@@ -142,13 +157,17 @@ def parse(spec: str | Wire) -> Wire:
         direction, _, name = part.partition("=")
         if direction not in DIRECTIONS:
             raise ArgumentError(
-                "comm_dtype", spec, f"names {direction!r}; directions are {list(DIRECTIONS)}"
+                "comm_dtype",
+                spec,
+                f"names {clipped(repr(direction))}; directions are {list(DIRECTIONS)}",
             )
         if direction in chosen:
             raise ArgumentError("comm_dtype", spec, f"gives {direction!r} twice")
         if name not in CODECS:
             raise ArgumentError(
-                "comm_dtype", spec, f"gives {direction} {name!r}; choose one of {sorted(CODECS)}"
+                "comm_dtype",
+                spec,
+                f"gives {direction} {clipped(repr(name))}; choose one of {sorted(CODECS)}",
             )
         chosen[direction] = CODECS[name]
     return Wire(**chosen)

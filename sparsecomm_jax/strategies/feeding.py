@@ -13,6 +13,9 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from sparsecomm_jax.errors import ArgumentError
 from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import Batch, TrainStep
 
@@ -42,11 +45,15 @@ def placed_batches(
       batch_at: step -> host batch; called from one thread, as ``place_for_step`` asks
         (with a lookahead, also for the steps ahead of each one).
       start: the first step.
-      steps: the run's number of steps.
+      steps: the run's number of steps: the step to end before, not a count (a resume
+        from step 10 of a 30-step run is ``placed_batches(ts, batch_at, 10, 30)``).
 
     Returns:
       An iterator of ``PlacedBatch``; closing it (or leaving a ``for`` loop early) waits
       for the batch in flight and drops it.
+
+    Raises:
+      ArgumentError: ``start`` is negative, or ``steps`` not after it (nothing to run).
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -62,6 +69,19 @@ def placed_batches(
         >>> ts.host_params(state)["w"].shape
         (3, 1)
     """
+    for name, value in (("start", start), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ArgumentError(name, value, "must be an integer step")
+    if start < 0:
+        raise ArgumentError("start", start, "must be >= 0 (the first step to run)")
+    if steps <= start:
+        raise ArgumentError(
+            "steps",
+            steps,
+            "is the step to end before (the run's number of steps), not a count: from "
+            "$start it runs nothing; pass the end step, e.g. start + count",
+            start=start,
+        )
     place = functools.partial(place_for_step, ts, batch_at, steps=steps)
     return _placed_ahead(place, range(start, steps))
 
@@ -89,7 +109,8 @@ def call_plan(
 
     Args:
       start: the first step.
-      steps: the run's number of steps.
+      steps: the run's number of steps: the step to end before, not a count (a resume
+        from step 10 of a 30-step run is ``placed_batches(ts, batch_at, 10, 30)``).
       size: steps a call (1: one call a step).
       ends: whether the state after a step must be seen before the next step starts.
 

@@ -69,7 +69,9 @@ def check_arguments(loss_fn, optimizer, mesh, params) -> None:
 
 def check_options(name: StrategyName, num: int, capacity, nonfinite) -> None:
     """The options every strategy takes."""
-    if capacity is not None and not (isinstance(capacity, int) and capacity >= 1):
+    if capacity is not None and (
+        isinstance(capacity, bool) or not (isinstance(capacity, int) and capacity >= 1)
+    ):
         raise ArgumentError(
             "capacity", capacity, "must be an integer >= 1, or None (sized per batch)"
         )
@@ -260,14 +262,27 @@ def choose_table_update(
     updates rows and the row-sparse update equals the dense one for ``optimizer`` on
     every table (``row_optimizers.untouched_rows_stay``, probed on small trees shaped
     like ``params``; ``tables`` marks the table leaves), where ``optimizer`` is defined
-    on rows (``lazy_adam``) or where ``comm_dtype`` needs it; else ``DENSE``."""
+    on rows (``lazy_adam``); else ``DENSE``. A narrow ``comm_dtype`` needs ``ROWS``: under
+    ``"auto"`` with an optimizer the row update is not exact for (Adam, momentum) it is
+    refused rather than chosen, since it would turn the optimizer lazy without a word."""
     if not (isinstance(requested, str) and requested == "auto"):
         return update.get(requested)
     if not name.strategy.row_updates or not any(jax.tree.leaves(tables)):
         return update.DENSE
-    if wire.parse(comm_dtype).narrow or row_optimizers.is_lazy(optimizer, params):
+    if row_optimizers.is_lazy(optimizer, params):
         return update.ROWS
     exact = row_optimizers.untouched_rows_stay(optimizer, params, tables)
+    narrow = wire.parse(comm_dtype)
+    if narrow.narrow and not exact:
+        raise ArgumentError(
+            "comm_dtype",
+            narrow.name,
+            "needs the row-sparse table update, which is not exact for this optimizer (a "
+            "row a step does not read would keep its moments: Adam becomes lazy Adam); "
+            "pass $table_update to train so, or use float32 or an optimizer the row "
+            "update is exact for (sgd, adagrad, lazy_adam)",
+            table_update="rows",
+        )
     return update.ROWS if exact else update.DENSE
 
 
