@@ -18,6 +18,7 @@ from models import get_workload
 from sparsecomm_jax import row_optimizers, runtime
 from sparsecomm_jax.comm import costmodel, hlo, wire
 from sparsecomm_jax.embedding.layout import CapacityPolicy, grow_by_eighth, grow_with_margin
+from sparsecomm_jax.errors import ArgumentError
 from sparsecomm_jax.step import capacities
 
 # embrace_2d as its pipelined program (conftest), not as embrace on this CPU mesh
@@ -336,6 +337,35 @@ def test_bad_input_fails_before_compiling():
     spec = "forward=float8_e4m3fn,dense=bfloat16"
     with pytest.raises(ValueError, match="which embrace\\+topk_a2a sends by top-k in float32"):
         sc.make_train_step(*args, "embrace+topk_a2a", comm_dtype=spec, **kw)
+
+
+def test_a_narrow_wire_never_makes_adam_lazy_without_a_word():
+    """``comm_dtype="float8_e4m3fn"`` with ``optax.adam`` and ``table_update="auto"``
+    picked the row update (lazy Adam: +8.6% loss at step 30): now refused as the command
+    line refuses it; ``table_update="rows"`` says so on purpose, and ``lazy_adam`` and
+    SGD take the row update as before."""
+    w = get_workload("lstm_lm", **SMALL)
+    params = w.init(jax.random.key(0))
+
+    def build(optimizer, **kw):
+        return sc.make_train_step(
+            w.loss,
+            optimizer,
+            runtime.data_mesh(8),
+            params,
+            "embrace",
+            embedding_paths=w.embedding_paths,
+            **kw,
+        )
+
+    with pytest.raises(ArgumentError, match="not exact for this optimizer .* lazy Adam") as e:
+        build(optax.adam(1e-2), comm_dtype="float8_e4m3fn")
+    assert e.value.argument == "comm_dtype" and e.value.mentions == {"table_update": "rows"}
+    assert build(optax.adam(1e-2)).table_update == "dense"  # float32: Adam stays Adam
+    chosen = build(optax.adam(1e-2), comm_dtype="float8_e4m3fn", table_update="rows")
+    assert chosen.table_update == "rows"
+    assert build(sc.lazy_adam(1e-2), comm_dtype="float8_e4m3fn").table_update == "rows"
+    assert build(optax.sgd(0.1), comm_dtype="bfloat16").table_update == "rows"
 
 
 @pytest.mark.parametrize(

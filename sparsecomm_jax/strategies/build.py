@@ -129,7 +129,9 @@ def make_train_step(
         ``"forward=float8_e4m3fn,backward=bfloat16,dense=bfloat16"`` (the rows of the
         lookups, their gradients, the dense layers' mean; unnamed ones float32), or a
         ``comm.wire.Wire``. Every sum is taken in float32. A narrow wire needs
-        ``table_update="rows"``; a top-k aggregator keeps ``dense`` float32.
+        ``table_update="rows"``: ``"auto"`` picks it where that update is exact for
+        ``optimizer`` and refuses otherwise (pass ``"rows"`` to train Adam lazily so);
+        a top-k aggregator keeps ``dense`` float32.
       table_layouts: a layout per table, ``{table path: layout}`` (a path like
         ``("params", "user_embed", "embedding")`` or ``"params/user_embed/embedding"``;
         a layout ``"column"``, ``"row"``, ``"replicated"``, ``"table"``, a ``Layout``
