@@ -245,6 +245,79 @@ def key_tables(loss_fn, params, batch, mask, direct: bool = False) -> dict[str, 
     return {k: frozenset(v) for k, v in sorted(found.items())}
 
 
+def whole_table_reads(loss_fn, params, batch, mask) -> frozenset[int]:
+    """The tables flagged in ``mask`` that the loss reads whole (``emb.attend``: a tied
+    or full softmax). Their whole-table all-gather and its gradient's reduce-scatter
+    travel in float32 whatever the wire (the softmax is differentiated through the
+    gather). Found by abstract evaluation: nothing is computed.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"embed": jnp.zeros((8, 2))}
+        >>> def loss(p, b, emb):
+        ...     return emb.attend(p["embed"], emb.lookup(p["embed"], b["x"])).sum()
+        >>> whole_table_reads(loss, params, {"x": jnp.zeros(4, int)}, {"embed": True})
+        frozenset({0})
+    """
+    leaves, flags = jax.tree.leaves(params), jax.tree.leaves(mask)
+    widths = {i: np.shape(x)[1] for i, (x, f) in enumerate(zip(leaves, flags, strict=True)) if f}
+    found: set[int] = set()
+
+    def reads(params, batch):
+        logged = logged_reads(loss_fn, params, batch, mask, widths)
+        found.update(r.table for r in logged if r.kind == ATTEND)
+        return 0
+
+    jax.eval_shape(reads, params, batch)
+    return frozenset(found)
+
+
+def read_outside(loss_fn, params, batch, mask) -> frozenset[int]:
+    """The tables flagged in ``mask`` whose values the loss uses other than through
+    ``emb`` (``table[ids]``, ``jnp.take``, a plain ``flax.nnx.Embed`` or ``linen.Embed``,
+    a penalty on the whole table): a step that serves rows from sharded tables would
+    hand such a read a worker's shard, not the table, and train on wrong numbers. Found
+    once per model and shapes: the loss traced with every ``emb`` access answered by
+    zeros, so a table's value reaches the loss only by such a read.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> params = {"embed": jnp.zeros((8, 2)), "w": jnp.zeros(2)}
+        >>> def loss(p, b, emb):  # the table indexed directly, not through emb
+        ...     return (p["embed"][b["x"]] @ p["w"]).sum()
+        >>> read_outside(loss, params, {"x": jnp.zeros(4, int)}, {"embed": True, "w": False})
+        frozenset({0})
+    """
+    return _outside(*_signature(loss_fn, params, batch, mask))
+
+
+@functools.lru_cache(maxsize=16)
+def _outside(loss_fn, treedef, shapes, flags, num_params) -> frozenset[int]:
+    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    params_shapes = treedef.unflatten(shapes)[0]
+    mask = jax.tree.structure(params_shapes).unflatten(flags)
+    p_leaves = jax.tree.leaves(params_shapes)
+    flagged = [i for i, f in enumerate(flags) if f]
+
+    def loss_of(*leaves):
+        params, batch = treedef.unflatten(leaves)
+        mine = jax.tree.leaves(params)
+
+        def zeros(read, table):  # of the table's width and dtype, not of its values
+            return jnp.zeros((*read.ids.shape, table.shape[1]), table.dtype)
+
+        def attend(table, h):
+            vocab = next(p_leaves[i].shape[0] for i in flagged if mine[i] is table)
+            return jnp.zeros((*h.shape[:-1], vocab), h.dtype)
+
+        ops = recording_ops(params, mask, [], zeros, "", attend)
+        return jax.tree.leaves(loss_fn(params, batch, ops))
+
+    jaxpr = jax.make_jaxpr(loss_of)(*shapes).jaxpr
+    _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return frozenset(i for i in flagged if used[i])
+
+
 def _signature(loss_fn, params, batch, mask) -> tuple:
     """The hashable description of a reads program: loss, tree, each leaf's ``(shape,
     dtype)`` as plain tuples (asked for every batch placed: cheap to build and hash),

@@ -149,9 +149,29 @@ def _runs_with_integer(loss_fn, params, batch: Batch, mask, key: str) -> bool:
     return True
 
 
+def check_tables_read_through_emb(ctx: StepContext, batch: Batch) -> None:
+    """``ValueError`` naming the first table the strategy shards (or serves by rows)
+    that the loss reads other than through ``emb`` (``access.read_outside``): such a
+    read would see one worker's shard and train on wrong numbers without a word."""
+    if not ctx.tables:
+        return
+    leaves, treedef = jax.tree.flatten(ctx.params)
+    indices = {t.index for t in ctx.tables}
+    mask = treedef.unflatten([i in indices for i in range(len(leaves))])
+    if outside := access.read_outside(ctx.loss_fn, ctx.params, batch, mask):
+        table = next(t for t in ctx.tables if t.index == min(outside))
+        raise ValueError(
+            f"the loss reads table {table.name} other than through emb (indexed directly, "
+            "or a plain flax Embed): the step serves its rows from a sharded table, so "
+            "that read would see one worker's part of it; read it with emb.lookup / "
+            "emb.attend (the library's Embed does), or keep it out of embedding_paths"
+        )
+
+
 def check_host_batch(ctx: StepContext, batch: Batch) -> None:
     """Every check a batch passes before it is placed."""
     check_batch(batch, ctx.num_workers, ctx.replicated_keys)
+    check_tables_read_through_emb(ctx, batch)
     if ctx.id_tables:
         check_ids(batch, *id_ranges(ctx, batch), named=ctx.id_keys is not None)
 
