@@ -775,3 +775,16 @@ def test_the_command_line_process_exits_2_with_one_line_and_no_traceback(tmp_pat
         lines = stderr_lines(done.stderr)
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
         assert lines[0].startswith("error: ") and "Traceback" not in done.stderr
+
+
+def test_a_steps_bytes_are_a_method_of_the_step():
+    """``ts.sent_bytes(batch)``: the compiled program's bytes per worker, as
+    ``hlo.total_bytes`` counts them, in the wire's codecs (bfloat16 fewer)."""
+    batch = two_table_batch()
+    wide, narrow = two_table_step("embrace"), two_table_step("embrace", comm_dtype="bfloat16")
+    placed = wide.place_batch(batch)
+    assert wide.sent_bytes(placed) == hlo.total_bytes(
+        hlo.collectives(wide.step, wide.state, placed)
+    )
+    assert 0 < narrow.sent_bytes(narrow.place_batch(batch)) < wide.sent_bytes(placed)
+    wide.step(wide.state, placed)  # the state was not donated by compiling

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from experiments.train import train_and_evaluate
+from experiments.train.config import RunConfig
 from sparsecomm_jax import runtime
 from sparsecomm_jax.comm import costmodel, hlo, wire
 from sparsecomm_jax.errors import ArgumentError
@@ -183,3 +185,23 @@ def test_scalars_ride_any_codec_bit_for_bit():
         back = jax.jit(lambda v, c=c: wire.from_wire_bits(wire.as_wire_bits(v, c), c))(x)
         np.testing.assert_array_equal(np.asarray(back).view(np.uint32), x.view(np.uint32))
         assert jnp.asarray(wire.as_wire_bits(x, c)).dtype == c.bits
+
+
+@pytest.mark.cli
+def test_a_tied_full_softmax_names_the_exchanges_that_stay_float32():
+    """A tied full-softmax LM in FP8: the compiled program gathers the whole table in
+    float32 (f32[V, D]) and reduce-scatters its gradient in float32, the largest
+    collectives of the step; the run's record names exactly that table and why, and a
+    float32 run records none."""
+    cfg = dict(model="lstm_lm", vocab=2000, dim=32, hidden=16, seq_len=8, batch=16)
+    cfg.update(tie_embeddings=True, sampled_softmax=0, devices=4, steps=1, warmup=0)
+    cfg.update(strategy="embrace", optimizer="sgd")
+    fp8 = train_and_evaluate(RunConfig(**cfg, comm_dtype="float8_e4m3fn"), progress=False)
+    (named,) = fp8["float32_exchanges"]
+    assert named.startswith("embed/embedding: its whole-table all-gather")
+    whole = [c for c in fp8["collectives"] if "f32[2000,32]" in c["shapes"]]
+    assert {c["kind"] for c in whole} >= {"all-gather"}
+    largest = max(fp8["collectives"], key=lambda c: c["bytes_sent"])
+    assert "f32[2000,32]" in largest["shapes"] or "f32[500,32]" in largest["shapes"]
+    plain = train_and_evaluate(RunConfig(**cfg), progress=False)
+    assert plain["float32_exchanges"] == []

@@ -25,7 +25,9 @@ from jax.experimental import multihost_utils
 from experiments.train.config import RunConfig
 from experiments.train.loop import RunLog, warm_steps
 from experiments.train.startup import calibrated_link
-from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.comm import hlo, wire
+from sparsecomm_jax.embedding import access
+from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 
 def peak_memory(compiled) -> int | None:
@@ -72,6 +74,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "compile_s": log.compile_s,
         "programs": len(log.programs),
         "compiled_at_steps": list(log.compiled_at),  # the first step of each compiling call
+        "float32_exchanges": float32_exchanges(config, workload),
         "start_step": start,
         "skipped_steps": log.skipped,
         "rank": rank,
@@ -80,6 +83,24 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     if config.calibrate:
         record["link"] = calibrated_link(config.devices)
     return record
+
+
+def float32_exchanges(config: RunConfig, workload) -> list[str]:
+    """The exchanges that stay float32 under a narrow ``--comm-dtype``, each with why:
+    a table the model reads whole (a tied or full softmax, ``emb.attend``) is gathered
+    whole and its gradient reduce-scattered in float32 (``access.whole_table_reads``)."""
+    if not wire.parse(config.comm_dtype).narrow:
+        return []
+    params = jax.eval_shape(workload.init, jax.random.key(0))
+    mask = table_mask(params, workload.embedding_paths)
+    names = {t.index: t.name for t in find_tables(params, mask, None)}
+    whole = access.whole_table_reads(workload.loss, params, workload.batch_at(0), mask)
+    return [
+        f"{names[i]}: its whole-table all-gather and its gradient's "
+        "reduce-scatter (read whole by a full softmax, emb.attend, which is differentiated "
+        "through the gather)"
+        for i in sorted(whole)
+    ]
 
 
 def deferred_entries(state) -> int | None:

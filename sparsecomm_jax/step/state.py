@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.aggregators import Aggregator
+from sparsecomm_jax.comm import hlo
 from sparsecomm_jax.embedding import access
 from sparsecomm_jax.embedding.access import EmbeddingOps
 from sparsecomm_jax.embedding.tables import Table
@@ -129,6 +130,31 @@ class TrainStep(NamedTuple):
     scannable: bool = False
     form: Any = None
     module: Callable[[TrainState], Any] | None = None
+
+    def sent_bytes(self, batch: Any) -> float:
+        """Bytes each worker sends in one call of ``step`` on the placed ``batch`` (its
+        capacity sizes the buffers): the collectives of the compiled program, summed
+        (``comm.hlo.total_bytes``; a pipelined step's refetch branch, which runs only
+        when a guess missed, left out). Compiles, never runs: the state is not donated.
+
+        Args:
+          batch: a batch from ``place_batch`` (or ``place_steps`` for ``steps``' bytes
+            per call: use ``hlo.collectives(ts.steps, ...)`` then).
+
+        Returns:
+          Bytes per worker per call, in the codecs the wire chose.
+
+        Example:
+            >>> import jax.numpy as jnp, optax
+            >>> from sparsecomm_jax import make_train_step, runtime
+            >>> loss = lambda p, b, emb: jnp.mean((b["x"] @ p["w"]) ** 2)
+            >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(),
+            ...                      {"w": jnp.zeros((1000, 1))})
+            >>> n = len(jax.devices())
+            >>> ts.sent_bytes(ts.place_batch({"x": jnp.ones((n, 1000))})) >= 0
+            True
+        """
+        return hlo.total_bytes(hlo.collectives(self.step, self.state, batch))
 
 
 class StepContext(NamedTuple):
