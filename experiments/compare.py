@@ -2,13 +2,14 @@
 
     python -m experiments.compare --model lstm_lm --devices 8 --steps 10
 
-Columns: final loss, median step time, comm bytes per worker per step (from the compiled
+Columns: final loss, median and mean step time, comm bytes per worker per step (from the compiled
 program), speed-up of the step time and the byte reduction against ``dense_pmap``, peak
 device memory (the compiled program's memory analysis), and each strategy's *modelled*
 step on a real link (``MODEL_LINKS``: 10 and 1 Gbit/s a worker, 50 us a message): the
 measured step plus the compiled collectives through the alpha-beta cost model. On
 simulated devices a collective is a memory copy, so the measured step alone cannot show
-what fewer bytes buy; the modelled columns can, and say they are modelled. Writes
+what fewer bytes buy; the modelled columns can, and say they are modelled. A short
+recommendation drawn from the table follows it (``recommend``). Writes
 ``compare.json`` and ``compare.csv`` into ``--out-dir``; with ``--checkpoint-dir`` or
 ``--log-dir``, each strategy's checkpoints or logs go into its own subfolder.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from experiments.train import start_devices, train_and_evaluate, write_json
 from experiments.train.config import RunConfig, add_arguments, from_namespace
 from experiments.train.validate import one_step_a_call
 from sparsecomm_jax import parse_strategy
+from sparsecomm_jax.aggregators import AGGREGATORS
 from sparsecomm_jax.comm.costmodel import Link
 
 # Defaults of the headline comparison: a large-vocabulary LM with sampled softmax,
@@ -44,7 +47,6 @@ MODEL_LINKS = {  # column label -> the link a modelled step is priced on (per wo
 def default_strategies() -> list[str]:
     """``dense_pmap`` first, then every table strategy and every top-k aggregator."""
     from sparsecomm_jax import STRATEGIES
-    from sparsecomm_jax.aggregators import AGGREGATORS
 
     sparse = [name for name, kind in AGGREGATORS.items() if kind.sparse]
     return [BASELINE, *(s for s in STRATEGIES if s != BASELINE), *sparse]
@@ -59,6 +61,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "strategy": r["strategy"],
             "final_loss": r["losses"][-1],
             "step_time_ms": r["step_time_s"] * 1e3,
+            "mean_step_ms": mean_step_s(r) * 1e3,
             "comm_mb_per_step": r["comm_bytes_per_step"] / 1e6,
             "speedup_vs_dense_pmap": base["step_time_s"] / r["step_time_s"],
             "bytes_reduction_vs_dense_pmap": base["comm_bytes_per_step"]
@@ -73,6 +76,64 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def mean_step_s(result: dict[str, Any]) -> float:
+    """The mean of a run's step times after its warm-up calls (a median hides steps that
+    recompile or stall; the mean does not)."""
+    warmup = result.get("config", {}).get("warmup", 0)
+    times = result["step_times_s"][warmup:] or result["step_times_s"]
+    return statistics.fmean(times)
+
+
+def lossy(strategy: str) -> bool:
+    """Whether a strategy changes the numbers of training: a top-k aggregator sends a
+    fraction of the dense gradient (its residual carries the rest to later steps)."""
+    return AGGREGATORS[parse_strategy(strategy).aggregator].sparse
+
+
+def recommend(rows: list[dict[str, Any]], steps: int) -> list[str]:
+    """A short recommendation drawn from the table: the lossless strategy of least step
+    here (by median and mean) and on each modelled link, why (its bytes against
+    ``dense_pmap``'s), the slowest and why, and what the run can say of the lossy ones."""
+    base = next((r for r in rows if r["strategy"] == BASELINE), rows[0])
+    exact = [r for r in rows if not lossy(r["strategy"])] or rows
+    here = min(exact, key=lambda r: r["mean_step_ms"])
+    lines = [
+        f"recommended here: {here['strategy']} (lossless; mean step {here['mean_step_ms']:.1f} "
+        f"ms, median {here['step_time_ms']:.1f} ms, {here['speedup_vs_dense_pmap']:.2f}x "
+        f"{BASELINE}'s median; it sends {here['comm_mb_per_step']:.3f} MB a step a worker "
+        f"against {base['comm_mb_per_step']:.3f} MB). On simulated devices a collective "
+        "is a memory copy: the step here is mostly compute."
+    ]
+    for label in MODEL_LINKS:
+        best = max(exact, key=lambda r: r[f"modelled_speedup_{label}"])
+        lines.append(
+            f"on a {label}bit/s link (modelled): {best['strategy']}, "
+            f"{best[f'modelled_speedup_{label}']:.2f}x {BASELINE}, because it sends "
+            f"{best['bytes_reduction_vs_dense_pmap']:.1f}x fewer bytes"
+        )
+    slow = min(rows, key=lambda r: r["speedup_vs_dense_pmap"])
+    if slow["speedup_vs_dense_pmap"] < 1:
+        saved = slow["comm_mb_per_step"] < base["comm_mb_per_step"]
+        why = (
+            "it sends fewer bytes, but its own work (selecting, encoding, exchanging "
+            "indices) costs more than a memory-copy link saves"
+            if saved
+            else "it sends no fewer bytes and does more work"
+        )
+        lines.append(
+            f"slowest here: {slow['strategy']}, {1 / slow['speedup_vs_dense_pmap']:.1f}x "
+            f"{BASELINE}'s step: {why}"
+        )
+    if inexact := [r for r in rows if lossy(r["strategy"])]:
+        gap = max(abs(r["final_loss"] - base["final_loss"]) for r in inexact)
+        lines.append(
+            f"lossy (top-k) strategies: after {steps} steps their loss is within {gap:.4f} of "
+            f"{BASELINE}'s, which says little of what they cost in loss: that shows over "
+            "hundreds of steps (--steps 300, or the convergence figures in BENCHMARKS.md)"
+        )
+    return lines
+
+
 def modelled_step_s(result: dict[str, Any], link: Link) -> float:
     """A run's step on ``link``, modelled: its measured step plus its compiled
     collectives through the alpha-beta cost model (``comm.costmodel.program_time``)."""
@@ -81,7 +142,8 @@ def modelled_step_s(result: dict[str, Any], link: Link) -> float:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     modelled = [f"{label} model" for label in MODEL_LINKS]
-    header = ["strategy", "final loss", "step ms", "comm MB/step", "speed-up", "bytes x"]
+    header = ["strategy", "final loss", "step ms", "mean ms", "comm MB/step", "speed-up"]
+    header += ["bytes x"]
     header += ["peak MB", *modelled]
     lines = [" | ".join(f"{h:>14}" for h in header)]
     for r in rows:
@@ -89,6 +151,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             r["strategy"],
             f"{r['final_loss']:.4f}",
             f"{r['step_time_ms']:.1f}",
+            f"{r['mean_step_ms']:.1f}",
             f"{r['comm_mb_per_step']:.3f}",
             f"{r['speedup_vs_dense_pmap']:.2f}x",
             f"{r['bytes_reduction_vs_dense_pmap']:.1f}x",
@@ -140,15 +203,25 @@ def write_outputs(results, rows, out_dir: str) -> None:
         writer.writerows(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
+    """The comparison's flags: every flag of ``experiments.train`` but ``--strategy``
+    and ``--out``, defaulting to the headline comparison (``HEADLINE``), and its own."""
     parser = argparse.ArgumentParser(
         prog="python -m experiments.compare", description=__doc__, allow_abbrev=False
     )  # no abbreviations: --out would be taken for --out-dir
     add_arguments(parser, skip=("strategy", "out"))
     parser.set_defaults(**HEADLINE)
-    parser.add_argument("--strategies", default="", help="comma list (default: all)")
-    parser.add_argument("--out-dir", default="runs/compare", help="where results go")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--strategies", default="", help="comma list of strategies (default: all of them)"
+    )
+    parser.add_argument(
+        "--out-dir", default="runs/compare", help="where compare.json and compare.csv go"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     config = from_namespace(args)
     try:
         rank = start_devices(config.devices)
@@ -168,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     "program's collectives with its compute, so its pipelined schedule "
                     "could only lose (--collectives-overlap yes builds it anyway)"
                 )
+        print("\n".join(recommend(rows, config.steps)))
         write_outputs(results, rows, args.out_dir)
         print(f"results in {args.out_dir}/compare.json and compare.csv")
     return 0

@@ -116,6 +116,8 @@ def test_compare_gives_each_strategy_its_own_folders(tmp_path, capsys):
     flags += ["--checkpoint-dir", str(ck), "--checkpoint-every", "1", "--log-dir", str(logs)]
     out = ["--out-dir", str(tmp_path / "out")]
     assert compare.main([*flags, "--strategies", "dense,embrace", *out]) == 0
+    said = capsys.readouterr().out
+    assert "recommended here: " in said and "on a 1Gbit/s link (modelled): " in said
     for strategy in ("dense", "embrace"):
         assert (logs / strategy / "steps.jsonl").is_file()
         assert (ck / strategy / "2").is_dir()  # the last step's checkpoint

@@ -373,3 +373,38 @@ def test_the_wire_study_judges_each_spec_against_float32(tmp_path, monkeypatch):
     assert rows["embrace+topk_a2a", "float32"]["loss"] > 0
     table = wire_study.table(list(rows.values()), 0.01, "embrace")
     assert "| float8_e4m3fn |" in table and "failed" in table
+
+
+def _row(strategy, loss, step_ms, mean_ms, mb, modelled):
+    base_mb, base_ms = 4.0, 10.0
+    return {
+        "strategy": strategy,
+        "final_loss": loss,
+        "step_time_ms": step_ms,
+        "mean_step_ms": mean_ms,
+        "comm_mb_per_step": mb,
+        "speedup_vs_dense_pmap": base_ms / step_ms,
+        "bytes_reduction_vs_dense_pmap": base_mb / mb,
+        **{f"modelled_speedup_{label}": modelled for label in ("10G", "1G")},
+    }
+
+
+def test_the_comparison_recommends_from_its_own_table():
+    """The lossless strategy of least mean step (not median) is recommended, the one a
+    modelled link favours with its byte reduction, the slowest with why (fewer bytes,
+    more work), and the lossy ones are said to need more steps to show their cost."""
+    from experiments import compare
+
+    rows = [
+        _row("dense_pmap", 2.0, 10.0, 10.0, 4.0, 1.0),
+        _row("embrace", 2.0, 6.0, 9.0, 0.5, 3.0),  # fastest median, a slow mean
+        _row("embrace_rowwise", 2.0, 7.0, 7.5, 0.4, 3.5),
+        _row("adaptive", 2.1, 32.0, 32.0, 0.2, 2.0),
+        _row("topk_a2a", 2.05, 5.0, 5.0, 0.1, 8.0),  # lossy: never recommended
+    ]
+    lines = compare.recommend(rows, steps=10)
+    assert lines[0].startswith("recommended here: embrace_rowwise (lossless; mean step 7.5")
+    assert lines[1].startswith("on a 10Gbit/s link (modelled): embrace_rowwise, 3.50x")
+    assert "10.0x fewer bytes" in lines[1]
+    assert lines[3].startswith("slowest here: adaptive, 3.2x dense_pmap's step: it sends fewer")
+    assert "after 10 steps their loss is within 0.1000" in lines[4] and "--steps 300" in lines[4]

@@ -116,7 +116,30 @@ def markdown() -> str:
     strategies = _choices(fields["strategy"])
     parts += ["## Strategies", "", "`--strategy` takes one of:", ""]
     parts += [", ".join(f"`{s}`" for s in strategies), ""]
-    return "\n".join(parts)
+    return "\n".join(parts + _comparison())
+
+
+def _comparison() -> list[str]:
+    """The section of ``python -m experiments.compare``: its own flags and defaults."""
+    from experiments import compare
+
+    parser = compare.make_parser()
+    own = [a for a in parser._actions if a.dest in ("strategies", "out_dir")]
+    defaults = ", ".join(f"`--{k.replace('_', '-')} {v}`" for k, v in compare.HEADLINE.items())
+    lines = [
+        "## The comparison: `python -m experiments.compare`",
+        "",
+        "Runs each strategy with the flags above (all but `--strategy` and `--out`), "
+        f"defaulting to the headline comparison ({defaults}); prints the table, a short "
+        "recommendation drawn from it (the lossless strategy of least mean step here and "
+        "on each modelled link, why, the slowest and why, what the run can say of the "
+        "lossy strategies), and writes `compare.json` and `compare.csv`. Its own flags:",
+        "",
+        "| flag | default | what |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{a.option_strings[0]}` | `{a.default!r}` | {_cell(a.help)} |" for a in own]
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
