@@ -170,6 +170,10 @@ def test_a_planner_memory_limit_nothing_fits_names_the_flag(capsys):
         (["--replicas", "0"], "--replicas"),
         (["--replicas", "2", "--strategy", "dense"], "--replicas 2 needs a strategy among"),
         (["--replicas", "2", "--plan", "auto"], "--plan auto is built for one group"),
+        (
+            ["--replicas", "2", "--overlap", "--strategy", "embrace_2d"],
+            "--overlap is built for one group of every device; leave out --overlap",
+        ),
     ],
 )
 def test_replica_groups_that_cannot_be_are_one_line(capsys, flags, message):
@@ -276,6 +280,10 @@ HUGE = '{"params/sparse_0/embedding": {"layout": "hot", "config": [1844674407370
         (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [1e30]}}'], INTS),
         (["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [true]}}'], INTS),
         (["--plan", HUGE], "hot ids must lie in [0, 64)"),
+        (
+            ["--plan", '{"params/sparse_0/embedding": {"layout": "hot", "config": [-1]}}'],
+            "--plan (table params/sparse_0/embedding): hot ids must lie in [0, 64); got [-1]",
+        ),
         (["--plan", "model", "--histogram", "NAN"], "has counts that are not finite"),
         (["--plan", "model", "--histogram", "BOOL"], "has counts of type bool"),
         (["--plan", "model", "--histogram", "EMPTY"], "holds no counts"),

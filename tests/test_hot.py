@@ -74,7 +74,10 @@ def test_the_hot_ids_are_the_most_counted():
     [
         ({"a": hot.layout({"a": [1]}), "b": hot.layout({"b": [2]})}, "share one hot layout"),
         ({"a": hot.layout({"a": [1], "z": [2]})}, r"hot ids given for \['z'\]"),
-        ({"a": hot.layout({"a": [1, 99]})}, r"table a: hot ids must lie in \[0, 37\); got \[99\]"),
+        (
+            {"a": hot.layout({"a": [1, 99]})},
+            r"table_layouts \(table a\): hot ids must lie in \[0, 37\); got \[99\]",
+        ),
         ({"a": hot.layout({"a": [1, 1]})}, r"must be distinct; \[1\] appear twice"),
     ],
 )

@@ -122,11 +122,17 @@ def _check_combinations(config: RunConfig) -> None:
         raise ValueError(
             "--resume continues the folder's run, --overwrite replaces it: pass one of them"
         )
-    if config.replicas > 1 and (config.overlap or config.plan in ("auto", "model")):
-        flag = "--overlap" if config.overlap else f"--plan {config.plan}"
+    if config.replicas > 1 and config.overlap:
         raise ValueError(
-            f"--replicas {config.replicas}: {flag} is built for one group of every device; "
-            "with replica groups give a plan by hand (--plan '{...}') or leave it out"
+            f"--replicas {config.replicas}: --overlap is built for one group of every "
+            "device; leave out --overlap (embrace_2d pipelines its steps without it) or "
+            "--replicas"
+        )
+    if config.replicas > 1 and config.plan in ("auto", "model"):
+        raise ValueError(
+            f"--replicas {config.replicas}: --plan {config.plan} is built for one group of "
+            "every device; with replica groups give a plan by hand (--plan '{...}') or "
+            "leave it out"
         )
     if config.overlap:
         _check_overlap(config)

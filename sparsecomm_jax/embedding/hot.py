@@ -80,6 +80,7 @@ from sparsecomm_jax.embedding.layout import (
     padded_slots,
 )
 from sparsecomm_jax.embedding.tables import table_name
+from sparsecomm_jax.errors import NO_VALUE, ArgumentError
 
 F32 = jnp.float32
 
@@ -562,8 +563,8 @@ def layout(hot_ids: Mapping[str, Sequence[int]] | None = None) -> Layout:
         for t in mine:
             try:
                 rows[t.index] = HotRows.of(config.get(t.name, ()), t.vocab, num_workers)
-            except ValueError as e:
-                raise ValueError(f"table {t.name}: {e}") from None
+            except ValueError as e:  # names the argument: --plan at the command line
+                raise ArgumentError("table_layouts", NO_VALUE, f"(table {t.name}): {e}") from None
         bound = value._replace(
             capacity=_capacity(rows),
             fetch=_fetch(rows),
