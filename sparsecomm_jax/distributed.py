@@ -202,6 +202,25 @@ def distributed_args() -> dict | None:
     return {**dict(zip(keys, explicit, strict=True)), "local_device_ids": ids, **common}
 
 
+def launched_devices() -> int | None:
+    """The job's device count as the launcher's variables give it, before JAX starts
+    (process count x each process's devices: ``SPARSECOMM_LOCAL_DEVICE_IDS`` on a GPU
+    host, ``SPARSECOMM_LOCAL_DEVICES`` simulated on CPU); ``None`` outside the launcher.
+    Every process can check what depends on the count before joining, so none of them
+    refuses while the others are still assembling (and die with it, loudly).
+
+    Example:
+      >>> launched_devices() is None  # a plain process
+      True
+    """
+    if ENV_NUM_PROCESSES not in os.environ:
+        return None
+    ids = _int_list(os.environ.get(ENV_LOCAL_DEVICE_IDS, ""))
+    local = os.environ.get(ENV_LOCAL_DEVICES)
+    per_process = len(ids) if ids else (_env_int(ENV_LOCAL_DEVICES) if local else 0)
+    return _env_int(ENV_NUM_PROCESSES) * per_process or None
+
+
 def initialize_distributed() -> tuple[int, int]:
     """Joins the multi-process job this process belongs to (see ``distributed_args``).
 

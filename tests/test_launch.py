@@ -4,6 +4,7 @@ input is a one-line error; schedulers are read the way jax.distributed reads the
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -753,3 +754,38 @@ def test_a_job_that_never_assembles_ends_in_one_line(clean_env):
     assert len(lines) == 2, lines
     assert "process 0 of 2: waiting for the job's other processes" in lines[0]
     assert lines[1].startswith("error: process 0 of 2: the job did not assemble")
+
+
+def test_every_rank_refuses_a_count_dependent_flag_before_joining(tmp_path):
+    """``--replicas 3`` on a launched job of 4 devices (``--devices`` left out): every
+    rank refuses it from the launcher's variables before JAX starts, so none dies in
+    the backend's start because rank 0, the coordinator, left first (the launcher stops
+    the ranks still refusing when the first has)."""
+    cmd = [*_train_cmd(tmp_path / "never.json", strategy="embrace"), "--replicas", "3"]
+    proc = _launch(2, 2, cmd, timeout=120)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2, said[-2000:]
+    assert "] error: --replicas 3 must divide the 4 devices" in said  # the first to exit
+    assert re.search(r"launch: rank [01] exited with code 2;", said)
+    assert "Traceback" not in said and "Unable to initialize backend" not in said
+
+
+def test_a_gone_peer_is_one_line_not_a_traceback():
+    """What a gloo collective raises when another process is killed: one line that
+    points to that process's output and the launcher, exit status 1."""
+    from experiments.train import command
+
+    error = RuntimeError("INTERNAL: Gloo AllGather failed: Connection closed by peer [::1]:1")
+    assert command.peer_gone(error).startswith("another process of the job is gone (INTERNAL")
+    assert command.peer_gone(RuntimeError("an error of this process")) == ""
+    script = (
+        "from experiments.train import command\n"
+        "def main():\n"
+        "    raise RuntimeError('Gloo AllGather failed: Connection closed by peer')\n"
+        "command.main = main\n"
+        "command.cli()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True)
+    lines = [x for x in stderr_lines(proc.stderr) if x.strip()]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: another process of the job is gone")

@@ -27,6 +27,7 @@ from experiments.train.config import OneLineErrors, add_arguments, from_namespac
 from experiments.train.record import write_json
 from experiments.train.run import train_and_evaluate
 from sparsecomm_jax import distributed
+from sparsecomm_jax.errors import clipped
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -75,6 +76,24 @@ def ran_as(strategy: str, record: dict) -> str:
     return strategy if runs_as == strategy else f"{strategy} (ran as {runs_as})"
 
 
+# What a collective or the coordination service says when another process of the job
+# has gone (killed, or ended by its own error): the cause is in that process's output.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Socket closed")
+
+
+def peer_gone(error: BaseException) -> str:
+    """One line for a failure that only says another process of a multi-process job is
+    gone (a gloo collective or the coordination service losing its peer), ``""`` for
+    any other: that traceback would bury the line saying which process failed and why."""
+    text = " ".join(str(error).split())
+    if not isinstance(error, RuntimeError) or not any(mark in text for mark in PEER_GONE):
+        return ""
+    return (
+        f"another process of the job is gone ({clipped(text, 120)}); its own output, "
+        "and the launcher's line, say which and why"
+    )
+
+
 def cli() -> None:
     """``main`` as a process: a failed run ends at once with a non-zero status instead
     of waiting at shutdown for threads a failure left behind (orbax, coordination)."""
@@ -85,8 +104,11 @@ def cli() -> None:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         code = 130
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as e:
+        if line := peer_gone(e):
+            print(f"error: {line}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -184,9 +184,11 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
       FloatingPointError: the run diverged (see ``--nonfinite``, ``--max-skipped``).
       OSError: a checkpoint could not be written.
     """
-    # before JAX starts; --devices 0 (every device) is counted once it has, and checked
-    # then with --replicas
-    early = {} if config.devices else {"devices": 1, "replicas": 1}
+    # before JAX starts; --devices 0 (every device) is counted from the launcher's
+    # variables where it started the job (every rank refuses alike, none while the others
+    # assemble), else once JAX has started, and checked then with --replicas
+    known = config.devices or distributed.launched_devices()
+    early = {"devices": known} if known else {"devices": 1, "replicas": 1}
     validate(dataclasses.replace(config, **early))
     check_outputs(config)
     runlog.check_run_io(config)
