@@ -71,6 +71,17 @@ def test_tiny_tables_stay_data_parallel_and_big_ones_are_sharded():
     assert costs["dense"] > 100 * costs[names(plan)["big"]]  # a dense 1M-row table
 
 
+def test_the_plans_table_shows_the_messages_that_make_up_its_total():
+    """The per-message latency, most of a small plan's total, has its own line: the
+    lines' milliseconds add up to the total."""
+    plan = planner.plan_tables([stats("a", 20_000), stats("b", 30_000)], 4, SLOW)
+    lines = plan.table().splitlines()
+    assert lines[-2].startswith("(messages: latency per exchange)")
+    ms = [float(line.split()[-2]) for line in lines[1:-2]] + [float(lines[-2].split()[-1])]
+    assert float(lines[-2].split()[-1]) > 0
+    assert sum(ms) == pytest.approx(float(lines[-1].split()[-2]), abs=2e-3)
+
+
 def test_memory_moves_tables_to_a_sharded_layout():
     mid = [stats(f"t{i}", 4096, reads=4096, distinct=4000, bucket=1000) for i in range(3)]
     free = planner.plan_tables(mid, 4, Link.from_bandwidth(100.0))

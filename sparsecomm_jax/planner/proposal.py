@@ -41,7 +41,9 @@ class Plan(NamedTuple):
         return TablePlan({c.table: made.get(c.layout, c.layout) for c in self.choices})
 
     def table(self) -> str:
-        """The plan as a text table (one line per table, then the total)."""
+        """The plan as a text table: one line per table (its rows' bytes and their time
+        on the link), one for the messages of the layouts' exchanges (their latency,
+        once per exchange per step, often most of the total), then the total."""
         lines = [f"{'table':<32} {'layout':<14} {'MB/step':>9} {'ms/step':>8} {'memory MB':>10}"]
         for c in self.choices:
             layout = f"{c.layout} {c.setting}".strip()
@@ -49,6 +51,8 @@ class Plan(NamedTuple):
                 f"{c.table:<32} {layout:<14} {c.bytes / 1e6:>9.3f} {c.seconds * 1e3:>8.3f} "
                 f"{c.memory / 1e6:>10.2f}"
             )
+        messages = self.seconds - sum(c.seconds for c in self.choices)
+        lines.append(f"{'(messages: latency per exchange)':<47} {'':>9} {messages * 1e3:>8.3f}")
         lines.append(
             f"{'(one worker of ' + str(self.workers) + ')':<47} {'':>9} "
             f"{self.seconds * 1e3:>8.3f} {self.memory / 1e6:>10.2f}"
