@@ -146,6 +146,8 @@ def parse(spec: str | Wire) -> Wire:
     Raises:
       ArgumentError: an unknown codec or direction, a direction given twice.
     """
+    if isinstance(spec, Wire) and all(isinstance(c, Codec) for c in spec):
+        return spec
     if isinstance(spec, Wire):  # its fields may be codecs or their names
         return Wire(*[_field_codec(spec, d, c) for d, c in zip(DIRECTIONS, spec, strict=True)])
     if not isinstance(spec, str) or not spec:

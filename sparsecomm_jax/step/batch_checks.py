@@ -171,9 +171,9 @@ def check_tables_read_through_emb(ctx: StepContext, batch: Batch) -> None:
 def check_host_batch(ctx: StepContext, batch: Batch) -> None:
     """Every check a batch passes before it is placed."""
     check_batch(batch, ctx.num_workers, ctx.replicated_keys)
-    check_tables_read_through_emb(ctx, batch)
     if ctx.id_tables:
         check_ids(batch, *id_ranges(ctx, batch), named=ctx.id_keys is not None)
+    check_tables_read_through_emb(ctx, batch)  # once the ids are known to be ids
 
 
 def check_alike(batches: Sequence[Batch]) -> None:
