@@ -2,10 +2,10 @@
 
 Three layers: ``files`` (a folder's step folders, its run record written atomically,
 the lock that keeps one writer per folder), ``store`` (any pytree of arrays through
-orbax, each checkpoint checked to be this run's; ``quiet`` keeps orbax's noise around a
-failed save out of the output) and ``state`` (a library step's state, its tables stored
-as the step stores them). ``Checkpointer`` is the last of them, and
-what a training loop uses.
+orbax, each checkpoint checked to be this run's and intact, by ``digest``; ``quiet``
+keeps orbax's noise around a failed save out of the output) and ``state`` (a library
+step's state, its tables stored as the step stores them). ``Checkpointer`` is the last
+of them, and what a training loop uses.
 
 What is saved: any pytree of arrays (``Checkpointer.save``); for the library's steps,
 ``save_state`` saves parameters (sharded tables as global arrays), optimizer state, the
@@ -23,7 +23,10 @@ No checkpoint is trusted by its folder's name. The folder holds the run's identi
 (``RUN_FILE``: a run id made at the first save plus whatever description the caller
 gives, e.g. its configuration), and every checkpoint carries the run id and its step
 inside: a checkpoint copied, linked or renamed from elsewhere is refused at restore
-(``MismatchError``). Only real folders and regular files are read (never a link or a
+(``MismatchError``). Beside the run id each checkpoint records a digest of every array
+(``digest``: computed where the array lives, whatever its sharding), checked at
+restore: a flipped byte, or another run's state copied in beside this run's record,
+makes the step damaged. Only real folders and regular files are read (never a link or a
 FIFO). ``restore`` falls back past damaged checkpoints to the newest that restores
 completely; an error of the file system itself (EIO, a permission) is raised instead,
 the checkpoint kept. Nothing is removed until the resumed run writes its first

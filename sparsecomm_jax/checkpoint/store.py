@@ -5,7 +5,8 @@ run's before it is trusted.
 Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
 crash while writing leaves the previous checkpoint as the latest usable one. Saves are
 synchronous: a save that fails raises at once, and its unfinished folder is removed
-when the store is closed. Every checkpoint carries the run id and its step inside, and
+when the store is closed. Every checkpoint carries the run id, its step and a digest of
+each array (``digest``, checked at restore: a mismatch is damage) inside, and
 a caller may record more (``save(..., identity=...)``) and check it at restore
 (``restore(..., check=...)``): the train-state layer (``checkpoint.state``) records how
 tables are stored that way. ``restore`` falls back past damaged checkpoints to the
