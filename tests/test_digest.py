@@ -92,3 +92,22 @@ def test_a_tree_of_arrays_placed_every_way_digests_as_numpy():
         "e": jax.device_put(host["e"], NamedSharding(mesh, PartitionSpec(mesh.axis_names[0]))),
     }
     assert digest.of(tree) == digest.of(host)
+
+
+def test_changes_that_cancel_in_a_linear_sum_are_caught():
+    """Two sign bits flipped add 2^32 to any sum of odd weights: the mixed sum sees them
+    (``[1, 2]`` against ``[-1, -2]``, and the two swapped)."""
+    for a, b in (([1.0, 2.0], [-1.0, -2.0]), ([1.0, -1.0], [-1.0, 1.0])):
+        x, y = np.float32(a), np.float32(b)
+        assert digest.of({"w": x}) != digest.of({"w": y})
+        assert digest.of({"w": jnp.asarray(x)}) != digest.of({"w": jnp.asarray(y)})
+
+
+def test_host_leaves_keys_and_numbers_are_summed_whole():
+    """A float64 numpy leaf is summed on the host to its last bit (not narrowed to
+    float32 on a device); Python numbers and PRNG keys are digested (they made a save
+    fail)."""
+    assert digest.of({"x": np.array([1.0])}) != digest.of({"x": np.array([1 + 2**-40])})
+    record = digest.of({"step": 3, "lr": 0.5, "rng": jax.random.key(0)})
+    assert record["step"][0] == "int64" and record["rng"][0].startswith("key")
+    assert digest.of({"rng": jax.random.key(1)}) != {"rng": record["rng"]}

@@ -3,15 +3,18 @@ restore: a flipped byte in a data file, or another run's state copied in beside 
 run's record, is caught before a single step trains on it.
 
 Each array's digest is two 32-bit sums computed where the array lives (one jitted pass
-over it, its shards summed by one all-reduce of two words), so it needs no gather to
-the host, works across processes, and does not depend on how the array is sharded: a
-checkpoint written on 8 devices checks the same on 4 (the sums wrap modulo 2^32, in
-any order). Each sum weights every 32-bit word by an odd number made from its row and
-column, so any change of a single word changes both (an odd weight is invertible
-modulo 2^32); the two sums' weights differ, so moved or swapped words, which could
-cancel in one, change the other but with a chance of about 2^-32. Neither is a
-cryptographic hash: they catch damage and mix-ups, not a forger (who could rewrite
-the recorded digest as well).
+over it, each device summing its own block, then one all-reduce of two words), so it
+needs no gather to the host, works across processes, and does not depend on how the
+array is sharded: a checkpoint written on 8 devices checks the same on 4 (the sums
+wrap modulo 2^32, in any order). The first sum weights every 32-bit word by an odd
+number made from its row and column, so any change of a single word changes it (an odd
+weight is invertible modulo 2^32); being linear, it misses changes that cancel (two
+sign bits flipped add 2^32). The second sums murmur3's finaliser of each word, with
+other weights: a changed word changes its term at random, so changes that cancel in
+the first are caught here but with a chance of about 2^-32. Host arrays (numpy, Python
+numbers) are summed on the host, whole, to the same value. Neither sum is a
+cryptographic hash: they catch damage and mix-ups, not a forger (who could rewrite the
+recorded digest as well).
 
 Example:
     >>> import jax.numpy as jnp
@@ -67,30 +70,60 @@ def _words(x: jax.Array) -> jax.Array:
 _ROW, _COLUMN = (0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F)
 
 
-def _sums(words: jax.Array, offsets: list, shape: tuple[int, ...]) -> jax.Array:
-    """``uint32[2]``: the two sums of a block of words. Each word is weighted by the
-    product of an odd weight of its row and one of its column, the array seen as rows
-    of its last axis; ``offsets`` place the block in the array of word shape ``shape``
-    (zeros for the whole array). Summed along the rows first, where the words lie
-    together (XLA:CPU sums the minor axis fastest), then over the rows."""
+def _fmix(h, xp):
+    """murmur3's 32-bit finaliser: every bit of ``h`` reaches every bit of the result."""
+    h = h ^ (h >> 16)
+    h = h * xp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * xp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _iota(shape: tuple[int, ...], axis: int, xp):
+    """Each element's index along ``axis`` (``uint32``), broadcastable to ``shape``."""
+    if xp is jnp:
+        return lax.broadcasted_iota(jnp.uint32, shape, axis)
+    index = np.arange(shape[axis], dtype=np.uint32)
+    return index.reshape([-1 if k == axis else 1 for k in range(len(shape))])
+
+
+def _sums(words, offsets: list, shape: tuple[int, ...], xp=jnp):
+    """``uint32[2]``: the two sums of a block of words (``xp``: ``jnp`` on devices, ``np``
+    on the host; the same value). Each word, or its mix for the second sum, is weighted
+    by the product of an odd weight of its row and one of its column, the array seen as
+    rows of its last axis; ``offsets`` place the block in the array of word shape
+    ``shape`` (zeros for the whole array). Summed along the rows first, where the words
+    lie together (XLA:CPU sums the minor axis fastest), then over the rows."""
     if words.ndim == 0:
-        words, offsets, shape = words.reshape(1), [jnp.uint32(0)], (1,)
-    *lead, _ = words.shape
-    column = jnp.arange(words.shape[-1], dtype=jnp.uint32) + offsets[-1]
-    row, stride = jnp.zeros(lead, jnp.uint32), 1
+        words, offsets, shape = words.reshape(1), [xp.uint32(0)], (1,)
+    lead = tuple(words.shape[:-1])
+    column = xp.arange(words.shape[-1], dtype=xp.uint32) + offsets[-1]
+    row, stride = xp.zeros(lead, xp.uint32), 1
     for k in reversed(range(len(lead))):
-        index = lax.broadcasted_iota(jnp.uint32, tuple(lead), k) + offsets[k]
-        row, stride = row + index * jnp.uint32(stride % 2**32), stride * shape[k]
+        index = _iota(lead, k, xp) + offsets[k]
+        row, stride = row + index * xp.uint32(stride % 2**32), stride * shape[k]
     sums = []
-    for r, c in zip(_ROW, _COLUMN, strict=True):
-        per_row = jnp.sum(words * _weights(column, c), axis=-1, dtype=jnp.uint32)
-        sums.append(jnp.sum(per_row * _weights(row, r), dtype=jnp.uint32))
-    return jnp.stack(sums)
+    for terms, r, c in zip((words, _fmix(words, xp)), _ROW, _COLUMN, strict=True):
+        per_row = xp.sum(terms * _weights(column, c, xp), axis=-1, dtype=xp.uint32)
+        sums.append(xp.sum(per_row * _weights(row, r, xp), dtype=xp.uint32))
+    return xp.stack(sums)
 
 
-def _weights(position: jax.Array, odd: int) -> jax.Array:
+def _weights(position, odd: int, xp=jnp):
     """``2 * position * odd + 1`` modulo 2^32: an odd weight for each position."""
-    return position * jnp.uint32(2 * odd % 2**32) + jnp.uint32(1)
+    return position * xp.uint32(2 * odd % 2**32) + xp.uint32(1)
+
+
+def _host_words(x: np.ndarray) -> np.ndarray:
+    """A host array's bits as ``uint32`` words, as ``_words`` makes them on a device
+    (64-bit types: a pair per element, low word first)."""
+    x = np.ascontiguousarray(x)
+    if x.dtype == np.bool_:
+        return x.astype(np.uint32)
+    if x.dtype.itemsize >= 8:
+        return x.view(np.uint32).reshape(*x.shape, -1)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]
+    return x.view(unsigned).astype(np.uint32)
 
 
 def _word_shape(shape: tuple[int, ...], dtype) -> tuple[int, ...]:
@@ -101,7 +134,8 @@ def _word_shape(shape: tuple[int, ...], dtype) -> tuple[int, ...]:
 
 @jax.jit
 def _whole_sums(leaves: list[jax.Array]) -> jax.Array:
-    """Each leaf's sums, computed as one array (numpy arrays, arrays on one device)."""
+    """Each device array's sums, computed as one array (on one device, or split
+    unevenly: then XLA sums it across its devices)."""
     out = [_sums(_words(x), [jnp.uint32(0)] * _words(x).ndim, _words(x).shape) for x in leaves]
     return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
 
@@ -139,69 +173,87 @@ def _sharded_program(mesh, specs: tuple, shapes: tuple):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P()))
 
 
-def _spec(x) -> tuple | None:
-    """The ``PartitionSpec`` of a committed global array split by a mesh, as a tuple of
-    one entry per axis; ``None`` for any other (computed whole, on one device)."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or not getattr(x, "committed", True):
+def _spec(x: jax.Array) -> tuple | None:
+    """The ``PartitionSpec`` of a global array split by a mesh into even blocks, as a
+    tuple of one entry per axis; ``None`` for any other (summed whole): replicated,
+    split unevenly (``shard_map`` takes even blocks only), complex (its words pair up)."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated:
         return None
-    if sharding.is_fully_replicated:
+    if jnp.iscomplexobj(x):
         return None
-    spec = tuple(sharding.spec)
-    return spec + (None,) * (np.ndim(x) - len(spec))
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(tuple(sharding.spec)))
+    for size, entry in zip(x.shape, spec, strict=True):
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if size % int(np.prod([sharding.mesh.shape[a] for a in names])):
+            return None
+    return spec
 
 
-def _whole(x):
-    """An array to compute whole: a replicated global array's copy on one of this
+def _whole(x: jax.Array) -> jax.Array:
+    """A device array to sum whole: a replicated global array's copy on one of this
     process's devices (every device would otherwise sum the same words), else itself."""
-    if isinstance(x, jax.Array) and x.sharding.is_fully_replicated and len(x.devices()) > 1:
+    if x.sharding.is_fully_replicated and len(x.devices()) > 1:
         return x.addressable_data(0)
-    return jnp.asarray(x)
+    return x
+
+
+def _leaf(x) -> tuple[Any, str]:
+    """A leaf as the array its digest sums (a typed PRNG key: its key data; a Python or
+    numpy number: a numpy array) and the dtype recorded with it."""
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(x), str(x.dtype)
+        return x, str(np.dtype(x.dtype))
+    host = np.asarray(x)
+    return host, str(host.dtype)
 
 
 def of(tree: PyTree) -> Record:
     """Each array of ``tree`` by name: its dtype and its digest (16 hex digits), the
-    same however the array is split over devices.
+    same however the array is split over devices or whether it is on the host.
 
     Args:
       tree: a pytree of arrays (global ``jax.Array``, possibly over several processes,
-        or numpy); every process of a job calls it together.
+        numpy, Python numbers, PRNG keys); every process of a job calls it together.
 
     Returns:
       ``{name: [dtype, digest]}``, JSON-ready.
     """
     named = jax.tree_util.tree_leaves_with_path(tree)
-    sums = _all_sums([x for _, x in named])
+    leaves = [_leaf(x) for _, x in named]
+    sums = _all_sums([x for x, _ in leaves])
     return {
-        array_name(path): [str(np.dtype(x.dtype)), f"{int(a):08x}{int(b):08x}"]
-        for (path, x), (a, b) in zip(named, sums, strict=True)
+        array_name(path): [dtype, f"{int(a):08x}{int(b):08x}"]
+        for (path, _), (_, dtype), (a, b) in zip(named, leaves, sums, strict=True)
     }
 
 
 def _all_sums(leaves: list) -> list[np.ndarray]:
-    """Each leaf's two sums: the arrays split by a mesh on their devices, one program
-    per mesh; the others (numpy, one device, replicated) whole, one program per device
-    they are on."""
-    specs = [_spec(x) for x in leaves]
-    whole = {
-        i: _whole(x) for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)) if spec is None
-    }
-    groups: dict = {}  # ("mesh", mesh) or ("device", device or None) -> leaf indices
-    for i, spec in enumerate(specs):
-        if spec is not None:
-            key = ("mesh", leaves[i].sharding.mesh)
-        else:
-            committed = getattr(whole[i], "committed", False)
-            key = ("device", next(iter(whole[i].devices())) if committed else None)
-        groups.setdefault(key, []).append(i)
+    """Each leaf's two sums: host arrays on the host; device arrays split evenly by a
+    mesh on their devices, one program per mesh; the others whole, one program per
+    device they are on."""
     sums: dict[int, np.ndarray] = {}
-    for (kind, where), indices in groups.items():
-        if kind == "device":
-            found = _whole_sums([whole[i] for i in indices])
+    groups: dict = {}  # ("mesh", mesh) or ("device", device or None) -> leaf indices
+    specs: dict[int, tuple | None] = {}
+    for i, x in enumerate(leaves):
+        if not isinstance(x, jax.Array):
+            words = _host_words(x)
+            sums[i] = _sums(words, [np.uint32(0)] * max(words.ndim, 1), words.shape, np)
+            continue
+        specs[i] = _spec(x)
+        if specs[i] is not None:
+            key = ("mesh", x.sharding.mesh)
         else:
-            found = _sharded_sums(
-                [leaves[i] for i in indices], where, tuple(specs[i] for i in indices)
-            )
+            leaves[i] = _whole(x)
+            key = ("device", next(iter(leaves[i].devices())) if leaves[i].committed else None)
+        groups.setdefault(key, []).append(i)
+    for (kind, where), indices in groups.items():
+        mine = [leaves[i] for i in indices]
+        if kind == "device":
+            found = _whole_sums(mine)
+        else:
+            found = _sharded_sums(mine, where, tuple(specs[i] for i in indices))
         sums.update(zip(indices, np.asarray(found), strict=True))
     return [sums[i] for i in range(len(leaves))]
 
