@@ -202,6 +202,16 @@ def distributed_args() -> dict | None:
     return {**dict(zip(keys, explicit, strict=True)), "local_device_ids": ids, **common}
 
 
+def joined() -> bool:
+    """Whether this process has joined a multi-process job (``initialize_distributed``).
+
+    Example:
+      >>> joined()  # a plain process
+      False
+    """
+    return jax.distributed.is_initialized()
+
+
 def launched_devices() -> int | None:
     """The job's device count as the launcher's variables give it, before JAX starts
     (process count x each process's devices: ``SPARSECOMM_LOCAL_DEVICE_IDS`` on a GPU

@@ -635,10 +635,13 @@ def test_a_capacity_that_is_no_count_is_refused_at_once(capacity):
 
 def test_placed_batches_that_would_run_nothing_say_so():
     """``placed_batches(ts, f, 10, 10)``, a resume that took ``steps`` for a count, ran
-    nothing without a word."""
+    nothing without a word: now it warns (a finished run resumed runs nothing too), and
+    an end before the start is refused."""
     ts = two_table_step("embrace")
-    with pytest.raises(ArgumentError, match="steps=10 is the step to end before .* start=10"):
-        sc.placed_batches(ts, lambda step: two_table_batch(), 10, 10)
+    with pytest.warns(UserWarning, match=r"start=10, steps=10\) runs nothing: steps is the"):
+        assert list(sc.placed_batches(ts, lambda step: two_table_batch(), 10, 10)) == []
+    with pytest.raises(ArgumentError, match="steps=5 is the step to end before .* start=10"):
+        sc.placed_batches(ts, lambda step: two_table_batch(), 10, 5)
     with pytest.raises(ArgumentError, match="start=-1 must be >= 0"):
         sc.placed_batches(ts, lambda step: two_table_batch(), -1, 3)
     assert len(list(sc.placed_batches(ts, lambda step: two_table_batch(), 10, 12))) == 2

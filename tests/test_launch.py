@@ -770,16 +770,20 @@ def test_every_rank_refuses_a_count_dependent_flag_before_joining(tmp_path):
     assert "Traceback" not in said and "Unable to initialize backend" not in said
 
 
-def test_a_gone_peer_is_one_line_not_a_traceback():
-    """What a gloo collective raises when another process is killed: one line that
-    points to that process's output and the launcher, exit status 1."""
+def test_a_gone_peer_is_one_line_not_a_traceback(monkeypatch):
+    """What a gloo collective raises when another process of a job is killed: one line
+    that points to that process's output and the launcher, exit status 1 (a process
+    alone has no peer to lose: its error keeps its traceback)."""
     from experiments.train import command
 
     error = RuntimeError("INTERNAL: Gloo AllGather failed: Connection closed by peer [::1]:1")
+    assert command.peer_gone(error) == ""  # not in a job
+    monkeypatch.setattr(distributed, "joined", lambda: True)
     assert command.peer_gone(error).startswith("another process of the job is gone (INTERNAL")
     assert command.peer_gone(RuntimeError("an error of this process")) == ""
     script = (
         "from experiments.train import command\n"
+        "command.distributed.joined = lambda: True\n"
         "def main():\n"
         "    raise RuntimeError('Gloo AllGather failed: Connection closed by peer')\n"
         "command.main = main\n"

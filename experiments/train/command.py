@@ -78,7 +78,7 @@ def ran_as(strategy: str, record: dict) -> str:
 
 # What a collective or the coordination service says when another process of the job
 # has gone (killed, or ended by its own error): the cause is in that process's output.
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Socket closed")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
 def peer_gone(error: BaseException) -> str:
@@ -87,6 +87,8 @@ def peer_gone(error: BaseException) -> str:
     any other: that traceback would bury the line saying which process failed and why."""
     text = " ".join(str(error).split())
     if not isinstance(error, RuntimeError) or not any(mark in text for mark in PEER_GONE):
+        return ""
+    if not distributed.joined():  # one process: no peer to lose
         return ""
     return (
         f"another process of the job is gone ({clipped(text, 120)}); its own output, "

@@ -14,6 +14,7 @@ ids (a plan's JSON may give them: ``{"table": {"layout": "hot", "config": [ids]}
 from __future__ import annotations
 
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,17 @@ from sparsecomm_jax.embedding.layout_registry import TablePlan
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 HISTOGRAM_BATCHES = 16  # the first batches counted when no --histogram is given
+# What reading a file that is no .npz of counts raises (a cut or corrupted member, a
+# compression zipfile does not know, a header numpy refuses).
+_UNREADABLE = (
+    OSError,
+    ValueError,
+    EOFError,
+    RuntimeError,
+    NotImplementedError,
+    zipfile.BadZipFile,
+    zlib.error,
+)
 
 
 def hot_tables(config: RunConfig) -> list[str]:
@@ -88,7 +100,7 @@ def _headers(archive: zipfile.ZipFile, path: str) -> dict[str, tuple]:
             with archive.open(info) as f:
                 read = readers.get(np.lib.format.read_magic(f))
                 shape, _, dtype = read(f) if read else (None, None, None)
-        except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+        except _UNREADABLE:
             read = None
         if read is None:
             raise _not_npz(path, f"; {info.filename[:40]!r} is not a .npy array")
@@ -112,7 +124,7 @@ def _counts_of(archive: zipfile.ZipFile, path: str, table, header: tuple) -> np.
     try:
         with archive.open(info) as f:
             counts = np.lib.format.read_array(f, allow_pickle=False)
-    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile):
+    except _UNREADABLE:
         raise _not_npz(path, f"; the counts of {table.name} are cut short") from None
     if not np.all(np.isfinite(counts)):
         raise ValueError(f"--histogram {path}: table {table.name} has counts that are not finite")
@@ -134,7 +146,7 @@ def read_counts(path: str, tables: list, every: bool = True) -> dict[str, np.nda
     """
     try:
         archive = zipfile.ZipFile(path)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile):
+    except _UNREADABLE:
         raise _not_npz(path) from None
     with archive:
         found = _headers(archive, path)

@@ -25,8 +25,10 @@ from jax.experimental import multihost_utils
 from experiments.train.config import RunConfig
 from experiments.train.loop import RunLog, warm_steps
 from experiments.train.startup import calibrated_link
+from sparsecomm_jax import parse_strategy
 from sparsecomm_jax.comm import hlo, wire
 from sparsecomm_jax.embedding import access
+from sparsecomm_jax.embedding.layout_registry import TablePlan
 from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 
@@ -64,6 +66,7 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
         "losses": log.losses,
         "step_times_s": log.times,
         "step_time_s": step_time,
+        "step_time_mean_s": statistics.fmean(log.times[warm:] or log.times),
         "place_times_s": log.place_times,
         "place_time_s": _median(log.place_times, warm),
         "wall_time_s": wall,
@@ -87,20 +90,32 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
 
 def float32_exchanges(config: RunConfig, workload) -> list[str]:
     """The exchanges that stay float32 under a narrow ``--comm-dtype``, each with why:
-    a table the model reads whole (a tied or full softmax, ``emb.attend``) is gathered
-    whole and its gradient reduce-scattered in float32 (``access.whole_table_reads``)."""
+    a table the model reads whole (a tied or full softmax, ``emb.attend``,
+    ``access.whole_table_reads``) exchanges it whole in float32 (sharded: its all-gather
+    and its gradient's reduce-scatter; replicated: its gradient's all-reduce). A table
+    kept data parallel (``dense``) travels with the dense layers, in the wire's codec."""
     if not wire.parse(config.comm_dtype).narrow:
         return []
     params = jax.eval_shape(workload.init, jax.random.key(0))
     mask = table_mask(params, workload.embedding_paths)
-    names = {t.index: t.name for t in find_tables(params, mask, None)}
+    tables = {t.index: t.name for t in find_tables(params, mask, None)}
     whole = access.whole_table_reads(workload.loss, params, workload.batch_at(0), mask)
-    return [
-        f"{names[i]}: its whole-table all-gather and its gradient's "
-        "reduce-scatter (read whole by a full softmax, emb.attend, which is differentiated "
-        "through the gather)"
-        for i in sorted(whole)
-    ]
+    default = parse_strategy(config.strategy).strategy.layout.name
+    planned = config.plan.names() if isinstance(config.plan, TablePlan) else {}
+    said = {
+        "replicated": "its gradient's all-reduce",
+        "dense": "",
+    }
+    found = []
+    for i in sorted(whole):
+        layout = planned.get(tables[i], default)
+        what = said.get(layout, "its whole-table all-gather and its gradient's reduce-scatter")
+        if what:
+            found.append(
+                f"{tables[i]}: {what} (read whole by a full softmax, emb.attend, which is "
+                "differentiated through the whole table)"
+            )
+    return found
 
 
 def deferred_entries(state) -> int | None:

@@ -118,8 +118,10 @@ def codec(name: str) -> Codec:
 
 
 def _field_codec(spec: Wire, direction: str, value: Codec | str) -> Codec:
-    """A ``Wire`` field given as a codec or as its name (``Wire(forward="bfloat16")``)."""
-    if isinstance(value, Codec):
+    """A ``Wire`` field given as one of ``CODECS`` or as its name
+    (``Wire(forward="bfloat16")``); a codec made by hand is refused (the exchanges know
+    only these)."""
+    if isinstance(value, Codec) and value in CODECS.values():
         return value
     if isinstance(value, str) and value in CODECS:
         return CODECS[value]
@@ -146,7 +148,7 @@ def parse(spec: str | Wire) -> Wire:
     Raises:
       ArgumentError: an unknown codec or direction, a direction given twice.
     """
-    if isinstance(spec, Wire) and all(isinstance(c, Codec) for c in spec):
+    if isinstance(spec, Wire) and all(c in CODECS.values() for c in spec):
         return spec
     if isinstance(spec, Wire):  # its fields may be codecs or their names
         return Wire(*[_field_codec(spec, d, c) for d, c in zip(DIRECTIONS, spec, strict=True)])

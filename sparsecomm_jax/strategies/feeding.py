@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -53,7 +54,9 @@ def placed_batches(
       for the batch in flight and drops it.
 
     Raises:
-      ArgumentError: ``start`` is negative, or ``steps`` not after it (nothing to run).
+      ArgumentError: ``start`` is negative, or ``steps`` before it. ``steps == start``
+        (a finished run resumed, or a count taken for the end step) runs nothing and
+        says so in a ``UserWarning``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax
@@ -74,13 +77,19 @@ def placed_batches(
             raise ArgumentError(name, value, "must be an integer step")
     if start < 0:
         raise ArgumentError("start", start, "must be >= 0 (the first step to run)")
-    if steps <= start:
+    if steps < start:
         raise ArgumentError(
             "steps",
             steps,
-            "is the step to end before (the run's number of steps), not a count: from "
-            "$start it runs nothing; pass the end step, e.g. start + count",
+            "is the step to end before (the run's number of steps), not a count: it is "
+            "before $start; pass the end step, e.g. start + count",
             start=start,
+        )
+    if steps == start:  # a finished run resumed, or a count taken for the end step
+        warnings.warn(
+            f"placed_batches(..., start={start}, steps={steps}) runs nothing: steps is the "
+            "step to end before, not a count (start + count for more steps)",
+            stacklevel=2,
         )
     place = functools.partial(place_for_step, ts, batch_at, steps=steps)
     return _placed_ahead(place, range(start, steps))
