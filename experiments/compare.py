@@ -79,8 +79,9 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def mean_step_s(result: dict[str, Any]) -> float:
     """The mean of a run's step times after its warm-up calls, as the run recorded it
     beside its median (a median hides steps that recompile or stall; the mean does
-    not); a record without it: the mean of every step."""
-    return result.get("step_time_mean_s") or statistics.fmean(result["step_times_s"])
+    not); a record without it: the mean of every step it holds, or its one step time."""
+    times = result.get("step_times_s") or [result["step_time_s"]]
+    return result.get("step_time_mean_s") or statistics.fmean(times)
 
 
 def lossy(strategy: str) -> bool:
