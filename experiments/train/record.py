@@ -100,21 +100,22 @@ def float32_exchanges(config: RunConfig, workload) -> list[str]:
     mask = table_mask(params, workload.embedding_paths)
     tables = {t.index: t.name for t in find_tables(params, mask, None)}
     whole = access.whole_table_reads(workload.loss, params, workload.batch_at(0), mask)
-    default = parse_strategy(config.strategy).strategy.layout.name
-    planned = config.plan.names() if isinstance(config.plan, TablePlan) else {}
-    said = {
-        "replicated": "its gradient's all-reduce",
-        "dense": "",
-    }
+    default = parse_strategy(config.strategy).strategy.layout
+    planned = dict(config.plan) if isinstance(config.plan, TablePlan) else {}
     found = []
     for i in sorted(whole):
         layout = planned.get(tables[i], default)
-        what = said.get(layout, "its whole-table all-gather and its gradient's reduce-scatter")
-        if what:
-            found.append(
-                f"{tables[i]}: {what} (read whole by a full softmax, emb.attend, which is "
-                "differentiated through the whole table)"
-            )
+        if layout.data_parallel:  # travels with the dense layers, in the wire's codec
+            continue
+        what = (
+            "its whole-table all-gather and its gradient's reduce-scatter"
+            if layout.sharded
+            else "its gradient's all-reduce"
+        )
+        found.append(
+            f"{tables[i]}: {what} (read whole by a full softmax, emb.attend, which is "
+            "differentiated through the whole table)"
+        )
     return found
 
 
