@@ -387,13 +387,14 @@ class Store:
         _check_shapes(saved, read, f"checkpoint {folder}", hint)
         if identity is None:
             self._check_identity(step, folder)
+            identity = self.identity(step)  # read once: the check and the digest use it
         if check is not None:
-            check(self.identity(step) if identity is None else identity, folder)
+            check(identity, folder)
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(read)})
         quiet.quiet_closed_loops()  # reads of a damaged checkpoint still in flight
         tree = self._manager.restore(step, args=args)[STATE_ITEM]
         tree = jax.tree.unflatten(jax.tree.structure(read), jax.tree.leaves(tree))
-        recorded = (self.identity(step) if identity is None else identity).get("digest")
+        recorded = identity.get("digest")
         if recorded and (changed := digest.differing(recorded, tree)):
             raise _Damaged(
                 f"its data differs from the digest saved with it in array {changed[0]}"
