@@ -342,6 +342,9 @@ class Layout(NamedTuple):
       configure: ``configure(config) -> Layout``: the layout value of ``config``.
       pipelined: how ``embrace_2d`` carries its tables across steps (``None``: they are
         read within each step, through ``fetch``).
+      maps_ids: a batch's ids are no rows: the host maps them to the table's rows as
+        the batch is placed, and the step starts the rows it gives new ids afresh
+        (``embedding.managed``: ids of any value, admission and eviction).
     """
 
     name: str
@@ -359,6 +362,7 @@ class Layout(NamedTuple):
     config: Any = None
     configure: Callable[[Any], Layout] | None = None
     pipelined: Pipelined | None = None
+    maps_ids: bool = False
 
     @property
     def sharded(self) -> bool:

@@ -3,16 +3,16 @@
 record) refers to.
 
 ``LAYOUTS`` is the registry: the library's layouts (``column``, ``row``, ``table``,
-``replicated``, ``dense``, ``hot``) and any a user registers (``register``). The planner, the
-command line and the checkpoints iterate over it and ask each layout its facts
-(``Layout.pricing``, ``sharded``, ``packs``, ``data_parallel``); nothing outside this
-module names a layout. A ``TablePlan`` maps tables to layouts and reads and writes
-itself as JSON by their names.
+``replicated``, ``dense``, ``hot``, ``managed``) and any a user registers
+(``register``). The planner, the command line and the checkpoints iterate over it and
+ask each layout its facts (``Layout.pricing``, ``sharded``, ``packs``,
+``data_parallel``); nothing outside this module names a layout. A ``TablePlan`` maps
+tables to layouts and reads and writes itself as JSON by their names.
 
 Example:
     >>> from sparsecomm_jax.embedding import layout_registry
     >>> layout_registry.get("row").name, sorted(layout_registry.LAYOUTS)
-    ('row', ['column', 'dense', 'hot', 'replicated', 'row', 'table'])
+    ('row', ['column', 'dense', 'hot', 'managed', 'replicated', 'row', 'table'])
     >>> plan = layout_registry.TablePlan.from_json({"params/user/embedding": "row"})
     >>> plan["params/user/embedding"] is layout_registry.get("row"), plan.to_json()
     (True, {'params/user/embedding': 'row'})
@@ -28,13 +28,16 @@ from sparsecomm_jax.embedding.column import COLUMN
 from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.hot import HOT
 from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.managed import MANAGED
 from sparsecomm_jax.embedding.replicated import REPLICATED
 from sparsecomm_jax.embedding.row import ROW
 from sparsecomm_jax.embedding.tablewise import TABLE
 from sparsecomm_jax.errors import few
 
 #: The table layouts by name: the library's, and any registered (``register``).
-LAYOUTS: dict[str, Layout] = {x.name: x for x in (COLUMN, ROW, TABLE, REPLICATED, DENSE, HOT)}
+LAYOUTS: dict[str, Layout] = {
+    x.name: x for x in (COLUMN, ROW, TABLE, REPLICATED, DENSE, HOT, MANAGED)
+}
 
 
 def register(layout: Layout) -> Layout:

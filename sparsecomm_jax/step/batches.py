@@ -41,6 +41,9 @@ class PlacedBatch:
         for (as many as remain), soonest first.
       steps: 0 for one step's batch (``place_batch``), else the steps whose batches
         ``place_steps`` stacked along ``data``'s leading axis (for ``TrainStep.steps``).
+      fresh: the slots of managed tables the step starts afresh before it reads them,
+        table leaf index -> ``(slots int32[R], rows float32[R, D])``
+        (``step.managed_ids``); ``None`` without managed tables.
     """
 
     data: dict = dataclasses.field(metadata=dict(static=False))
@@ -48,6 +51,7 @@ class PlacedBatch:
     next: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
     later: tuple = dataclasses.field(default=(), metadata=dict(static=False))
     steps: int = dataclasses.field(default=0, metadata=dict(static=True))
+    fresh: dict | None = dataclasses.field(default=None, metadata=dict(static=False))
 
     def slots(self, tables) -> dict[int, int]:
         """Table leaf index -> its slots (``tables`` in the order of ``capacity``)."""

@@ -112,6 +112,9 @@ class TrainStep(NamedTuple):
       module: for a flax NNX model (``nnx_tables``), ``module(state) -> nnx.Module``:
         the user's module with the state's parameters (a model to call, save or keep
         training); ``None`` for a Linen parameter tree.
+      vocabulary: the id-to-slot mappings of the managed tables
+        (``embedding.managed.Vocabularies``), advanced by ``place_batch``: save its
+        ``states()`` with a checkpoint; ``None`` without managed tables.
     """
 
     step: Callable[[TrainState, Any], tuple[TrainState, jax.Array]]
@@ -130,6 +133,7 @@ class TrainStep(NamedTuple):
     scannable: bool = False
     form: Any = None
     module: Callable[[TrainState], Any] | None = None
+    vocabulary: Any = None
 
     def sent_bytes(self, batch: Any) -> float:
         """Bytes each worker sends in one call of ``step`` on the placed ``batch`` (its

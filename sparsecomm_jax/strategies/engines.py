@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsecomm_jax.step import batches, capacities, host, placed_state
+from sparsecomm_jax.step import batches, capacities, host, managed_ids, placed_state
 from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState, TrainStep
 from sparsecomm_jax.step.stored_form import form_of
@@ -27,6 +27,7 @@ from sparsecomm_jax.strategies.registry import Strategy
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
+    managed_ids.check_strategy(ctx, strategy.lookahead)
     if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
         strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
     state, specs = placed_state.place_state(ctx, strategy.unpadded)
@@ -35,7 +36,7 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     capacity = capacities.capacity_fn(ctx, policies) if policies else None
     # a pipelined step carries rows and looks ahead: its steps unrolled, not scanned
     several = scan_steps(step) if strategy.scannable else unrolled_steps(step, strategy.lookahead)
-    return TrainStep(
+    built = TrainStep(
         step=DonatingStep(jax.jit(step, donate_argnums=0)),
         state=state,
         place_batch=batches.batch_placer(ctx, policies, strategy.lookahead, capacity),
@@ -49,6 +50,21 @@ def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
         runs_as=strategy.name,
         stored_together=placed_state.stored_together(ctx),
         form=form_of(ctx, state.opt_state),
+    )
+    return with_managed_ids(ctx, built, step) if managed_ids.managed_tables(ctx) else built
+
+
+def with_managed_ids(ctx: StepContext, built: TrainStep, step: Callable) -> TrainStep:
+    """``built`` with its managed tables' ids mapped as a batch is placed and their
+    fresh slots started in the step's program (``step.managed_ids``): one step a call."""
+    vocab = managed_ids.vocabularies(ctx)
+    return built._replace(
+        step=DonatingStep(jax.jit(managed_ids.renewing(ctx, step), donate_argnums=0)),
+        place_batch=managed_ids.mapping_placer(ctx, vocab, built.place_batch),
+        steps=managed_ids.refuse_steps,
+        place_steps=managed_ids.refuse_steps,
+        scannable=False,
+        vocabulary=vocab,
     )
 
 

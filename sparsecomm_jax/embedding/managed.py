@@ -1,0 +1,618 @@
+"""Managed tables: ids of any 64-bit value, each given a row of its own (``managed``).
+
+A managed table of N slots takes ids of any value (``int64``, negative and huge ones
+included) instead of rows below V. Its slots are stored as a row-wise table's rows
+(each of the G workers of the table's group owns a block of ceil(N / G) of them, as
+``row.ROW`` places them), and on the host a ``Vocabulary`` maps every id to a slot as
+a batch is placed:
+
+- **owner**: an id belongs to the worker ``owner_of(id, G)`` picks by a hash of it
+  (splitmix64), balanced under any skew of the ids' values; that worker's block holds
+  its slot, so the row-wise exchange sends the id's lookups to its owner;
+- **admission**: an id seen fewer than ``threshold`` times (its reads over all steps,
+  counted while it waits) has no slot: it reads its owner's *zero row*, the first slot
+  of each block, which the step resets to zeros before reading it (its gradient is
+  dropped: the next step resets the row again);
+- **slots**: an admitted id takes a free slot of its owner's block, its row started
+  at ``initial_rows`` (uniform in [-s, s), a hash of the id and the column, so a row
+  does not depend on which slot it takes) and its optimizer state at the optimizer's
+  ``init``;
+- **eviction**: when the owner has no free slot, the id takes the slot whose id was
+  read least recently (``"lru"``: the step it was last read) or least often (``"lfu"``:
+  its reads since it was admitted); ties go to the lower slot; an id read by the
+  current batch is never evicted. The evicted id is forgotten (seen again, it waits
+  for admission anew) and counted (``VocabState.evictions``);
+- **zero collisions**: two distinct ids never share a slot. When one batch brings an
+  owner more new ids than it can place, those of most reads (then lowest value) are
+  admitted and the others keep waiting, reading the zero row.
+
+The step itself is the row-wise layout's on the slot numbers (the trio of
+``embedding.row``): the ids become slots on the host (``Vocabularies.map_batch``), and
+the rows to start afresh travel with the batch (``Fresh``) and are written at the start
+of the step's program (``renew``), before anything reads them.
+
+Example:
+    >>> import numpy as np
+    >>> vocab = Vocabulary(slots=8, dim=2, workers=2, policy=Policy("lru", threshold=2))
+    >>> slots, fresh = vocab.map(np.array([2**63 - 1, -5, 2**63 - 1]))
+    >>> slots.tolist(), fresh.slots.tolist()  # -5 waits: worker 0's zero row (slot 0)
+    ([5, 0, 5], [0, 4, 5])
+    >>> vocab.map(np.array([-5, 2**63 - 1]))[0].tolist()  # -5's second read admits it
+    [1, 5]
+
+References:
+    TorchRec's ``ManagedCollisionCollection`` (MCH: id-to-slot remapping sharded with the
+    table, LRU and LFU eviction); NVIDIA dynamicemb (hash-table embeddings, admission,
+    score-based eviction); Liu et al., "Monolith: Real Time Recommendation System With
+    Collisionless Embedding Table", 2022 (occurrence threshold, expiry).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sparsecomm_jax.embedding import row
+from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.row_optimizers import DROP, state_roles
+from sparsecomm_jax.embedding.tables import table_name
+
+#: The eviction policies: which slot a new id takes when its owner has none free.
+EVICTIONS = ("lru", "lfu")
+
+
+class Policy(NamedTuple):
+    """How one managed table admits and evicts ids (one entry of the layout's config).
+
+    Attributes:
+      eviction: ``"lru"`` (the slot read longest ago) or ``"lfu"`` (the slot read least
+        often since its id was admitted).
+      threshold: K, the reads an id needs before it takes a slot (1: at once).
+      init_scale: s, a new id's row starts uniform in [-s, s); ``None``: 1 / sqrt(N),
+        as DLRM initialises a table of N rows.
+    """
+
+    eviction: str = "lru"
+    threshold: int = 1
+    init_scale: float | None = None
+
+    def checked(self) -> Policy:
+        """The policy itself, or ``ValueError`` naming the field that is wrong."""
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {list(EVICTIONS)}, got {self.eviction!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, np.integer)):
+            raise ValueError(f"threshold must be an integer >= 1, got {self.threshold!r}")
+        if self.threshold < 1:
+            raise ValueError(f"threshold must be an integer >= 1, got {self.threshold}")
+        scale = self.init_scale
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0
+        ):
+            raise ValueError(f"init_scale must be a number >= 0 or null, got {scale!r}")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        """The policy as a JSON object (a plan's or checkpoint's ``config`` entry)."""
+        return {
+            "eviction": self.eviction,
+            "threshold": int(self.threshold),
+            "init_scale": self.init_scale,
+        }
+
+    @classmethod
+    def from_json(cls, entry: Any) -> Policy:
+        """The policy of a JSON object (``ValueError`` for an unknown field)."""
+        if isinstance(entry, Policy):
+            return entry.checked()
+        if not isinstance(entry, Mapping):
+            raise ValueError(
+                "a managed table's config is an object {eviction, threshold, init_scale}, "
+                f"got {entry!r:.60}"
+            )
+        if stray := sorted(set(entry) - set(cls._fields)):
+            raise ValueError(
+                f"a managed table's config has no field {stray}; its fields: {list(cls._fields)}"
+            )
+        return cls(**entry).checked()
+
+
+#: LRU, admitted at once, rows started at 1 / sqrt(N).
+DEFAULT = Policy()
+
+
+# ------------------------------------------------------------------ hashing
+
+
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of uint64 values (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+        return z ^ (z >> np.uint64(31))
+
+
+def as_ids(ids: Any, what: str = "ids") -> np.ndarray:
+    """``ids`` as an ``int64`` array (``uint64`` values read as their bits), or
+    ``ValueError`` for values that are not integers."""
+    ids = np.asarray(ids)
+    if ids.dtype == np.uint64:
+        return ids.view(np.int64)
+    if not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+        raise ValueError(f"{what} must be integers (int64 ids of any value), got {ids.dtype}")
+    return ids.astype(np.int64)
+
+
+def owner_of(ids: np.ndarray, workers: int) -> np.ndarray:
+    """int64 per id: the worker that owns it, a hash of its 64 bits modulo ``workers``.
+
+    Example:
+        >>> owner_of(np.array([0, 1, 2, 3, -1, 2**63 - 1]), 4).tolist()
+        [0, 1, 2, 0, 3, 1]
+    """
+    return (_splitmix(as_ids(ids).view(np.uint64)) % np.uint64(workers)).astype(np.int64)
+
+
+def initial_rows(ids: np.ndarray, dim: int, scale: float) -> np.ndarray:
+    """float32[n, dim]: the row each id starts from when it takes a slot, uniform in
+    [-scale, scale) from a hash of (id, column): the same whichever slot, worker count or
+    run gives it.
+
+    Example:
+        >>> rows = initial_rows(np.array([7, 7, 8]), 3, 0.5)
+        >>> bool((rows[0] == rows[1]).all()), bool((rows[0] != rows[2]).any())
+        (True, True)
+        >>> float(abs(rows).max()) <= 0.5
+        True
+    """
+    ids = as_ids(ids).reshape(-1)
+    with np.errstate(over="ignore"):
+        key = _splitmix(ids.view(np.uint64))[:, None] + _GOLDEN * np.arange(
+            1, dim + 1, dtype=np.uint64
+        )
+    unit = (_splitmix(key) >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-23) - 1
+    return unit * np.float32(scale)
+
+
+# ------------------------------------------------------------------ the slots
+
+
+class Blocks(NamedTuple):
+    """Where the slots of a table of N slots lie on G workers: worker w owns the row
+    block ``[w B, min((w + 1) B, N))``, B = ceil(N / G) (the row-wise layout's blocks);
+    the block's first slot is its zero row, the others hold ids."""
+
+    slots: int
+    workers: int
+
+    @property
+    def size(self) -> int:
+        """B, the slots of each block (the last may hold fewer)."""
+        return -(-self.slots // self.workers)
+
+    def first(self) -> np.ndarray:
+        """int64[G]: each worker's first slot, its zero row."""
+        return np.arange(self.workers, dtype=np.int64) * self.size
+
+    def check(self, table: str = "the table") -> None:
+        """``ValueError`` unless every block has a slot for an id besides its zero row."""
+        last = self.slots - (self.workers - 1) * self.size
+        if self.slots < 2 * self.workers or last < 2:
+            raise ValueError(
+                f"managed table {table} has {self.slots} slots: each of the {self.workers} "
+                "workers needs a block of at least 2 (its zero row and a slot for an id); "
+                f"give it at least {2 * self.workers} rows, a multiple of {self.workers}"
+            )
+
+
+class VocabState(NamedTuple):
+    """One managed table's mapping as host arrays: what a checkpoint saves beside the
+    rows (``Vocabulary.state``).
+
+    Attributes:
+      ids: int64[N], the id each slot holds (0 where it holds none).
+      used: bool[N], whether the slot holds an id.
+      score: int64[N], the eviction score: ``"lru"`` the step its id was last read,
+        ``"lfu"`` its reads since it arrived (its waiting reads included).
+      pending: int64[M], the ids waiting for admission, ascending.
+      seen: int64[M], their reads so far.
+      steps: int64[], the batches mapped.
+      evictions: int64[], the ids evicted so far.
+    """
+
+    ids: np.ndarray
+    used: np.ndarray
+    score: np.ndarray
+    pending: np.ndarray
+    seen: np.ndarray
+    steps: np.ndarray
+    evictions: np.ndarray
+
+    @classmethod
+    def empty(cls, slots: int) -> VocabState:
+        """No id admitted, none waiting."""
+        none = np.zeros(0, np.int64)
+        return cls(
+            np.zeros(slots, np.int64),
+            np.zeros(slots, bool),
+            np.zeros(slots, np.int64),
+            none,
+            none.copy(),
+            np.int64(0),
+            np.int64(0),
+        )
+
+
+class Fresh(NamedTuple):
+    """The slots a step starts afresh, before its program reads them.
+
+    Attributes:
+      slots: int64[k], each slot once: the zero rows, then the slots new ids took.
+      rows: float32[k, D], their rows (zeros for a zero row, ``initial_rows`` for an id).
+      evicted: ids evicted by this batch (a slot that held one).
+    """
+
+    slots: np.ndarray
+    rows: np.ndarray
+    evicted: int = 0
+
+
+class Vocabulary:
+    """The id-to-slot mapping of one managed table (host, numpy), advanced batch by
+    batch in step order (``map``).
+
+    Args:
+      slots: N, the table's rows.
+      dim: D, its columns (the width of a fresh row).
+      workers: G, the workers its slots are sharded over.
+      policy: its ``Policy``.
+      state: a saved ``VocabState`` to start from (``None``: empty).
+      name: the table's name, for errors.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        dim: int,
+        workers: int,
+        policy: Policy = DEFAULT,
+        state: VocabState | None = None,
+        name: str = "the table",
+    ):
+        self.blocks = Blocks(int(slots), int(workers))
+        self.blocks.check(name)
+        self.dim, self.policy, self.name = int(dim), policy.checked(), name
+        scale = policy.init_scale
+        self.scale = 1 / math.sqrt(slots) if scale is None else float(scale)
+        self._state = VocabState.empty(slots) if state is None else _copy(state)
+        self._index()
+
+    def _index(self) -> None:
+        """The admitted ids ascending, with their slots (for ``np.searchsorted``)."""
+        held = np.flatnonzero(self._state.used)
+        order = np.argsort(self._state.ids[held], kind="stable")
+        self._keys, self._slots = self._state.ids[held][order], held[order]
+
+    @property
+    def state(self) -> VocabState:
+        """A copy of the mapping (to save; ``Vocabulary(..., state=)`` restores it)."""
+        return _copy(self._state)
+
+    def slot_of(self, ids: np.ndarray) -> np.ndarray:
+        """int64 per id: its slot, or -1 where it holds none (waiting or never seen)."""
+        ids = as_ids(ids)
+        pos = np.minimum(np.searchsorted(self._keys, ids), max(self._keys.size - 1, 0))
+        hit = self._keys.size > 0
+        found = hit & (self._keys[pos] == ids) if hit else np.zeros(ids.shape, bool)
+        return np.where(found, self._slots[pos] if hit else -1, -1)
+
+    def map(self, ids: Any) -> tuple[np.ndarray, Fresh]:
+        """Admits, evicts and maps the ids of one batch (every read of the table).
+
+        Args:
+          ids: int64 ids of any shape, any values.
+
+        Returns:
+          ``(slots, fresh)``: int32 slots shaped like ``ids`` (a waiting id its owner's
+          zero row), and the slots to start afresh before the step reads them.
+        """
+        ids = as_ids(ids, f"the ids of managed table {self.name}")
+        s, blocks = self._state, self.blocks
+        steps = int(s.steps) + 1
+        uniq, inverse, reads = np.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
+        slot = self.slot_of(uniq)
+        held = slot >= 0
+        if self.policy.eviction == "lru":
+            s.score[slot[held]] = steps
+        else:
+            s.score[slot[held]] += reads[held]
+        new, new_reads = uniq[~held], reads[~held]
+        waited = _lookup(s.pending, s.seen, new)
+        total = new_reads + waited
+        owners = owner_of(new, blocks.workers)
+        taken_ids, taken_slots, taken_total, evicted = [], [], [], 0
+        ready = total >= self.policy.threshold
+        for w in np.unique(owners[ready]):
+            mine = np.flatnonzero(ready & (owners == w))
+            mine = mine[np.lexsort((new[mine], -total[mine]))]  # most reads, then lowest id
+            free = self._candidates(w, slot[held], mine.size)
+            mine = mine[: free.size]
+            evicted += int(s.used[free].sum())
+            taken_ids.append(new[mine])
+            taken_slots.append(free)
+            taken_total.append(total[mine])
+        ids_in = np.concatenate(taken_ids) if taken_ids else np.zeros(0, np.int64)
+        slots_in = np.concatenate(taken_slots) if taken_slots else np.zeros(0, np.int64)
+        if slots_in.size:
+            gone = s.ids[slots_in][s.used[slots_in]]
+            keep = ~np.isin(self._keys, gone)
+            self._keys, self._slots = _insert(self._keys[keep], self._slots[keep], ids_in, slots_in)
+            s.ids[slots_in], s.used[slots_in] = ids_in, True
+            s.score[slots_in] = (
+                steps if self.policy.eviction == "lru" else np.concatenate(taken_total)
+            )
+        waiting = ~np.isin(new, ids_in)
+        pending, seen = _merge(s.pending, s.seen, new[waiting], total[waiting], drop=ids_in)
+        self._state = s._replace(
+            pending=pending,
+            seen=seen,
+            steps=np.int64(steps),
+            evictions=np.int64(int(s.evictions) + evicted),
+        )
+        mapped = self.slot_of(uniq)
+        mapped = np.where(mapped >= 0, mapped, blocks.first()[owner_of(uniq, blocks.workers)])
+        zero = blocks.first()
+        fresh = Fresh(
+            np.concatenate([zero, slots_in]),
+            np.concatenate(
+                [
+                    np.zeros((zero.size, self.dim), np.float32),
+                    initial_rows(ids_in, self.dim, self.scale),
+                ]
+            ),
+            evicted,
+        )
+        return mapped[inverse].reshape(ids.shape).astype(np.int32), fresh
+
+    def _candidates(self, worker: int, read: np.ndarray, wanted: int) -> np.ndarray:
+        """The first ``wanted`` slots of ``worker``'s block in the order new ids take
+        them (fewer if the block has fewer): free ones first, then by score (lowest
+        first), ties to the lower slot; the zero row and the slots ``read`` by this
+        batch left out."""
+        size = self.blocks.size
+        lo, hi = worker * size + 1, min((worker + 1) * size, self.blocks.slots)
+        s = self._state
+        block = np.arange(lo, hi)
+        rank = np.where(s.used[lo:hi], s.score[lo:hi] + 1, 0) * size + (block - lo)  # distinct
+        mask = ~np.isin(block, read)
+        block, rank = block[mask], rank[mask]
+        if wanted < block.size:  # the wanted lowest ranks, then in order
+            part = np.argpartition(rank, wanted - 1)[:wanted]
+            block, rank = block[part], rank[part]
+        return block[np.argsort(rank)]
+
+
+def _copy(state: VocabState) -> VocabState:
+    return VocabState(*(np.array(x, copy=True) for x in state))
+
+
+def _lookup(keys: np.ndarray, values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """values[keys == id] per id (0 where absent); ``keys`` ascending."""
+    if not keys.size:
+        return np.zeros(ids.shape, np.int64)
+    pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+    return np.where(keys[pos] == ids, values[pos], 0)
+
+
+def _insert(keys, values, new_keys, new_values):
+    """``keys`` (ascending) with ``new_keys`` (absent from it) added, values alongside."""
+    order = np.argsort(new_keys, kind="stable")
+    at = np.searchsorted(keys, new_keys[order])
+    return np.insert(keys, at, new_keys[order]), np.insert(values, at, new_values[order])
+
+
+def _merge(keys, values, ids, counts, drop):
+    """The waiting ids ``keys`` (ascending) with ``ids`` set to ``counts`` and ``drop``
+    removed."""
+    keep = ~np.isin(keys, np.concatenate([ids, drop]))
+    return _insert(keys[keep], values[keep], ids, counts)
+
+
+# ------------------------------------------------------------------ the layout
+
+
+def layout(policies: Mapping[Any, Policy | Mapping] | None = None) -> Layout:
+    """The ``managed`` layout with a ``Policy`` per table (a table without one takes
+    ``Policy()``: LRU, admitted at once).
+
+    Args:
+      policies: table (path or name) -> its ``Policy`` or its JSON object.
+
+    Returns:
+      A ``Layout`` named ``"managed"``, for ``table_layouts``.
+
+    Example:
+        >>> value = layout({"params/sparse_0/embedding": Policy("lfu", threshold=2)})
+        >>> value.name, value.config["params/sparse_0/embedding"]["eviction"]
+        ('managed', 'lfu')
+    """
+    config = {table_name(k): Policy.from_json(v).to_json() for k, v in (policies or {}).items()}
+    return row.ROW._replace(
+        name="managed",
+        pricing=None,
+        config=config or None,
+        configure=layout,
+        pipelined=None,
+        maps_ids=True,
+    )
+
+
+def policy_of(table: Any) -> Policy:
+    """The ``Policy`` of a managed table (``tables.Table``)."""
+    return Policy.from_json((table.layout.config or {}).get(table.name, {}))
+
+
+#: The managed layout, every table LRU and admitted at once (``layout(...)`` for others).
+MANAGED = layout()
+
+
+# ------------------------------------------------------------------ a step's batches
+
+
+class Vocabularies:
+    """The vocabularies of a step's managed tables and the batch keys that feed them:
+    ``map_batch`` turns a host batch's ids into slots (as ``TrainStep.place_batch``
+    does before it places a batch).
+
+    Args:
+      tables: the step's managed tables (``tables.Table``).
+      workers: G, the workers each table is sharded over.
+      reads: ``reads(batch, direct) -> {key: table indices}`` (``access.key_tables``
+        of the step's loss), which keys feed which tables.
+    """
+
+    def __init__(self, tables, workers: int, reads):
+        self.tables = {t.index: t for t in tables}
+        self.vocabularies = {
+            t.index: Vocabulary(t.vocab, t.dim, workers, policy_of(t), name=t.name) for t in tables
+        }
+        self.workers, self._reads, self._keys = workers, reads, None
+
+    def keys(self, batch: Mapping[str, Any]) -> dict[str, int]:
+        """Batch key -> the managed table its values are ids of (found once, from the
+        loss); ``ValueError`` for a key whose ids a managed table reads computed (an
+        offset added, a hash taken) or that also feeds another table."""
+        if self._keys is None:
+            stand_in = {k: _traceable(v) for k, v in batch.items()}
+            fed, direct = self._reads(stand_in, False), self._reads(stand_in, True)
+            keys = {}
+            for key, tables in fed.items():
+                mine = tables & set(self.tables)
+                if not mine:
+                    continue
+                name = self.tables[min(mine)].name
+                if len(tables) > 1:
+                    raise ValueError(
+                        f"batch[{key!r}] feeds managed table {name} and other tables: the "
+                        "ids of a managed table need a batch key of their own"
+                    )
+                if key not in direct:
+                    raise ValueError(
+                        f"the loss computes the ids it reads managed table {name} by from "
+                        f"batch[{key!r}]: a managed table's ids must be read as the batch "
+                        "holds them (they are mapped to slots on the host)"
+                    )
+                keys[key] = min(mine)
+            self._keys = keys
+        return self._keys
+
+    def map_batch(self, batch: Mapping[str, Any]) -> tuple[dict, dict[int, Fresh]]:
+        """``(batch, fresh)``: the batch with each managed table's ids replaced by their
+        slots (int32), and per managed table (leaf index) the slots to start afresh."""
+        keys = self.keys(batch)
+        out, fresh = dict(batch), {}
+        for index, vocabulary in self.vocabularies.items():
+            mine = [k for k, i in keys.items() if i == index]
+            for key in mine:
+                if not np.issubdtype(np.asarray(batch[key]).dtype, np.integer):
+                    raise ValueError(
+                        f"batch[{key!r}] holds {np.asarray(batch[key]).dtype} values but "
+                        f"feeds managed table {vocabulary.name} as ids; give int64 ids"
+                    )
+            values = [as_ids(batch[k]) for k in mine]
+            sizes = np.cumsum([v.size for v in values])[:-1]
+            flat = (
+                np.concatenate([v.reshape(-1) for v in values]) if values else np.zeros(0, np.int64)
+            )
+            slots, fresh[index] = vocabulary.map(flat)
+            for key, part, value in zip(mine, np.split(slots, sizes), values, strict=True):
+                out[key] = part.reshape(value.shape)
+        return out, fresh
+
+    def states(self) -> dict[str, VocabState]:
+        """Table name -> a copy of its mapping (``restore`` takes it back)."""
+        return {self.tables[i].name: v.state for i, v in self.vocabularies.items()}
+
+    def restore(self, states: Mapping[str, VocabState]) -> None:
+        """Starts every table's mapping from ``states`` (``states()`` of the same tables
+        on the same G workers)."""
+        for i, v in self.vocabularies.items():
+            name = self.tables[i].name
+            if name not in states:
+                raise ValueError(f"no saved mapping of managed table {name}")
+            self.vocabularies[i] = Vocabulary(
+                v.blocks.slots, v.dim, self.workers, v.policy, VocabState(*states[name]), name
+            )
+
+    def evictions(self) -> dict[str, int]:
+        """Table name -> the ids evicted so far."""
+        return {self.tables[i].name: int(v.state.evictions) for i, v in self.vocabularies.items()}
+
+
+def _traceable(value: Any) -> Any:
+    """A stand-in of a batch value the loss can be traced on: 64-bit ids as int32."""
+    value = np.asarray(value)
+    if np.issubdtype(value.dtype, np.integer) and value.dtype.itemsize == 8:
+        return np.zeros(value.shape, np.int32)
+    return value
+
+
+# ------------------------------------------------------------------ on the devices
+
+
+def renew(optimizer: optax.GradientTransformation, params, opt_state, fresh: Mapping):
+    """The parameters and optimizer state with each managed table's fresh slots
+    started afresh: their rows set, and every optimizer-state leaf that lies like the
+    table set at those rows to the value ``optimizer.init`` gives a fresh row (jit-able,
+    on global arrays).
+
+    Args:
+      optimizer: the step's optax optimizer.
+      params: the parameters (a managed table's leaf its stored slots).
+      opt_state: ``optimizer``'s state.
+      fresh: table leaf index -> ``(slots int32[R], rows float32[R, D])``; a slot out
+        of range (``row_optimizers.DROP``) is padding.
+
+    Returns:
+      ``(params, opt_state)``.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    rows = {i: r for i, (_, r) in fresh.items()}
+    stand_in = treedef.unflatten([rows.get(i, x) for i, x in enumerate(leaves)])
+    started = optimizer.init(stand_in)  # a fresh row's state (the rest unused: removed)
+    roles = jax.tree.leaves(state_roles(optimizer, opt_state, params))
+
+    def put(state_leaf, start_leaf, index):
+        if index not in fresh or not jnp.ndim(state_leaf):  # not a table's, or a count
+            return state_leaf
+        slots = fresh[index][0]
+        return state_leaf.at[slots].set(start_leaf.astype(state_leaf.dtype), mode="drop")
+
+    s_leaves, s_def = jax.tree.flatten(opt_state)
+    renewed = s_def.unflatten(
+        [put(x, y, i) for x, y, i in zip(s_leaves, jax.tree.leaves(started), roles, strict=True)]
+    )
+    new_leaves = [
+        x.at[fresh[i][0]].set(fresh[i][1].astype(x.dtype), mode="drop") if i in fresh else x
+        for i, x in enumerate(leaves)
+    ]
+    return treedef.unflatten(new_leaves), renewed
+
+
+def padded_fresh(fresh: Fresh, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(slots int32[capacity], rows float32[capacity, D])`` of ``fresh``, padded with
+    ``row_optimizers.DROP`` (a slot no write reaches)."""
+    k, dim = fresh.rows.shape
+    slots = np.full(capacity, DROP, np.int32)
+    rows = np.zeros((capacity, dim), np.float32)
+    slots[:k], rows[:k] = fresh.slots, fresh.rows
+    return slots, rows

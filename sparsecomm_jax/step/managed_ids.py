@@ -1,0 +1,115 @@
+"""A step's managed tables (``embedding.managed``): their ids mapped to slots as a
+batch is placed, and the fresh slots started at the start of the step's program.
+
+``jit_step`` calls ``managed_step`` when a table's layout maps ids
+(``Layout.maps_ids``); it gives back the step and its placers wrapped, and the
+``Vocabularies`` the ``TrainStep`` holds (``TrainStep.vocabulary``).
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> from sparsecomm_jax import make_train_step, runtime
+    >>> def loss(p, b, emb):
+    ...     return jnp.mean(emb.lookup(p["items"], b["item"]).sum(-1) ** 2)
+    >>> params = {"items": jnp.zeros((64, 2))}
+    >>> ts = make_train_step(loss, optax.sgd(0.1), runtime.data_mesh(), params,
+    ...                      "embrace_rowwise", embedding_paths=["items"],
+    ...                      table_layouts={"items": "managed"})
+    >>> n = len(jax.devices())
+    >>> state, _ = ts.step(ts.state, ts.place_batch({"item": np.arange(n) * 2**40}))
+    >>> ts.vocabulary.evictions()
+    {'items': 0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sparsecomm_jax import runtime
+from sparsecomm_jax.embedding import access, managed
+from sparsecomm_jax.embedding.layout import grow_with_margin
+from sparsecomm_jax.step.batches import PlacedBatch
+from sparsecomm_jax.step.state import StepContext, TrainState
+
+
+def managed_tables(ctx: StepContext) -> tuple:
+    """The tables of ``ctx`` whose layout maps ids (``Layout.maps_ids``)."""
+    return tuple(t for t in ctx.tables if t.layout.maps_ids)
+
+
+def vocabularies(ctx: StepContext) -> managed.Vocabularies:
+    """The ``Vocabularies`` of ``ctx``'s managed tables, on the workers of a group."""
+    tables = managed_tables(ctx)
+    leaves, treedef = jax.tree.flatten(ctx.params)
+    mask = treedef.unflatten([i in {t.index for t in ctx.id_tables} for i in range(len(leaves))])
+
+    def reads(batch, direct: bool) -> dict:
+        return access.key_tables(ctx.loss_fn, ctx.params, batch, mask, direct)
+
+    return managed.Vocabularies(tables, ctx.group_size, reads)
+
+
+def renewing(ctx: StepContext, step: Callable) -> Callable:
+    """``step`` that first starts the placed batch's fresh slots afresh
+    (``managed.renew``), then runs on the batch without them."""
+
+    def run(state: TrainState, placed: PlacedBatch):
+        params, opt_state = managed.renew(
+            ctx.optimizer, state.params, state.opt_state, placed.fresh
+        )
+        state = state._replace(params=params, opt_state=opt_state)
+        return step(state, dataclasses.replace(placed, fresh=None))
+
+    return run
+
+
+def mapping_placer(ctx: StepContext, vocab: managed.Vocabularies, place: Callable) -> Callable:
+    """``place(batch) -> PlacedBatch``: the batch's managed ids mapped to slots
+    (advancing the vocabularies: place batches in the order they are stepped), then
+    placed by ``place``, its fresh slots with it (padded to a capacity per table that
+    grows by ``grow_with_margin``, one program per capacity)."""
+    capacity: dict[int, int] = {}
+
+    def placed(batch, *ahead) -> PlacedBatch:
+        if ahead:
+            raise ValueError("a step with managed tables reads no batch ahead")
+        if not isinstance(batch, dict):
+            raise ValueError(f"a batch must be a dict of arrays, got {type(batch).__name__}")
+        mapped, fresh = vocab.map_batch(batch)
+        out = place(mapped)
+        arrays = {}
+        for index, f in fresh.items():
+            need = f.slots.size
+            if need > capacity.get(index, 0):
+                capacity[index] = grow_with_margin(need)
+            slots, rows = managed.padded_fresh(f, capacity[index])
+            arrays[index] = (
+                runtime.put_global(slots, ctx.mesh, P()),
+                runtime.put_global(rows, ctx.mesh, P()),
+            )
+        return dataclasses.replace(out, fresh=arrays)
+
+    return placed
+
+
+def refuse_steps(*args, **kwargs):
+    """``ts.steps`` / ``ts.place_steps`` of a step with managed tables."""
+    raise ValueError(
+        "a step with managed tables runs one step a program call (each batch's ids are "
+        "mapped as it is placed): call ts.step(state, ts.place_batch(batch)) once a step"
+    )
+
+
+def check_strategy(ctx: StepContext, lookahead: int) -> None:
+    """``ValueError`` where managed tables cannot go: a step that fetches the next
+    batch's rows before its ids are mapped (``embrace_2d``)."""
+    tables = managed_tables(ctx)
+    if tables and lookahead:
+        raise ValueError(
+            f"managed table {tables[0].name} cannot be carried across steps by a pipelined "
+            "strategy (it fetches the next batch's rows before that batch's ids are mapped "
+            "to slots); use embrace or embrace_rowwise"
+        )

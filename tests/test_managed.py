@@ -1,0 +1,307 @@
+"""Managed tables (``embedding.managed``): the id-to-slot mapping against a plain Python
+reference of the same policy, step by step, and a sharded step with managed tables
+against a numpy reference of the rows and the optimizer state."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sparsecomm_jax import make_train_step, runtime
+from sparsecomm_jax.embedding import managed
+from sparsecomm_jax.embedding.managed import Policy, Vocabulary
+
+M64 = (1 << 64) - 1
+
+
+def splitmix(z: int) -> int:
+    """splitmix64's finalizer in Python integers (the owner hash, written apart)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def owner(i: int, workers: int) -> int:
+    return splitmix(i & M64) % workers
+
+
+class Reference:
+    """The policy of ``embedding.managed`` in dicts and loops: slot -> id, id -> slot,
+    scores, waiting counts."""
+
+    def __init__(self, slots: int, workers: int, policy: Policy):
+        self.n, self.g, self.policy = slots, workers, policy
+        self.b = -(-slots // workers)
+        self.slot_id, self.id_slot, self.score, self.pending = {}, {}, {}, {}
+        self.steps = self.evictions = 0
+
+    def block(self, w: int) -> list[int]:
+        return list(range(w * self.b + 1, min((w + 1) * self.b, self.n)))
+
+    def map(self, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        self.steps += 1
+        lru = self.policy.eviction == "lru"
+        reads = collections.Counter(ids)
+        read = set()
+        for i, c in reads.items():
+            if i in self.id_slot:
+                s = self.id_slot[i]
+                read.add(s)
+                self.score[s] = self.steps if lru else self.score[s] + c
+        new = {i: c + self.pending.get(i, 0) for i, c in reads.items() if i not in self.id_slot}
+        fresh, fresh_ids = [], []
+        for w in range(self.g):
+            ready = sorted(
+                (i for i, t in new.items() if t >= self.policy.threshold and owner(i, self.g) == w),
+                key=lambda i: (-new[i], i),
+            )
+            order = sorted(
+                (s for s in self.block(w) if s not in read),
+                key=lambda s: (self.score[s] + 1 if s in self.slot_id else 0, s),
+            )
+            for i, s in zip(ready, order, strict=False):
+                if s in self.slot_id:
+                    del self.id_slot[self.slot_id[s]]
+                    self.evictions += 1
+                self.slot_id[s], self.id_slot[i] = i, s
+                self.score[s] = self.steps if lru else new[i]
+                fresh.append(s)
+                fresh_ids.append(i)
+        for i, t in new.items():
+            if i in self.id_slot:
+                self.pending.pop(i, None)
+            else:
+                self.pending[i] = t
+        out = [self.id_slot.get(i, owner(i, self.g) * self.b) for i in ids]
+        return out, fresh, fresh_ids
+
+
+def stream(rng, steps: int, batch: int, distinct: int, exponent: float) -> list[np.ndarray]:
+    """Zipf-skewed batches over ``distinct`` ids of extreme values (0, 2^63 - 1, -2^63,
+    negatives): many ties in reads and scores."""
+    values = rng.integers(-(2**63), 2**63 - 1, size=distinct, dtype=np.int64)
+    values[:4] = [0, 2**63 - 1, -(2**63), -1]
+    weights = 1.0 / np.arange(1, distinct + 1) ** exponent
+    weights /= weights.sum()
+    return [rng.choice(values, size=batch, p=weights) for _ in range(steps)]
+
+
+@pytest.mark.parametrize(
+    "eviction,threshold,workers,slots",
+    [("lru", 1, 4, 24), ("lfu", 1, 2, 21), ("lru", 3, 2, 16), ("lfu", 2, 4, 40), ("lru", 1, 1, 9)],
+)
+def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, slots):
+    rng = np.random.default_rng(slots)
+    policy = Policy(eviction, threshold)
+    vocab, ref = Vocabulary(slots, 3, workers, policy), Reference(slots, workers, policy)
+    evicted = 0
+    for ids in stream(rng, steps=40, batch=30, distinct=120, exponent=1.1):
+        got, fresh = vocab.map(ids)
+        want, want_fresh, want_ids = ref.map([int(i) for i in ids])
+        assert got.tolist() == want
+        zero = [w * ref.b for w in range(workers)]
+        assert fresh.slots.tolist() == zero + want_fresh
+        np.testing.assert_array_equal(
+            fresh.rows[workers:], managed.initial_rows(np.array(want_ids, np.int64), 3, vocab.scale)
+        )
+        assert not fresh.rows[:workers].any()
+        evicted += fresh.evicted
+        state = vocab.state
+        held = {int(s): int(state.ids[s]) for s in np.flatnonzero(state.used)}
+        assert held == ref.slot_id
+        assert {s: int(state.score[s]) for s in held} == ref.score
+        assert dict(zip(state.pending.tolist(), state.seen.tolist(), strict=True)) == ref.pending
+    assert evicted == int(vocab.state.evictions) == ref.evictions > 0  # the slots filled
+
+
+def test_distinct_ids_never_share_a_slot_while_they_fit():
+    rng = np.random.default_rng(0)
+    vocab = Vocabulary(64, 2, 4, Policy("lfu"))
+    for ids in stream(rng, steps=20, batch=50, distinct=200, exponent=0.8):
+        slots, _ = vocab.map(ids)
+        owned = collections.defaultdict(set)
+        for i, s in zip(ids.tolist(), slots.tolist(), strict=True):
+            owned[s].add(i)
+        zero = set(range(0, 64, 16))
+        assert all(len(v) == 1 for s, v in owned.items() if s not in zero)
+
+
+def test_a_batch_of_more_new_ids_than_slots_admits_the_most_read():
+    vocab = Vocabulary(4, 2, 1, Policy("lru"))  # 3 slots for ids, slot 0 the zero row
+    ids = np.array([5, 5, 5, 9, 9, 7, 7, 1, 2])
+    slots, fresh = vocab.map(ids)
+    assert dict(zip(ids.tolist(), slots.tolist(), strict=True)) == {
+        5: 1,
+        7: 2,
+        9: 3,
+        1: 0,
+        2: 0,
+    }  # ties: lower id first
+    assert vocab.state.pending.tolist() == [1, 2]  # waiting, one read each
+
+
+def test_a_saved_state_maps_as_the_vocabulary_it_came_from():
+    rng = np.random.default_rng(1)
+    batches = stream(rng, steps=12, batch=20, distinct=60, exponent=1.0)
+    a = Vocabulary(20, 2, 2, Policy("lfu", 2))
+    for ids in batches[:6]:
+        a.map(ids)
+    b = Vocabulary(20, 2, 2, Policy("lfu", 2), state=a.state)
+    for ids in batches[6:]:
+        assert a.map(ids)[0].tolist() == b.map(ids)[0].tolist()
+
+
+def test_owners_are_balanced_under_skewed_values():
+    ids = np.arange(100_000, dtype=np.int64) * 1024  # values sharing their low bits
+    counts = np.bincount(managed.owner_of(ids, 8), minlength=8)
+    assert counts.max() / counts.mean() < 1.05
+
+
+@pytest.mark.parametrize(
+    "policy,message",
+    [
+        (Policy("mru"), "eviction must be one of"),
+        (Policy("lru", 0), "threshold must be an integer >= 1"),
+        (Policy("lru", 1.5), "threshold must be an integer >= 1"),
+        (Policy("lru", 1, -1.0), "init_scale must be a number >= 0"),
+    ],
+)
+def test_a_bad_policy_names_its_field(policy, message):
+    with pytest.raises(ValueError, match=message):
+        policy.checked()
+
+
+def test_bad_slots_and_ids_are_refused():
+    with pytest.raises(ValueError, match="has 6 slots: each of the 4 workers"):
+        Vocabulary(6, 2, 4)
+    with pytest.raises(ValueError, match="must be integers"):
+        Vocabulary(8, 2, 2).map(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="has no field"):
+        Policy.from_json({"eviction": "lru", "size": 3})
+
+
+# ------------------------------------------------------------------ a sharded step
+
+
+def _loss(p, b, emb):
+    pooled = emb.lookup(p["emb"], b["ids"]).sum(1)  # [B, D]
+    return jnp.mean((pooled @ p["w"] - b["y"]) ** 2)
+
+
+class NumpyModel:
+    """``_loss`` trained in float64 numpy on the reference mapping: rows started afresh
+    as the policy says, then SGD, Adagrad or (on the rows a step reads) Adam."""
+
+    def __init__(self, params, optimizer: str, lr: float, slots: int, workers: int, policy):
+        self.table = np.array(params["emb"], np.float64)
+        self.w = np.array(params["w"], np.float64)
+        self.kind, self.lr, self.t = optimizer, lr, 0
+        self.vocab = Reference(slots, workers, policy)
+        self.scale = 1 / np.sqrt(slots) if policy.init_scale is None else policy.init_scale
+        zeros = lambda x: np.zeros_like(x)  # noqa: E731
+        self.state = {
+            "sgd": {},
+            "adagrad": {"emb": np.full_like(self.table, 0.1), "w": np.full_like(self.w, 0.1)},
+            "adam": {
+                "mu": [zeros(self.table), zeros(self.w)],
+                "nu": [zeros(self.table), zeros(self.w)],
+            },
+        }[optimizer]
+
+    def step(self, ids: np.ndarray, y: np.ndarray) -> float:
+        out, fresh, fresh_ids = self.vocab.map([int(i) for i in ids.ravel()])
+        zero = [w * self.vocab.b for w in range(self.vocab.g)]
+        self.table[zero] = 0
+        if fresh:
+            self.table[fresh] = managed.initial_rows(
+                np.array(fresh_ids, np.int64), self.table.shape[1], self.scale
+            )
+        self._restart(zero + fresh)
+        slots = np.array(out).reshape(ids.shape)
+        pooled = self.table[slots].sum(1)
+        r = pooled @ self.w - y
+        d = 2 * r / len(y)
+        g_w = pooled.T @ d
+        g_t = np.zeros_like(self.table)
+        np.add.at(g_t, slots.ravel(), np.repeat(d, ids.shape[1])[:, None] * self.w)
+        self._update(g_t, g_w, np.unique(slots))
+        return float(np.mean(r**2))
+
+    def _restart(self, slots):
+        if self.kind == "adagrad":
+            self.state["emb"][slots] = 0.1
+        if self.kind == "adam":
+            self.state["mu"][0][slots] = 0
+            self.state["nu"][0][slots] = 0
+
+    def _update(self, g_t, g_w, read):
+        if self.kind == "sgd":
+            self.table -= self.lr * g_t
+            self.w -= self.lr * g_w
+        elif self.kind == "adagrad":
+            for key, x, g in (("emb", self.table, g_t), ("w", self.w, g_w)):
+                self.state[key] += g**2
+                x -= self.lr * g / np.sqrt(self.state[key] + 1e-7)
+        else:
+            self.t += 1
+            mu, nu = self.state["mu"], self.state["nu"]
+            for k, (x, g) in enumerate(((self.table, g_t), (self.w, g_w))):
+                rows = read if k == 0 else slice(None)
+                mu[k][rows] = 0.9 * mu[k][rows] + 0.1 * g[rows]
+                nu[k][rows] = 0.999 * nu[k][rows] + 0.001 * g[rows] ** 2
+                m_hat = mu[k][rows] / (1 - 0.9**self.t)
+                v_hat = nu[k][rows] / (1 - 0.999**self.t)
+                x[rows] -= self.lr * m_hat / (np.sqrt(v_hat) + 1e-8)
+
+
+OPTIMIZERS = {"sgd": optax.sgd, "adagrad": optax.adagrad, "adam": optax.adam}
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize(
+    "strategy,optimizer,policy,replicas",
+    [
+        ("embrace_rowwise", "adam", Policy("lru", 2), 1),
+        ("embrace", "sgd", Policy("lfu", 1), 1),
+        ("embrace_rowwise", "adagrad", Policy("lfu", 2, 0.3), 2),
+    ],
+)
+def test_a_sharded_step_matches_numpy(strategy, optimizer, policy, replicas):
+    n = len(jax.devices())
+    slots, dim, lr = 6 * n // replicas, 4, 0.05
+    rng = np.random.default_rng(7)
+    params = {
+        "emb": rng.normal(size=(slots, dim)).astype(np.float32),
+        "w": rng.normal(size=dim).astype(np.float32),
+    }
+    ts = make_train_step(
+        _loss,
+        OPTIMIZERS[optimizer](lr),
+        runtime.data_mesh(),
+        params,
+        strategy,
+        embedding_paths=["emb"],
+        table_layouts={"emb": managed.layout({"emb": policy})},
+        table_update="rows",
+        replicas=replicas,
+    )
+    ref = NumpyModel(params, optimizer, lr, slots, n // replicas, policy)
+    state = ts.state
+    for ids in stream(rng, steps=10, batch=2 * n * 3, distinct=12 * slots, exponent=1.05):
+        ids = ids.reshape(2 * n, 3)
+        y = rng.normal(size=2 * n).astype(np.float32)
+        state, loss = ts.step(state, ts.place_batch({"ids": ids, "y": y}))
+        assert float(loss) == pytest.approx(ref.step(ids, y), rel=1e-4, abs=1e-6)
+    got = ts.host_params(state)
+    np.testing.assert_allclose(got["emb"], ref.table, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got["w"], ref.w, rtol=1e-4, atol=1e-5)
+    if optimizer == "adam":
+        mu = np.asarray(jax.device_get(state.opt_state[0].mu["emb"]))
+        np.testing.assert_allclose(mu[:slots], ref.state["mu"][0], rtol=1e-4, atol=1e-6)
+    if optimizer == "adagrad":
+        sums = np.asarray(jax.device_get(state.opt_state[0].sum_of_squares["emb"]))
+        np.testing.assert_allclose(sums[:slots], ref.state["emb"], rtol=1e-4, atol=1e-6)
+    assert sum(ts.vocabulary.evictions().values()) == ref.vocab.evictions > 0
