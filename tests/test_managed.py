@@ -75,6 +75,8 @@ class Reference:
                 self.pending.pop(i, None)
             else:
                 self.pending[i] = t
+        kept = sorted(self.pending.items(), key=lambda kv: (-kv[1], kv[0]))[: self.n]
+        self.pending = dict(kept)
         out = [self.id_slot.get(i, owner(i, self.g) * self.b) for i in ids]
         return out, fresh, fresh_ids
 
@@ -113,7 +115,11 @@ def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, 
         held = {int(s): int(state.ids[s]) for s in np.flatnonzero(state.used)}
         assert held == ref.slot_id
         assert {s: int(state.score[s]) for s in held} == ref.score
-        assert dict(zip(state.pending.tolist(), state.seen.tolist(), strict=True)) == ref.pending
+        waiting = int(state.waiting)
+        assert (
+            dict(zip(state.pending[:waiting].tolist(), state.seen[:waiting].tolist(), strict=True))
+            == ref.pending
+        )
     assert evicted == int(vocab.state.evictions) == ref.evictions > 0  # the slots filled
 
 
@@ -140,7 +146,7 @@ def test_a_batch_of_more_new_ids_than_slots_admits_the_most_read():
         1: 0,
         2: 0,
     }  # ties: lower id first
-    assert vocab.state.pending.tolist() == [1, 2]  # waiting, one read each
+    assert vocab.state.pending[: vocab.state.waiting].tolist() == [1, 2]  # one read each
 
 
 def test_a_saved_state_maps_as_the_vocabulary_it_came_from():
@@ -305,3 +311,59 @@ def test_a_sharded_step_matches_numpy(strategy, optimizer, policy, replicas):
         sums = np.asarray(jax.device_get(state.opt_state[0].sum_of_squares["emb"]))
         np.testing.assert_allclose(sums[:slots], ref.state["emb"], rtol=1e-4, atol=1e-6)
     assert sum(ts.vocabulary.evictions().values()) == ref.vocab.evictions > 0
+
+
+def _managed_step():
+    policy = Policy("lfu", 2)
+    n = len(jax.devices())
+    rng = np.random.default_rng(3)
+    params = {"emb": rng.normal(size=(4 * n, 3)).astype(np.float32), "w": np.ones(3, np.float32)}
+    return make_train_step(
+        _loss,
+        optax.adam(0.05),
+        runtime.data_mesh(),
+        params,
+        "embrace_rowwise",
+        embedding_paths=["emb"],
+        table_layouts={"emb": managed.layout({"emb": policy})},
+        table_update="rows",
+    )
+
+
+def _batches(steps: int) -> list[dict]:
+    n = len(jax.devices())
+    rng = np.random.default_rng(4)
+    ids = stream(rng, steps=steps, batch=2 * n * 2, distinct=20 * n, exponent=1.0)
+    return [
+        {"ids": i.reshape(2 * n, 2), "y": rng.normal(size=2 * n).astype(np.float32)} for i in ids
+    ]
+
+
+def test_a_resume_equals_the_uninterrupted_run(tmp_path):
+    from sparsecomm_jax.checkpoint import Checkpointer
+
+    batches = _batches(8)
+    whole = _managed_step()
+    done = whole.state
+    for b in batches:
+        done, _ = whole.step(done, whole.place_batch(b))
+    first = _managed_step()
+    state = first.state
+    for b in batches[:4]:
+        state, _ = first.step(state, first.place_batch(b))
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save_state(4, first, state, force=True)
+    second = _managed_step()
+    with Checkpointer(str(tmp_path)) as ckpt:
+        resumed, step = ckpt.restore_state(second)
+    assert step == 4
+    for b in batches[4:]:
+        resumed, _ = second.step(resumed, second.place_batch(b))
+    for key in ("emb", "w"):
+        np.testing.assert_array_equal(
+            second.host_params(resumed)[key], whole.host_params(done)[key]
+        )
+    np.testing.assert_array_equal(resumed.opt_state[0].nu["emb"], done.opt_state[0].nu["emb"])
+    a, b = whole.vocabulary.states()["emb"], second.vocabulary.states()["emb"]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)

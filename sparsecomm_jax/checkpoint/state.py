@@ -44,6 +44,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.checkpoint.store import MismatchError, Reading, Store, _warn
+from sparsecomm_jax.embedding.managed import VocabState
 from sparsecomm_jax.step import stored_form
 from sparsecomm_jax.step.host import first_replica
 from sparsecomm_jax.step.state import TrainState, TrainStep
@@ -51,15 +52,52 @@ from sparsecomm_jax.step.state import TrainState, TrainStep
 PyTree = Any
 STORED_TOGETHER = "stored_together"  # the identity field of how tables are stored
 FORM = "form"  # the identity field of the state's form (``StateForm.record``)
+VOCABULARY = "vocabulary"  # the saved tree's entry of the managed tables' mappings
 
 
 def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
     """The saved form of a library step's state: global arrays (``pmap`` state: its
-    first replica) under ``params``, ``opt_state`` and ``agg_state``."""
+    first replica) under ``params``, ``opt_state`` and ``agg_state``; with managed
+    tables, their mappings as they stand (``TrainStep.vocabulary``: host arrays, one
+    entry per table in table order) under ``vocabulary``."""
     tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
     if ts.per_device_state:
         return jax.tree.map(first_replica, tree)
+    if ts.vocabulary is not None:
+        states = ts.vocabulary.states().values()
+        tree[VOCABULARY] = {str(k): _as_words(v._asdict()) for k, v in enumerate(states)}
     return tree
+
+
+def _as_words(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each int64 array as uint32 words, ``[*shape, 2]``: JAX without 64-bit types
+    would store it cut to int32."""
+    return {
+        k: np.ascontiguousarray(x).view(np.uint32).reshape(*np.shape(x), 2)
+        if np.asarray(x).dtype == np.int64
+        else np.asarray(x)
+        for k, x in arrays.items()
+    }
+
+
+def _from_words(arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+    """``_as_words`` undone (an array of uint32 words read back as int64)."""
+    out = {}
+    for k, x in arrays.items():
+        x = np.asarray(x)
+        out[k] = x.astype(np.uint32).view(np.int64)[..., 0] if x.dtype == np.uint32 else x
+    return out
+
+
+def _restore_vocabulary(ts: TrainStep, tree: dict) -> None:
+    """``ts.vocabulary`` started from the mappings of a restored ``portable`` tree."""
+    if ts.vocabulary is None:
+        return
+    saved = tree[VOCABULARY]
+    names = list(ts.vocabulary.states())
+    ts.vocabulary.restore(
+        {name: VocabState(**_from_words(saved[str(k)])) for k, name in enumerate(names)}
+    )
 
 
 def _as_json(value: Any) -> Any:
@@ -135,6 +173,12 @@ def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Readi
         record = identity.get(FORM)
         if ts.form is None or record is None or record == _as_json(ts.form.record()):
             return None
+        if ts.vocabulary is not None:
+            raise MismatchError(
+                f"checkpoint {folder} was saved in another form (device count or layouts); "
+                "a step with managed tables restores only the form it was saved in (their "
+                "mappings are not re-hashed onto other workers)"
+            )
         try:
             saved = stored_form.recorded(ts.form, record)
             stored_form.check_residuals(saved, ts.form, ours["agg_state"])
@@ -167,7 +211,8 @@ class Checkpointer(Store):
 
     def save_state(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
         """``save`` of a library step's state (``portable``), with how its tables are
-        stored (``TrainStep.stored_together``)."""
+        stored (``TrainStep.stored_together``). With managed tables, call it with no
+        batch placed past ``state``'s step: their mappings are saved as they stand."""
         identity = {STORED_TOGETHER: _as_json(ts.stored_together)}
         if ts.form is not None:
             identity[FORM] = _as_json(ts.form.record())
@@ -182,7 +227,9 @@ class Checkpointer(Store):
         """``restore`` of a library step's state, placed like ``ts.state``.
 
         Any device count and any table layouts: a checkpoint stored in another form
-        (``TrainStep.form``) is converted (see the module doc). Per-worker residuals
+        (``TrainStep.form``) is converted (see the module doc); with managed tables,
+        only the form it was saved in, and their mappings start from the saved ones
+        (``ts.vocabulary`` is restored in place). Per-worker residuals
         need the count they were saved on (``MismatchError`` naming both). A
         checkpoint that records no form (written before forms were) restores into the
         stored shapes and table-wise packs it was saved with.
@@ -191,6 +238,7 @@ class Checkpointer(Store):
         like = portable(ts, ts.state)
         tree, s = self.restore(like, step, on_skip, check, shape_hint, reading(ts, like))
         state = TrainState(tree["params"], tree["opt_state"], tree["agg_state"])
+        _restore_vocabulary(ts, tree)
         if ts.per_device_state:
             local = jax.local_device_count()
             state = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (local, *x.shape)), state)

@@ -10,7 +10,8 @@ a batch is placed:
   (splitmix64), balanced under any skew of the ids' values; that worker's block holds
   its slot, so the row-wise exchange sends the id's lookups to its owner;
 - **admission**: an id seen fewer than ``threshold`` times (its reads over all steps,
-  counted while it waits) has no slot: it reads its owner's *zero row*, the first slot
+  counted while it waits; at most N ids wait, the most read, ties to the lower id) has
+  no slot: it reads its owner's *zero row*, the first slot
   of each block, which the step resets to zeros before reading it (its gradient is
   dropped: the next step resets the row again);
 - **slots**: an admitted id takes a free slot of its owner's block, its row started
@@ -59,7 +60,7 @@ import numpy as np
 import optax
 
 from sparsecomm_jax.embedding import row
-from sparsecomm_jax.embedding.layout import Layout
+from sparsecomm_jax.embedding.layout import Layout, grow_with_margin, next_power_of_two
 from sparsecomm_jax.embedding.row_optimizers import DROP, state_roles
 from sparsecomm_jax.embedding.tables import table_name
 
@@ -223,8 +224,10 @@ class VocabState(NamedTuple):
       used: bool[N], whether the slot holds an id.
       score: int64[N], the eviction score: ``"lru"`` the step its id was last read,
         ``"lfu"`` its reads since it arrived (its waiting reads included).
-      pending: int64[M], the ids waiting for admission, ascending.
-      seen: int64[M], their reads so far.
+      pending: int64[N], the ids waiting for admission, ascending, in its first
+        ``waiting`` entries (at most N wait: ``Vocabulary.map`` keeps the most read).
+      seen: int64[N], their reads so far.
+      waiting: int64[], how many ids wait.
       steps: int64[], the batches mapped.
       evictions: int64[], the ids evicted so far.
     """
@@ -234,22 +237,15 @@ class VocabState(NamedTuple):
     score: np.ndarray
     pending: np.ndarray
     seen: np.ndarray
+    waiting: np.ndarray
     steps: np.ndarray
     evictions: np.ndarray
 
     @classmethod
     def empty(cls, slots: int) -> VocabState:
         """No id admitted, none waiting."""
-        none = np.zeros(0, np.int64)
-        return cls(
-            np.zeros(slots, np.int64),
-            np.zeros(slots, bool),
-            np.zeros(slots, np.int64),
-            none,
-            none.copy(),
-            np.int64(0),
-            np.int64(0),
-        )
+        zeros = lambda dtype=np.int64: np.zeros(slots, dtype)  # noqa: E731
+        return cls(zeros(), zeros(bool), zeros(), zeros(), zeros(), *(np.int64(0),) * 3)
 
 
 class Fresh(NamedTuple):
@@ -259,11 +255,14 @@ class Fresh(NamedTuple):
       slots: int64[k], each slot once: the zero rows, then the slots new ids took.
       rows: float32[k, D], their rows (zeros for a zero row, ``initial_rows`` for an id).
       evicted: ids evicted by this batch (a slot that held one).
+      bound: the most slots a batch of this shape can start afresh (its reads of the
+        table, and the G zero rows).
     """
 
     slots: np.ndarray
     rows: np.ndarray
     evicted: int = 0
+    bound: int = 0
 
 
 class Vocabulary:
@@ -293,7 +292,14 @@ class Vocabulary:
         self.dim, self.policy, self.name = int(dim), policy.checked(), name
         scale = policy.init_scale
         self.scale = 1 / math.sqrt(slots) if scale is None else float(scale)
-        self._state = VocabState.empty(slots) if state is None else _copy(state)
+        state = VocabState.empty(slots) if state is None else _copy(state)
+        if state.ids.shape != (slots,) or state.pending.shape != (slots,):
+            raise ValueError(
+                f"the saved mapping of managed table {name} holds {state.ids.shape[0]} "
+                f"slots; the table has {slots}"
+            )
+        waiting = int(state.waiting)  # held in memory without the padding
+        self._state = state._replace(pending=state.pending[:waiting], seen=state.seen[:waiting])
         self._index()
 
     def _index(self) -> None:
@@ -301,11 +307,22 @@ class Vocabulary:
         held = np.flatnonzero(self._state.used)
         order = np.argsort(self._state.ids[held], kind="stable")
         self._keys, self._slots = self._state.ids[held][order], held[order]
+        size = self.blocks.size
+        self._filled = np.array(
+            [
+                self._state.used[w * size + 1 : (w + 1) * size].sum()
+                for w in range(self.blocks.workers)
+            ]
+        )
 
     @property
     def state(self) -> VocabState:
         """A copy of the mapping (to save; ``Vocabulary(..., state=)`` restores it)."""
-        return _copy(self._state)
+        s, slots = self._state, self.blocks.slots
+        pad = lambda x: np.concatenate([x, np.zeros(slots - x.size, np.int64)])  # noqa: E731
+        return _copy(
+            s._replace(pending=pad(s.pending), seen=pad(s.seen), waiting=np.int64(s.pending.size))
+        )
 
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         """int64 per id: its slot, or -1 where it holds none (waiting or never seen)."""
@@ -314,6 +331,14 @@ class Vocabulary:
         hit = self._keys.size > 0
         found = hit & (self._keys[pos] == ids) if hit else np.zeros(ids.shape, bool)
         return np.where(found, self._slots[pos] if hit else -1, -1)
+
+    def lookup(self, ids: Any) -> np.ndarray:
+        """int32 slots of ``ids`` as the mapping stands, changing nothing (to evaluate):
+        an id without a slot its owner's zero row."""
+        ids = as_ids(ids, f"the ids of managed table {self.name}")
+        slot = self.slot_of(ids)
+        zero = self.blocks.first()[owner_of(ids, self.blocks.workers)]
+        return np.where(slot >= 0, slot, zero).astype(np.int32)
 
     def map(self, ids: Any) -> tuple[np.ndarray, Fresh]:
         """Admits, evicts and maps the ids of one batch (every read of the table).
@@ -353,23 +378,25 @@ class Vocabulary:
         ids_in = np.concatenate(taken_ids) if taken_ids else np.zeros(0, np.int64)
         slots_in = np.concatenate(taken_slots) if taken_slots else np.zeros(0, np.int64)
         if slots_in.size:
-            gone = s.ids[slots_in][s.used[slots_in]]
-            keep = ~np.isin(self._keys, gone)
-            self._keys, self._slots = _insert(self._keys[keep], self._slots[keep], ids_in, slots_in)
+            gone = np.searchsorted(self._keys, s.ids[slots_in][s.used[slots_in]])  # held ids
+            keys, values = np.delete(self._keys, gone), np.delete(self._slots, gone)
+            self._keys, self._slots = _insert(keys, values, ids_in, slots_in)
             s.ids[slots_in], s.used[slots_in] = ids_in, True
             s.score[slots_in] = (
                 steps if self.policy.eviction == "lru" else np.concatenate(taken_total)
             )
         waiting = ~np.isin(new, ids_in)
         pending, seen = _merge(s.pending, s.seen, new[waiting], total[waiting], drop=ids_in)
+        if pending.size > blocks.slots:  # the most read wait on (ties: the lower ids)
+            keep = np.sort(np.lexsort((pending, -seen))[: blocks.slots])
+            pending, seen = pending[keep], seen[keep]
         self._state = s._replace(
             pending=pending,
             seen=seen,
             steps=np.int64(steps),
             evictions=np.int64(int(s.evictions) + evicted),
         )
-        mapped = self.slot_of(uniq)
-        mapped = np.where(mapped >= 0, mapped, blocks.first()[owner_of(uniq, blocks.workers)])
+        mapped = self.lookup(uniq)
         zero = blocks.first()
         fresh = Fresh(
             np.concatenate([zero, slots_in]),
@@ -380,8 +407,9 @@ class Vocabulary:
                 ]
             ),
             evicted,
+            ids.size + zero.size,
         )
-        return mapped[inverse].reshape(ids.shape).astype(np.int32), fresh
+        return mapped[inverse].reshape(ids.shape), fresh
 
     def _candidates(self, worker: int, read: np.ndarray, wanted: int) -> np.ndarray:
         """The first ``wanted`` slots of ``worker``'s block in the order new ids take
@@ -391,14 +419,19 @@ class Vocabulary:
         size = self.blocks.size
         lo, hi = worker * size + 1, min((worker + 1) * size, self.blocks.slots)
         s = self._state
-        block = np.arange(lo, hi)
-        rank = np.where(s.used[lo:hi], s.score[lo:hi] + 1, 0) * size + (block - lo)  # distinct
-        mask = ~np.isin(block, read)
-        block, rank = block[mask], rank[mask]
-        if wanted < block.size:  # the wanted lowest ranks, then in order
+        filled = int(self._filled[worker])  # a slot once taken stays taken: free ones follow
+        if wanted <= hi - lo - filled:  # free slots, lowest first
+            self._filled[worker] += wanted
+            return np.arange(lo + filled, lo + filled + wanted)
+        keep = np.ones(hi - lo, bool)
+        keep[read[(read >= lo) & (read < hi)] - lo] = False
+        block = np.flatnonzero(keep)
+        rank = np.where(s.used[lo:hi][block], s.score[lo:hi][block] + 1, 0) * size + block
+        self._filled[worker] = hi - lo
+        if wanted < block.size:  # the wanted lowest ranks (distinct), then in order
             part = np.argpartition(rank, wanted - 1)[:wanted]
             block, rank = block[part], rank[part]
-        return block[np.argsort(rank)]
+        return lo + block[np.argsort(rank)]
 
 
 def _copy(state: VocabState) -> VocabState:
@@ -423,8 +456,12 @@ def _insert(keys, values, new_keys, new_values):
 def _merge(keys, values, ids, counts, drop):
     """The waiting ids ``keys`` (ascending) with ``ids`` set to ``counts`` and ``drop``
     removed."""
-    keep = ~np.isin(keys, np.concatenate([ids, drop]))
-    return _insert(keys[keep], values[keep], ids, counts)
+    out = np.concatenate([ids, drop])
+    if keys.size and out.size:
+        pos = np.minimum(np.searchsorted(keys, out), keys.size - 1)
+        at = pos[keys[pos] == out]
+        keys, values = np.delete(keys, at), np.delete(values, at)
+    return _insert(keys, values, ids, counts)
 
 
 # ------------------------------------------------------------------ the layout
@@ -445,15 +482,25 @@ def layout(policies: Mapping[Any, Policy | Mapping] | None = None) -> Layout:
         >>> value.name, value.config["params/sparse_0/embedding"]["eviction"]
         ('managed', 'lfu')
     """
-    config = {table_name(k): Policy.from_json(v).to_json() for k, v in (policies or {}).items()}
+    chosen = {table_name(k): Policy.from_json(v) for k, v in (policies or {}).items()}
+    config = {k: v.to_json() for k, v in chosen.items()}
+    waits = any(v.threshold > 1 for v in chosen.values())
     return row.ROW._replace(
         name="managed",
+        # admitted ids climb for a while where ids wait: buckets grow by powers of two
+        capacity=row.CAPACITY._replace(grow=_doubling) if waits else row.CAPACITY,
         pricing=None,
         config=config or None,
         configure=layout,
         pipelined=None,
         maps_ids=True,
     )
+
+
+def _doubling(need: int) -> int:
+    """``grow_with_margin`` rounded up to a power of two: a capacity that keeps growing
+    makes a new program at each doubling only."""
+    return next_power_of_two(grow_with_margin(need))
 
 
 def policy_of(table: Any) -> Policy:
@@ -537,6 +584,19 @@ class Vocabularies:
             for key, part, value in zip(mine, np.split(slots, sizes), values, strict=True):
                 out[key] = part.reshape(value.shape)
         return out, fresh
+
+    def lookup_batch(self, batch: Mapping[str, Any]) -> dict:
+        """The batch with each managed table's ids replaced by their slots as the
+        mappings stand (``Vocabulary.lookup``: nothing admitted, nothing counted), to
+        evaluate a model on held-out data."""
+        out = dict(batch)
+        for key, index in self.keys(batch).items():
+            out[key] = self.vocabularies[index].lookup(batch[key])
+        return out
+
+    def zero_rows(self) -> dict[str, np.ndarray]:
+        """Table name -> int64[G], the slots that read as zeros (its blocks' first)."""
+        return {self.tables[i].name: v.blocks.first() for i, v in self.vocabularies.items()}
 
     def states(self) -> dict[str, VocabState]:
         """Table name -> a copy of its mapping (``restore`` takes it back)."""

@@ -69,8 +69,8 @@ def renewing(ctx: StepContext, step: Callable) -> Callable:
 def mapping_placer(ctx: StepContext, vocab: managed.Vocabularies, place: Callable) -> Callable:
     """``place(batch) -> PlacedBatch``: the batch's managed ids mapped to slots
     (advancing the vocabularies: place batches in the order they are stepped), then
-    placed by ``place``, its fresh slots with it (padded to a capacity per table that
-    grows by ``grow_with_margin``, one program per capacity)."""
+    placed by ``place``, its fresh slots with it (padded to a capacity per table:
+    ``fresh_capacity``, one program per capacity)."""
     capacity: dict[int, int] = {}
 
     def placed(batch, *ahead) -> PlacedBatch:
@@ -82,9 +82,8 @@ def mapping_placer(ctx: StepContext, vocab: managed.Vocabularies, place: Callabl
         out = place(mapped)
         arrays = {}
         for index, f in fresh.items():
-            need = f.slots.size
-            if need > capacity.get(index, 0):
-                capacity[index] = grow_with_margin(need)
+            threshold = vocab.vocabularies[index].policy.threshold
+            capacity[index] = fresh_capacity(f, capacity.get(index, 0), threshold)
             slots, rows = managed.padded_fresh(f, capacity[index])
             arrays[index] = (
                 runtime.put_global(slots, ctx.mesh, P()),
@@ -93,6 +92,30 @@ def mapping_placer(ctx: StepContext, vocab: managed.Vocabularies, place: Callabl
         return dataclasses.replace(out, fresh=arrays)
 
     return placed
+
+
+def fresh_capacity(fresh: managed.Fresh, current: int, threshold: int) -> int:
+    """The slots a table's fresh rows are padded to, ``current`` unless too small.
+
+    The first batch of an empty table admits every distinct id it reads (threshold 1):
+    later batches admit at most as many, give or take their spread, so
+    ``grow_with_margin`` of the first need holds. With a threshold, admissions grow as
+    ids come back: the capacity starts at ``Fresh.bound`` (the batch's reads and the
+    zero rows), which no batch of that shape exceeds. A capacity that is exceeded all the
+    same doubles (within the bound): one program per capacity.
+
+    Example:
+        >>> import numpy as np
+        >>> fresh = managed.Fresh(np.arange(40), np.zeros((40, 2)), bound=100)
+        >>> fresh_capacity(fresh, 0, 1), fresh_capacity(fresh, 0, 2), fresh_capacity(fresh, 32, 1)
+        (59, 100, 64)
+    """
+    need, bound = fresh.slots.size, max(fresh.slots.size, fresh.bound)
+    if need <= current:
+        return current
+    if not current:
+        return min(bound, grow_with_margin(need)) if threshold == 1 else bound
+    return min(bound, max(grow_with_margin(need), 2 * current))
 
 
 def refuse_steps(*args, **kwargs):
