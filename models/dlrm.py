@@ -62,6 +62,7 @@ class DLRMConfig:
     batch: int = 128  # global batch (samples per step)
     data_dir: str = ""  # a folder with a Criteo TSV train.txt instead of synthetic data
     seed: int = 0  # data and init seed
+    raw_ids: bool = False  # ids of any 64-bit value, no modulo (for managed tables)
 
     SYNTHETIC_HELDOUT: ClassVar[bool] = True  # its synthetic data has held-out splits
 
@@ -152,10 +153,24 @@ def auc(scores: jax.Array, labels: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------- data
 
 
-def _batch(dense, sparse: list[np.ndarray], labels) -> dict[str, np.ndarray]:
+def _batch(dense, sparse: list[np.ndarray], labels, raw: bool = False) -> dict[str, np.ndarray]:
     out = {"dense": dense.astype(np.float32), "label": labels.astype(np.float32)}
-    out.update({f"sparse_{f}": ids.astype(np.int32) for f, ids in enumerate(sparse)})
+    kind = np.int64 if raw else np.int32  # raw ids: any 64-bit value
+    out.update({f"sparse_{f}": ids.astype(kind) for f, ids in enumerate(sparse)})
     return out
+
+
+def raw_ids(feature: int, ids: np.ndarray) -> np.ndarray:
+    """The synthetic ids of ``feature`` as raw 64-bit values: a bijection of (feature,
+    id) spread over all 64 bits, as a production id (a hash of a user or an item) is.
+
+    Example:
+        >>> raw_ids(0, np.array([0, 1])).dtype, len(set(raw_ids(0, np.arange(1000)).tolist()))
+        (dtype('int64'), 1000)
+    """
+    with np.errstate(over="ignore"):
+        value = (np.asarray(ids).astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        return (value ^ np.uint64((feature + 1) * 0xD1B54A32D192ED03 % 2**64)).view(np.int64)
 
 
 def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
@@ -181,7 +196,9 @@ def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
             s[i].mean(1) for s, i in zip(scores, ids, strict=True)
         )
         clicks = rng.random(cfg.batch) < 1 / (1 + np.exp(-logit))
-        return _batch(dense, ids, clicks)
+        if cfg.raw_ids:
+            ids = [raw_ids(f, i) for f, i in enumerate(ids)]
+        return _batch(dense, ids, clicks, cfg.raw_ids)
 
     def heldout(split: str, max_batches: int = 0) -> list[dict[str, np.ndarray]]:
         n = max_batches or 8
@@ -191,11 +208,14 @@ def synthetic_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
     return (lambda step: make(step, 0)), heldout
 
 
-def read_criteo(path: str | Path, sizes: list[int], max_rows: int = 0) -> dict[str, np.ndarray]:
+def read_criteo(
+    path: str | Path, sizes: list[int], max_rows: int = 0, raw: bool = False
+) -> dict[str, np.ndarray]:
     """A Criteo TSV file as arrays: ``label`` float[N] (each line's label 0 or 1),
     ``dense`` float[N, 13] (``log(1 + max(x, 0))``, empty fields 0), ``sparse_f``
     int[N, 1] (the hexadecimal value of categorical column ``f``, below 2**64, hashed
-    into ``sizes[f]`` rows, empty fields 0).
+    into ``sizes[f]`` rows, empty fields 0; with ``raw``, its 64 bits as an int64 id,
+    no modulo: for a managed table).
 
     Raises:
       ValueError: the file is missing, has a line of another shape, a label other than
@@ -230,9 +250,14 @@ def read_criteo(path: str | Path, sizes: list[int], max_rows: int = 0) -> dict[s
     if not labels:
         raise ValueError(f"{path} holds no lines")
     cats = np.asarray(cats, np.uint64)
-    sparse = [(cats[:, f] % np.uint64(v)).astype(np.int64)[:, None] for f, v in enumerate(sizes)]
+    if raw:  # the value's 64 bits, every distinct value its own id
+        sparse = [cats[:, f].view(np.int64)[:, None] for f in range(len(sizes))]
+    else:
+        sparse = [
+            (cats[:, f] % np.uint64(v)).astype(np.int64)[:, None] for f, v in enumerate(sizes)
+        ]
     dense = np.log1p(np.maximum(np.asarray(dense, np.float64), 0))
-    return _batch(dense, sparse, np.asarray(labels) > 0)
+    return _batch(dense, sparse, np.asarray(labels) > 0, raw)
 
 
 def _label(text: str) -> int:
@@ -269,7 +294,7 @@ def _category(text: str) -> int:
 def criteo_data(cfg: DLRMConfig) -> tuple[Callable, Callable]:
     """``(batch_at, heldout)`` of ``cfg.data_dir/train.txt``: the first nine tenths in
     seeded random batches, the last tenth held out."""
-    rows = read_criteo(Path(cfg.data_dir) / "train.txt", table_sizes(cfg))
+    rows = read_criteo(Path(cfg.data_dir) / "train.txt", table_sizes(cfg), raw=cfg.raw_ids)
     n = len(rows["label"])
     cut = max(1, n - n // 10)
     if cut < cfg.batch:

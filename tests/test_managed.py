@@ -149,6 +149,20 @@ def test_a_batch_of_more_new_ids_than_slots_admits_the_most_read():
     assert vocab.state.pending[: vocab.state.waiting].tolist() == [1, 2]  # one read each
 
 
+def test_a_mapping_reads_back_as_it_stood_batches_ago():
+    rng = np.random.default_rng(2)
+    batches = stream(rng, steps=10, batch=20, distinct=60, exponent=1.0)
+    a, b = Vocabulary(20, 2, 2, Policy("lru", 2)), Vocabulary(20, 2, 2, Policy("lru", 2))
+    for ids in batches:
+        a.map(ids)
+    for ids in batches[:7]:
+        b.map(ids)
+    for x, y in zip(a.state_at(7), b.state, strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="read back to batch 6 at most"):
+        a.state_at(5)
+
+
 def test_a_saved_state_maps_as_the_vocabulary_it_came_from():
     rng = np.random.default_rng(1)
     batches = stream(rng, steps=12, batch=20, distinct=60, exponent=1.0)
@@ -351,6 +365,8 @@ def test_a_resume_equals_the_uninterrupted_run(tmp_path):
     state = first.state
     for b in batches[:4]:
         state, _ = first.step(state, first.place_batch(b))
+    first.place_batch(batches[4])  # placed ahead of the step saved: undone in the save
+    first.place_batch(batches[5])
     with Checkpointer(str(tmp_path)) as ckpt:
         ckpt.save_state(4, first, state, force=True)
     second = _managed_step()
@@ -367,3 +383,79 @@ def test_a_resume_equals_the_uninterrupted_run(tmp_path):
     a, b = whole.vocabulary.states()["emb"], second.vocabulary.states()["emb"]
     for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+# ------------------------------------------------------------------ the command line
+
+PLAN = (
+    '{"params/sparse_0/embedding": "managed", "params/sparse_1/embedding": {"layout": '
+    '"managed", "config": {"eviction": "lfu", "threshold": 2, "init_scale": null}}}'
+)
+RAW = ["--model", "dlrm", "--raw-ids", "--tables", "400,400", "--batch", "64", "--devices", "4"]
+
+
+def _main(args, capsys) -> tuple[int, list[str]]:
+    from experiments.train import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.cli
+def test_raw_ids_resume_through_the_command_line_as_one_run(tmp_path, capsys):
+    """DLRM on raw 64-bit ids with managed tables, saved at step 10 while the loop has
+    placed the batches after it, resumed: the losses and held-out metrics of the
+    uninterrupted run."""
+    import json
+
+    common = [*RAW, "--strategy", "embrace_rowwise", "--plan", PLAN]
+    whole, a, b = (tmp_path / n for n in ("whole.json", "a.json", "b.json"))
+    ckpt = str(tmp_path / "ckpt")
+    assert _main([*common, "--steps", "20", "--out", str(whole)], capsys)[0] == 0
+    assert (
+        _main([*common, "--steps", "10", "--checkpoint-dir", ckpt, "--out", str(a)], capsys)[0] == 0
+    )
+    args = ["--steps", "20", "--checkpoint-dir", ckpt, "--resume", "--out", str(b)]
+    assert _main([*common, *args], capsys)[0] == 0
+    w, r = json.loads(whole.read_text()), json.loads(b.read_text())
+    assert r["start_step"] == 10 and r["losses"] == w["losses"][10:]
+    assert r["heldout"] == w["heldout"] and w["heldout"]["valid"]["loss"] < 0.75
+
+
+BAD_MANAGED = [
+    (["--strategy", "embrace_2d", "--plan", PLAN], "--strategy embrace_2d cannot carry"),
+    (
+        ["--strategy", "embrace_rowwise", "--tables", "6,400", "--plan", PLAN],
+        "the managed layout with 6 slots (its rows): each of the 4 workers",
+    ),
+    (
+        ["--plan", PLAN.replace('"lfu"', '"mru"')],
+        "argument --plan: the managed layout's configuration: eviction must be one of",
+    ),
+    (
+        ["--plan", PLAN.replace('"threshold": 2', '"threshold": 0')],
+        "threshold must be an integer >= 1",
+    ),
+    (["--plan", PLAN.replace("null", "-1")], "init_scale must be a number >= 0"),
+    (["--plan", PLAN.replace('"eviction"', '"evict"')], "has no field ['evict']"),
+]
+
+
+@pytest.mark.parametrize(
+    "args, message", BAD_MANAGED, ids=[" ".join(a[-2:]) for a, _ in BAD_MANAGED]
+)
+def test_bad_managed_input_is_one_line(args, message, capsys):
+    code, lines = _main([*RAW, "--steps", "2", *args], capsys)
+    assert code == 2
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_float_ids_of_a_managed_table_are_refused():
+    ts = _managed_step()
+    n = len(jax.devices())
+    batch = {"ids": np.ones((2 * n, 2), np.float32), "y": np.zeros(2 * n, np.float32)}
+    with pytest.raises(ValueError, match=r"batch\['ids'\] holds float32 values but feeds managed"):
+        ts.place_batch(batch)

@@ -181,6 +181,11 @@ class RunConfig:
     bottom: str = _field("64", "hidden widths of the bottom MLP, comma-separated (dlrm)")
     top: str = _field("64,32", "hidden widths of the top MLP, comma-separated (dlrm)")
     multi_hot: int = _field(1, "ids per sparse feature, pooled by sum (dlrm)", at_least(1))
+    raw_ids: bool = _field(
+        False,
+        "the sparse features' ids as raw 64-bit values, no modulo (dlrm: Criteo's hex "
+        "values, the synthetic ids hashed): for tables --plan gives the managed layout",
+    )
     zipf_exponent: float = _field(
         1.1, "Zipf exponent of the synthetic tokens (> 0)", finite_at_least(0, strict=True)
     )
@@ -455,6 +460,16 @@ class _Pairs(list):
         return repr(dict(self))
 
 
+def _plain(value: Any) -> Any:
+    """A JSON value with every object in it a ``dict`` again (a managed table's
+    ``config`` is an object inside the table's)."""
+    if isinstance(value, _Pairs):
+        return {k: _plain(v) for k, v in value}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 def parse_plan(value: str) -> str | TablePlan:
     """``--plan`` as the config holds it: a mode of ``PLAN_MODES`` as it is, a JSON
     object as a ``TablePlan`` (by the registered layouts' names; a table's entry may be
@@ -481,7 +496,7 @@ def parse_plan(value: str) -> str | TablePlan:
     keys = collections.Counter(k for k, _ in pairs)
     if twice := sorted(k for k, n in keys.items() if n > 1):
         raise ValueError(f"names {few(twice)} more than once: give each table one layout")
-    entries = {k: dict(v) if isinstance(v, _Pairs) else v for k, v in pairs}  # configured
+    entries = {k: _plain(v) for k, v in pairs}  # a configured table's entry an object
     try:
         return TablePlan.from_json(entries)
     except ValueError as e:

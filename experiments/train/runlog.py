@@ -36,6 +36,7 @@ from models.heldout import evaluate, heldout_splits
 from models.workload import Workload
 from sparsecomm_jax import checkpoint
 from sparsecomm_jax.comm import hlo
+from sparsecomm_jax.step import managed_ids
 
 
 def parse_profile_steps(text: str) -> tuple[int, int] | None:
@@ -250,8 +251,14 @@ class RunHooks:
 
     def evaluate(self, state, splits: tuple[str, ...]) -> dict[str, dict[str, float]]:
         """Held-out metrics of ``state`` on ``splits``."""
-        params = self.ts.host_params(state)
-        return {s: evaluate(self.workload, params, self.batches[s]) for s in splits}
+        params, vocab = self.ts.host_params(state), self.ts.vocabulary
+        if vocab is None:
+            return {s: evaluate(self.workload, params, self.batches[s]) for s in splits}
+        out = {}
+        for s in splits:  # raw ids looked up as the mappings stand, nothing admitted
+            ready, batches = managed_ids.for_evaluation(vocab, params, self.batches[s])
+            out[s] = evaluate(self.workload, ready, batches)
+        return out
 
     def before_step(self, step: int) -> None:
         if self.trace:

@@ -55,16 +55,17 @@ FORM = "form"  # the identity field of the state's form (``StateForm.record``)
 VOCABULARY = "vocabulary"  # the saved tree's entry of the managed tables' mappings
 
 
-def portable(ts: TrainStep, state: TrainState) -> dict[str, Any]:
+def portable(ts: TrainStep, state: TrainState, step: int | None = None) -> dict[str, Any]:
     """The saved form of a library step's state: global arrays (``pmap`` state: its
     first replica) under ``params``, ``opt_state`` and ``agg_state``; with managed
-    tables, their mappings as they stand (``TrainStep.vocabulary``: host arrays, one
-    entry per table in table order) under ``vocabulary``."""
+    tables, their mappings (``TrainStep.vocabulary``: host arrays, one entry per table
+    in table order) after ``step`` batches (``None``: as they stand) under
+    ``vocabulary``."""
     tree = {"params": state.params, "opt_state": state.opt_state, "agg_state": state.agg_state}
     if ts.per_device_state:
         return jax.tree.map(first_replica, tree)
     if ts.vocabulary is not None:
-        states = ts.vocabulary.states().values()
+        states = ts.vocabulary.states(step).values()
         tree[VOCABULARY] = {str(k): _as_words(v._asdict()) for k, v in enumerate(states)}
     return tree
 
@@ -211,12 +212,13 @@ class Checkpointer(Store):
 
     def save_state(self, step: int, ts: TrainStep, state: TrainState, force: bool = False) -> bool:
         """``save`` of a library step's state (``portable``), with how its tables are
-        stored (``TrainStep.stored_together``). With managed tables, call it with no
-        batch placed past ``state``'s step: their mappings are saved as they stand."""
+        stored (``TrainStep.stored_together``). With managed tables, their mappings
+        are saved as they stood after ``step`` batches (the few batches placed since
+        undone: ``managed.Vocabulary.state_at``)."""
         identity = {STORED_TOGETHER: _as_json(ts.stored_together)}
         if ts.form is not None:
             identity[FORM] = _as_json(ts.form.record())
-        return self.save(step, portable(ts, state), force, identity)
+        return self.save(step, portable(ts, state, step), force, identity)
 
     def restore_state(
         self,

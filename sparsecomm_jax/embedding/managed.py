@@ -204,15 +204,22 @@ class Blocks(NamedTuple):
         """int64[G]: each worker's first slot, its zero row."""
         return np.arange(self.workers, dtype=np.int64) * self.size
 
-    def check(self, table: str = "the table") -> None:
-        """``ValueError`` unless every block has a slot for an id besides its zero row."""
+    def problem(self) -> str:
+        """What is wrong with these blocks ("": nothing): every block needs a slot for
+        an id besides its zero row."""
         last = self.slots - (self.workers - 1) * self.size
         if self.slots < 2 * self.workers or last < 2:
-            raise ValueError(
-                f"managed table {table} has {self.slots} slots: each of the {self.workers} "
-                "workers needs a block of at least 2 (its zero row and a slot for an id); "
-                f"give it at least {2 * self.workers} rows, a multiple of {self.workers}"
+            return (
+                f"each of the {self.workers} workers needs a block of at least 2 (its zero "
+                f"row and a slot for an id); give it at least {2 * self.workers} rows, a "
+                f"multiple of {self.workers}"
             )
+        return ""
+
+    def check(self, table: str = "the table") -> None:
+        """``ValueError`` naming ``table`` where ``problem`` says something."""
+        if problem := self.problem():
+            raise ValueError(f"managed table {table} has {self.slots} slots: {problem}")
 
 
 class VocabState(NamedTuple):
@@ -300,6 +307,7 @@ class Vocabulary:
             )
         waiting = int(state.waiting)  # held in memory without the padding
         self._state = state._replace(pending=state.pending[:waiting], seen=state.seen[:waiting])
+        self._journal: list[_Undo] = []  # what the last batches changed, oldest first
         self._index()
 
     def _index(self) -> None:
@@ -315,10 +323,39 @@ class Vocabulary:
             ]
         )
 
+    def state_at(self, steps: int) -> VocabState:
+        """A copy of the mapping as it stood after ``steps`` batches: the batches mapped
+        since undone (at most ``JOURNAL`` of them), to save a step while the batches
+        after it are already mapped (placed ahead of the steps that read them).
+
+        Raises:
+          ValueError: ``steps`` ahead of the batches mapped, or more than ``JOURNAL``
+            behind.
+        """
+        now = int(self._state.steps)
+        if not now - len(self._journal) <= steps <= now:
+            raise ValueError(
+                f"the mapping of managed table {self.name} is at batch {now}; it can be "
+                f"read back to batch {now - len(self._journal)} at most, not {steps}"
+            )
+        s = _copy(self._state)
+        for undo in reversed(self._journal[len(self._journal) - (now - steps) :]):
+            slots, ids, used, score = undo.taken
+            s.ids[slots], s.used[slots], s.score[slots] = ids, used, score
+            s.score[undo.read] = undo.scores
+            s = s._replace(
+                pending=undo.pending, seen=undo.seen, steps=undo.steps, evictions=undo.evictions
+            )
+        return self._padded(s)
+
     @property
     def state(self) -> VocabState:
         """A copy of the mapping (to save; ``Vocabulary(..., state=)`` restores it)."""
-        s, slots = self._state, self.blocks.slots
+        return self._padded(self._state)
+
+    def _padded(self, s: VocabState) -> VocabState:
+        """``s`` with its waiting ids padded to N entries (a copy)."""
+        slots = self.blocks.slots
         pad = lambda x: np.concatenate([x, np.zeros(slots - x.size, np.int64)])  # noqa: E731
         return _copy(
             s._replace(pending=pad(s.pending), seen=pad(s.seen), waiting=np.int64(s.pending.size))
@@ -356,6 +393,9 @@ class Vocabulary:
         uniq, inverse, reads = np.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
         slot = self.slot_of(uniq)
         held = slot >= 0
+        undo = _Undo(
+            slot[held], s.score[slot[held]].copy(), s.pending, s.seen, s.steps, s.evictions
+        )
         if self.policy.eviction == "lru":
             s.score[slot[held]] = steps
         else:
@@ -377,6 +417,15 @@ class Vocabulary:
             taken_total.append(total[mine])
         ids_in = np.concatenate(taken_ids) if taken_ids else np.zeros(0, np.int64)
         slots_in = np.concatenate(taken_slots) if taken_slots else np.zeros(0, np.int64)
+        undo = undo._replace(
+            taken=(
+                slots_in,
+                s.ids[slots_in].copy(),
+                s.used[slots_in].copy(),
+                s.score[slots_in].copy(),
+            )
+        )
+        self._journal = [*self._journal[1 - JOURNAL :], undo]
         if slots_in.size:
             gone = np.searchsorted(self._keys, s.ids[slots_in][s.used[slots_in]])  # held ids
             keys, values = np.delete(self._keys, gone), np.delete(self._slots, gone)
@@ -432,6 +481,23 @@ class Vocabulary:
             part = np.argpartition(rank, wanted - 1)[:wanted]
             block, rank = block[part], rank[part]
         return lo + block[np.argsort(rank)]
+
+
+#: The batches a ``Vocabulary`` can undo (``state_at``): a loop places a batch or two
+#: ahead of the step it saves.
+JOURNAL = 4
+
+
+class _Undo(NamedTuple):
+    """What one ``Vocabulary.map`` changed: the old values to put back."""
+
+    read: np.ndarray  # the slots of held ids the batch read
+    scores: np.ndarray  # their scores before it
+    pending: np.ndarray  # the waiting ids before it (the arrays it replaced)
+    seen: np.ndarray
+    steps: np.ndarray
+    evictions: np.ndarray
+    taken: tuple = ()  # (slots new ids took, their ids, used and scores before)
 
 
 def _copy(state: VocabState) -> VocabState:
@@ -598,9 +664,14 @@ class Vocabularies:
         """Table name -> int64[G], the slots that read as zeros (its blocks' first)."""
         return {self.tables[i].name: v.blocks.first() for i, v in self.vocabularies.items()}
 
-    def states(self) -> dict[str, VocabState]:
-        """Table name -> a copy of its mapping (``restore`` takes it back)."""
-        return {self.tables[i].name: v.state for i, v in self.vocabularies.items()}
+    def states(self, at: int | None = None) -> dict[str, VocabState]:
+        """Table name -> a copy of its mapping (``restore`` takes it back): as it
+        stands, or after the first ``at`` batches (``Vocabulary.state_at``: a step saved
+        while the next batches are placed)."""
+        return {
+            self.tables[i].name: v.state if at is None else v.state_at(at)
+            for i, v in self.vocabularies.items()
+        }
 
     def restore(self, states: Mapping[str, VocabState]) -> None:
         """Starts every table's mapping from ``states`` (``states()`` of the same tables

@@ -26,11 +26,13 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding import access, managed
 from sparsecomm_jax.embedding.layout import grow_with_margin
+from sparsecomm_jax.errors import NO_VALUE, ArgumentError
 from sparsecomm_jax.step.batches import PlacedBatch
 from sparsecomm_jax.step.state import StepContext, TrainState
 
@@ -43,6 +45,14 @@ def managed_tables(ctx: StepContext) -> tuple:
 def vocabularies(ctx: StepContext) -> managed.Vocabularies:
     """The ``Vocabularies`` of ``ctx``'s managed tables, on the workers of a group."""
     tables = managed_tables(ctx)
+    for t in tables:  # refused naming the argument: --plan at the command line
+        if problem := managed.Blocks(t.vocab, ctx.group_size).problem():
+            raise ArgumentError(
+                "table_layouts",
+                NO_VALUE,
+                f"gives table {t.name} the managed layout with {t.vocab} slots (its rows): "
+                + problem,
+            )
     leaves, treedef = jax.tree.flatten(ctx.params)
     mask = treedef.unflatten([i in {t.index for t in ctx.id_tables} for i in range(len(leaves))])
 
@@ -126,13 +136,39 @@ def refuse_steps(*args, **kwargs):
     )
 
 
-def check_strategy(ctx: StepContext, lookahead: int) -> None:
+def check_strategy(ctx: StepContext, lookahead: int, strategy: str) -> None:
     """``ValueError`` where managed tables cannot go: a step that fetches the next
     batch's rows before its ids are mapped (``embrace_2d``)."""
     tables = managed_tables(ctx)
     if tables and lookahead:
-        raise ValueError(
-            f"managed table {tables[0].name} cannot be carried across steps by a pipelined "
-            "strategy (it fetches the next batch's rows before that batch's ids are mapped "
-            "to slots); use embrace or embrace_rowwise"
+        raise ArgumentError(
+            "table_layouts",
+            NO_VALUE,
+            f"gives table {tables[0].name} the managed layout, which $strategy cannot "
+            "carry across steps (it fetches the next batch's rows before that batch's ids "
+            "are mapped to slots); use embrace or embrace_rowwise",
+            strategy=strategy,
         )
+
+
+def for_evaluation(vocab: managed.Vocabularies, params, batches: list[dict]):
+    """``(params, batches)`` to evaluate a model with managed tables on held-out data:
+    each managed table's zero rows set to zeros (as a step starts them), each batch's
+    ids looked up as the mappings stand (nothing admitted, nothing counted; an id
+    without a slot reads its owner's zero row).
+
+    Args:
+      vocab: ``TrainStep.vocabulary``.
+      params: host parameters (``TrainStep.host_params``).
+      batches: host batches of raw ids.
+
+    Returns:
+      The parameters and the batches, ready for the model's plain forward pass.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    leaves = list(leaves)
+    for index, vocabulary in vocab.vocabularies.items():
+        table = np.array(leaves[index])
+        table[vocabulary.blocks.first()] = 0
+        leaves[index] = table
+    return treedef.unflatten(leaves), [vocab.lookup_batch(b) for b in batches]

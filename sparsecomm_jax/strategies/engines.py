@@ -27,7 +27,7 @@ from sparsecomm_jax.strategies.registry import Strategy
 
 def jit_step(ctx: StepContext, strategy: Strategy) -> TrainStep:
     """``jax.jit`` of the strategy's step over ``ctx.mesh``, its state and batch placer."""
-    managed_ids.check_strategy(ctx, strategy.lookahead)
+    managed_ids.check_strategy(ctx, strategy.lookahead, strategy.name)
     if strategy.serial is not None and not (ctx.overlap and pipelines_a_table(ctx, strategy)):
         strategy = strategy.serial  # the pipeline could only lose, or has nothing to carry
     state, specs = placed_state.place_state(ctx, strategy.unpadded)
