@@ -445,7 +445,9 @@ BAD_MANAGED = [
 
 
 @pytest.mark.parametrize(
-    "args, message", BAD_MANAGED, ids=[" ".join(a[-2:]) for a, _ in BAD_MANAGED]
+    "args, message",
+    BAD_MANAGED,
+    ids=["embrace_2d", "few slots", "eviction", "threshold", "init_scale", "stray field"],
 )
 def test_bad_managed_input_is_one_line(args, message, capsys):
     code, lines = _main([*RAW, "--steps", "2", *args], capsys)
