@@ -461,3 +461,17 @@ def test_float_ids_of_a_managed_table_are_refused():
     batch = {"ids": np.ones((2 * n, 2), np.float32), "y": np.zeros(2 * n, np.float32)}
     with pytest.raises(ValueError, match=r"batch\['ids'\] holds float32 values but feeds managed"):
         ts.place_batch(batch)
+
+
+@pytest.mark.cli
+def test_an_nnx_dlrm_trains_on_raw_ids(tmp_path, capsys):
+    """The NNX DLRM's tables (named without Linen's ``params/``) take the managed
+    layout as the Linen model's do, and its held-out metrics go through the mapping."""
+    import json
+
+    plan = '{"sparse_0/embedding": "managed", "sparse_1/embedding": "managed"}'
+    out = tmp_path / "nnx.json"
+    args = [*RAW[2:], "--model", "dlrm_nnx", "--strategy", "embrace_rowwise", "--plan", plan]
+    assert _main([*args, "--steps", "12", "--out", str(out)], capsys)[0] == 0
+    result = json.loads(out.read_text())
+    assert np.isfinite(result["losses"]).all() and result["heldout"]["valid"]["loss"] < 0.75
