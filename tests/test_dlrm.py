@@ -117,6 +117,22 @@ def test_dlrm_evaluates_its_synthetic_heldout_data_every_few_steps(tmp_path):
     assert result["eval"][-1]["loss"] == pytest.approx(result["heldout"]["valid"]["loss"])
 
 
+def test_criteo_raw_ids_keep_every_bit(tmp_path):
+    """``raw=True``: each category's 64 bits as an int64 id, no modulo; the widest
+    values (above 2**63) read as negative ids, an empty field as 0."""
+    write_criteo(tmp_path / "train.txt", 30)
+    lines = (tmp_path / "train.txt").read_text().splitlines()
+    first = lines[0].split("\t")
+    first[14], first[15] = "ffffffffffffffff", "8000000000000001"
+    (tmp_path / "train.txt").write_text("\n".join(["\t".join(first), *lines[1:]]) + "\n")
+    rows = dlrm.read_criteo(tmp_path / "train.txt", [64, 48, 24], raw=True)
+    assert rows["sparse_0"].dtype == np.int64 and rows["sparse_0"][0, 0] == -1
+    assert rows["sparse_1"][0, 0] == np.uint64(0x8000000000000001).view(np.int64)
+    for f in range(3):
+        want = [int(x.split("\t")[14 + f] or "0", 16) for x in lines[1:]]
+        assert rows[f"sparse_{f}"][1:, 0].tolist() == want  # below 2**32 here: unchanged
+
+
 def test_multi_hot_with_a_criteo_file_is_refused(tmp_path):
     """A Criteo line has one id per feature: a bag size for it would be ignored."""
     write_criteo(tmp_path / "train.txt", 40)

@@ -59,6 +59,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "bottom",
         "top",
         "multi_hot",
+        "raw_ids",
         "zipf_exponent",
     ),
     "Steps and failures": (
