@@ -475,3 +475,83 @@ def test_an_nnx_dlrm_trains_on_raw_ids(tmp_path, capsys):
     assert _main([*args, "--steps", "12", "--out", str(out)], capsys)[0] == 0
     result = json.loads(out.read_text())
     assert np.isfinite(result["losses"]).all() and result["heldout"]["valid"]["loss"] < 0.75
+
+
+def test_a_checkpoint_restored_on_other_devices_keeps_every_ids_row(tmp_path):
+    """Saved on 8 workers, restored on 4 and on 2: every held id's row, and its
+    optimizer state, at the slot its new owner gives it; training goes on."""
+    from sparsecomm_jax.checkpoint import Checkpointer
+
+    def build(devices: int):
+        rng = np.random.default_rng(3)
+        params = {"emb": rng.normal(size=(48, 3)).astype(np.float32), "w": np.ones(3, np.float32)}
+        return make_train_step(
+            _loss,
+            optax.adam(0.05),
+            runtime.data_mesh(devices),
+            params,
+            "embrace_rowwise",
+            embedding_paths=["emb"],
+            table_layouts={"emb": managed.layout({"emb": Policy("lru")})},
+            table_update="rows",
+        )
+
+    rng = np.random.default_rng(5)
+    saved = build(8)
+    state = saved.state
+    for ids in stream(rng, steps=4, batch=32, distinct=30, exponent=1.0):  # 30 ids fit
+        batch = {"ids": ids.reshape(16, 2), "y": rng.normal(size=16).astype(np.float32)}
+        state, _ = saved.step(state, saved.place_batch(batch))
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save_state(4, saved, state, force=True)
+    before = saved.vocabulary.vocabularies[0]
+    held = before.state.ids[before.state.used]
+    rows = saved.host_params(state)["emb"][before.lookup(held)]
+    nu = np.asarray(jax.device_get(state.opt_state[0].nu["emb"]))[before.lookup(held)]
+    for devices in (4, 2):
+        ts = build(devices)
+        with Checkpointer(str(tmp_path)) as ckpt:
+            got, step = ckpt.restore_state(ts)
+        after = ts.vocabulary.vocabularies[0]
+        assert step == 4 and (after.slot_of(held) >= 0).all()  # every id kept
+        np.testing.assert_array_equal(ts.host_params(got)["emb"][after.lookup(held)], rows)
+        got_nu = np.asarray(jax.device_get(got.opt_state[0].nu["emb"]))[after.lookup(held)]
+        np.testing.assert_array_equal(got_nu, nu)
+        batch = {"ids": held[:16].reshape(8, 2), "y": np.zeros(8, np.float32)}
+        got, loss = ts.step(got, ts.place_batch(batch))
+        assert np.isfinite(float(loss))
+
+
+def test_rehash_onto_smaller_blocks_keeps_the_highest_scores():
+    vocab = Vocabulary(16, 2, 2, Policy("lfu"))
+    ids = np.arange(14, dtype=np.int64) * 7919
+    vocab.map(np.repeat(ids, np.arange(1, 15)))  # id k read k + 1 times: its LFU score
+    moved, old, new = managed.rehash(vocab.state, 8)  # blocks of 2: one id each
+    owner = managed.owner_of(ids, 8)
+    kept = moved.ids[moved.used]
+    for w in range(8):
+        mine = ids[owner == w]
+        if mine.size:  # the most read id of each owner stays
+            assert kept[managed.owner_of(kept, 8) == w].tolist() == [mine.max()]
+    assert int(moved.evictions) == 14 - kept.size
+    assert sorted(new.tolist()) == sorted(np.flatnonzero(moved.used).tolist())
+
+
+def test_a_checkpoint_without_the_mappings_is_refused(tmp_path):
+    from sparsecomm_jax.checkpoint import Checkpointer, MismatchError
+
+    n = len(jax.devices())
+    params = {"emb": np.zeros((4 * n, 3), np.float32), "w": np.ones(3, np.float32)}
+    plain = make_train_step(
+        _loss,
+        optax.adam(0.05),
+        runtime.data_mesh(),
+        params,
+        "embrace_rowwise",
+        embedding_paths=["emb"],
+        table_update="rows",
+    )
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save_state(1, plain, plain.state, force=True)
+        with pytest.raises(MismatchError, match="a table's ids and its rows go together"):
+            ckpt.restore_state(_managed_step(), step=1)

@@ -44,6 +44,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sparsecomm_jax import runtime
 from sparsecomm_jax.checkpoint.store import MismatchError, Reading, Store, _warn
+from sparsecomm_jax.embedding import managed
 from sparsecomm_jax.embedding.managed import VocabState
 from sparsecomm_jax.step import stored_form
 from sparsecomm_jax.step.host import first_replica
@@ -95,7 +96,7 @@ def _restore_vocabulary(ts: TrainStep, tree: dict) -> None:
     if ts.vocabulary is None:
         return
     saved = tree[VOCABULARY]
-    names = list(ts.vocabulary.states())
+    names = ts.vocabulary.names()
     ts.vocabulary.restore(
         {name: VocabState(**_from_words(saved[str(k)])) for k, name in enumerate(names)}
     )
@@ -171,34 +172,78 @@ def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Readi
     placed as ``ours`` (``portable(ts, ts.state)``) is."""
 
     def read_as(identity: dict, folder: Path) -> Reading | None:
+        _check_managed(ts, identity, folder)
         record = identity.get(FORM)
         if ts.form is None or record is None or record == _as_json(ts.form.record()):
             return None
-        if ts.vocabulary is not None:
-            raise MismatchError(
-                f"checkpoint {folder} was saved in another form (device count or layouts); "
-                "a step with managed tables restores only the form it was saved in (their "
-                "mappings are not re-hashed onto other workers)"
-            )
         try:
             saved = stored_form.recorded(ts.form, record)
             stored_form.check_residuals(saved, ts.form, ours["agg_state"])
         except ValueError as e:
             raise MismatchError(f"checkpoint {folder}: {e}") from e
         host = SingleDeviceSharding(jax.local_devices(backend="cpu")[0])  # not the devices
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host),
-            stored_form.stored_shapes(saved, ours),
-        )
+        shapes = stored_form.stored_shapes(saved, ours)
+        if VOCABULARY in ours:  # the mappings' arrays: N slots on any device count
+            shapes[VOCABULARY] = ours[VOCABULARY]
+        like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), shapes)
 
         def convert(tree):
             host = jax.tree.map(runtime.to_host, tree)
-            mine = stored_form.to_stored(ts.form, stored_form.to_model(saved, host))
-            return jax.tree.map(_placed_as, mine, ours)
+            words = host.pop(VOCABULARY, None)
+            model = stored_form.to_model(saved, host)
+            if words is not None:  # each id's row to its slot on our workers
+                model, words = _rehashed(ts, model, words)
+            mine = stored_form.to_stored(ts.form, model)
+            placed = {k: jax.tree.map(_placed_as, mine[k], ours[k]) for k in mine}
+            return placed if words is None else {**placed, VOCABULARY: words}
 
         return Reading(like, convert)
 
     return read_as
+
+
+def _check_managed(ts: TrainStep, identity: dict, folder: Path) -> None:
+    """``MismatchError`` unless the checkpoint holds the mappings of exactly ``ts``'s
+    managed tables (none, where it has none)."""
+    ours = [] if ts.vocabulary is None else ts.vocabulary.names()
+    saved = identity.get(VOCABULARY, [])
+    if saved != ours:
+        raise MismatchError(
+            f"checkpoint {folder} holds the mappings of managed tables {saved}; this step's "
+            f"managed tables are {ours}: a table's ids and its rows go together"
+        )
+
+
+def _rehashed(ts: TrainStep, model: dict, words: dict) -> tuple[dict, dict]:
+    """A model-form state with every managed table's rows (and the optimizer-state rows
+    lying like them) moved to their ids' slots on ``ts``'s workers
+    (``managed.rehash``), and the moved mappings as saved words."""
+    vocab = ts.vocabulary
+    index = {t.name: t.index for t in vocab.tables.values()}
+    leaves, treedef = jax.tree.flatten(model["params"])
+    s_leaves, s_def = jax.tree.flatten(model["opt_state"])
+    roles = jax.tree.leaves(ts.form.roles)
+    out = {}
+    for k, name in enumerate(vocab.names()):
+        state = VocabState(**_from_words(words[str(k)]))
+        moved, old, new = managed.rehash(state, ts.form.workers)
+        i = index[name]
+        leaves[i] = _moved(leaves[i], old, new)
+        s_leaves = [
+            _moved(x, old, new) if r == i and np.ndim(x) else x
+            for x, r in zip(s_leaves, roles, strict=True)
+        ]
+        out[str(k)] = _as_words(moved._asdict())
+    params, opt_state = treedef.unflatten(leaves), s_def.unflatten(s_leaves)
+    return {**model, "params": params, "opt_state": opt_state}, out
+
+
+def _moved(x, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Rows ``old`` of ``x`` at rows ``new`` of zeros shaped like it."""
+    x = np.asarray(x)
+    out = np.zeros_like(x)
+    out[new] = x[old]
+    return out
 
 
 def _placed_as(x: np.ndarray, like: jax.Array) -> jax.Array:
@@ -218,6 +263,8 @@ class Checkpointer(Store):
         identity = {STORED_TOGETHER: _as_json(ts.stored_together)}
         if ts.form is not None:
             identity[FORM] = _as_json(ts.form.record())
+        if ts.vocabulary is not None:
+            identity[VOCABULARY] = ts.vocabulary.names()
         return self.save(step, portable(ts, state, step), force, identity)
 
     def restore_state(
@@ -230,8 +277,9 @@ class Checkpointer(Store):
 
         Any device count and any table layouts: a checkpoint stored in another form
         (``TrainStep.form``) is converted (see the module doc); with managed tables,
-        only the form it was saved in, and their mappings start from the saved ones
-        (``ts.vocabulary`` is restored in place). Per-worker residuals
+        their mappings start from the saved ones (``ts.vocabulary`` is restored in
+        place), on another device count each id's row moved to its slot on the new
+        owner (``embedding.managed.rehash``). Per-worker residuals
         need the count they were saved on (``MismatchError`` naming both). A
         checkpoint that records no form (written before forms were) restores into the
         stored shapes and table-wise packs it was saved with.

@@ -483,6 +483,61 @@ class Vocabulary:
         return lo + block[np.argsort(rank)]
 
 
+def rehash(state: VocabState, workers: int) -> tuple[VocabState, np.ndarray, np.ndarray]:
+    """A table's saved mapping moved onto ``workers`` workers (a checkpoint restored
+    onto another device count): every held id to a slot of its new owner's block.
+
+    An owner keeps, of the ids hashed to it, as many as its block holds (all of them
+    while they fit), those of highest score first (ties: the lower id), in the order of
+    their old slots; the others are evicted (counted, forgotten). The waiting ids and
+    the counters stay as they are.
+
+    Args:
+      state: the saved ``VocabState`` (``Vocabulary.state``).
+      workers: G', the workers of the step it is restored into.
+
+    Returns:
+      ``(state, old, new)``: the mapping on G' workers, and the slots whose rows move:
+      the row (and optimizer state) of slot ``old[k]`` goes to slot ``new[k]``.
+
+    Example:
+        >>> vocab, ids = Vocabulary(16, 2, 4), np.arange(6) * 1000
+        >>> before = vocab.map(ids)[0]  # slots on 4 workers
+        >>> moved, old, new = rehash(vocab.state, 2)
+        >>> after = Vocabulary(16, 2, 2, state=moved).lookup(ids)  # on 2
+        >>> dict(zip(old.tolist(), new.tolist())) == dict(zip(before.tolist(), after.tolist()))
+        True
+    """
+    slots = state.ids.size
+    blocks = Blocks(slots, workers)
+    held = np.flatnonzero(state.used)
+    ids, score = state.ids[held], state.score[held]
+    owner = owner_of(ids, workers)
+    ids_out, used_out, score_out = (
+        np.zeros(slots, np.int64),
+        np.zeros(slots, bool),
+        np.zeros(slots, np.int64),
+    )
+    old, new, evicted = [], [], 0
+    for w in range(workers):
+        mine = np.flatnonzero(owner == w)
+        room = min((w + 1) * blocks.size, slots) - w * blocks.size - 1
+        keep = mine[np.lexsort((ids[mine], -score[mine]))][:room]
+        evicted += mine.size - keep.size
+        keep = np.sort(keep)  # in the order of their old slots
+        to = w * blocks.size + 1 + np.arange(keep.size)
+        ids_out[to], used_out[to], score_out[to] = ids[keep], True, score[keep]
+        old.append(held[keep])
+        new.append(to)
+    moved = state._replace(
+        ids=ids_out,
+        used=used_out,
+        score=score_out,
+        evictions=np.int64(int(state.evictions) + evicted),
+    )
+    return moved, np.concatenate(old), np.concatenate(new)
+
+
 #: The batches a ``Vocabulary`` can undo (``state_at``): a loop places a batch or two
 #: ahead of the step it saves.
 JOURNAL = 4
@@ -663,6 +718,10 @@ class Vocabularies:
     def zero_rows(self) -> dict[str, np.ndarray]:
         """Table name -> int64[G], the slots that read as zeros (its blocks' first)."""
         return {self.tables[i].name: v.blocks.first() for i, v in self.vocabularies.items()}
+
+    def names(self) -> list[str]:
+        """The managed tables' names, in table order (that of ``states``)."""
+        return [self.tables[i].name for i in self.vocabularies]
 
     def states(self, at: int | None = None) -> dict[str, VocabState]:
         """Table name -> a copy of its mapping (``restore`` takes it back): as it
