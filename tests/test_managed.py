@@ -555,3 +555,60 @@ def test_a_checkpoint_without_the_mappings_is_refused(tmp_path):
         ckpt.save_state(1, plain, plain.state, force=True)
         with pytest.raises(MismatchError, match="a table's ids and its rows go together"):
             ckpt.restore_state(_managed_step(), step=1)
+
+
+def test_evaluation_and_saves_read_the_mapping_of_the_steps_run(tmp_path):
+    """With batches placed ahead of the steps, held-out ids are looked up (and a save
+    records the mapping) as they stood after the batches stepped; a save under
+    another step number is refused."""
+    from sparsecomm_jax.checkpoint import Checkpointer
+
+    batches = _batches(6)
+    ts, replay = _managed_step(), _managed_step()
+    state = ts.state
+    for b in batches[:3]:
+        state, _ = ts.step(state, ts.place_batch(b))
+        replay.vocabulary.map_batch(b)
+    for b in batches[3:5]:
+        ts.place_batch(b)  # placed ahead, not stepped
+    held_out = batches[5]
+    assert ts.vocabulary.stepped == 3
+    got = ts.vocabulary.lookup_batch(held_out)["ids"]
+    np.testing.assert_array_equal(got, replay.vocabulary.lookup_batch(held_out, at=3)["ids"])
+    with Checkpointer(str(tmp_path)) as ckpt, pytest.raises(ValueError, match="has run 3 batches"):
+        ckpt.save_state(2, ts, state, force=True)
+
+
+def test_a_restore_that_changes_the_eviction_is_refused(tmp_path):
+    from sparsecomm_jax.checkpoint import Checkpointer, MismatchError
+
+    def build(eviction):
+        n = len(jax.devices())
+        params = {"emb": np.zeros((4 * n, 3), np.float32), "w": np.ones(3, np.float32)}
+        layouts = {"emb": managed.layout({"emb": Policy(eviction)})}
+        return make_train_step(
+            _loss,
+            optax.sgd(0.1),
+            runtime.data_mesh(),
+            params,
+            "embrace_rowwise",
+            embedding_paths=["emb"],
+            table_update="rows",
+            table_layouts=layouts,
+        )
+
+    with Checkpointer(str(tmp_path)) as ckpt:
+        lru = build("lru")
+        ckpt.save_state(0, lru, lru.state, force=True)
+        with pytest.raises(MismatchError, match="by lru, this step by lfu"):
+            ckpt.restore_state(build("lfu"))
+
+
+def test_lfu_scores_beyond_the_limit_rank_without_overflow():
+    vocab = Vocabulary(3, 2, 1, Policy("lfu"))  # the zero row and two slots
+    vocab.map(np.array([10, 11]))
+    state = vocab.state
+    state.score[1] = 2**62  # id 10 read beyond count
+    again = Vocabulary(3, 2, 1, Policy("lfu"), state=state)
+    again.map(np.array([12]))  # evicts the less read id 11
+    assert again.slot_of(np.array([10, 11, 12])).tolist() == [1, -1, 2]

@@ -56,6 +56,7 @@ from sparsecomm_jax import (
     placed_calls,
     runtime,
 )
+from sparsecomm_jax.step import managed_ids
 from sparsecomm_jax.step.apply import finite
 
 _finite = jax.jit(finite)  # one reduction on the devices
@@ -71,9 +72,13 @@ def params_finite(ts, state) -> bool:
 
 def _runner(ts, compiled):
     """The compiled program, except for multi-process ``pmap`` (one step a call): its AOT
-    executable wants global arrays where ``pmap`` takes this process's devices' slices."""
+    executable wants global arrays where ``pmap`` takes this process's devices' slices;
+    with managed tables, counting the steps it runs (``Vocabularies.stepped``) as
+    ``ts.step`` does."""
     if ts.per_device_state and jax.process_count() > 1:
         return ts.step
+    if ts.vocabulary is not None:  # the steps run, for the managed tables' mappings
+        return managed_ids.CountedStep(compiled, ts.vocabulary)
     return compiled
 
 

@@ -66,6 +66,7 @@ def portable(ts: TrainStep, state: TrainState, step: int | None = None) -> dict[
     if ts.per_device_state:
         return jax.tree.map(first_replica, tree)
     if ts.vocabulary is not None:
+        _check_stepped(ts.vocabulary, step)
         states = ts.vocabulary.states(step).values()
         tree[VOCABULARY] = {str(k): _as_words(v._asdict()) for k, v in enumerate(states)}
     return tree
@@ -202,6 +203,17 @@ def reading(ts: TrainStep, ours: dict[str, Any]) -> Callable[[dict, Path], Readi
     return read_as
 
 
+def _check_stepped(vocab, step: int | None) -> None:
+    """``ValueError`` unless ``step`` is the number of batches the step ran: the rows
+    saved were trained with the mappings of that many batches."""
+    if step is not None and step != vocab.stepped:
+        raise ValueError(
+            f"checkpoint step {step}: the step has run {vocab.stepped} batches; save it "
+            "under the number of steps run (its managed tables' mappings are saved as "
+            "they stood after that many batches, the ones its rows were trained with)"
+        )
+
+
 def _check_managed(ts: TrainStep, identity: dict, folder: Path) -> None:
     """``MismatchError`` unless the checkpoint holds the mappings of exactly ``ts``'s
     managed tables (none, where it has none)."""
@@ -212,6 +224,16 @@ def _check_managed(ts: TrainStep, identity: dict, folder: Path) -> None:
             f"checkpoint {folder} holds the mappings of managed tables {saved}; this step's "
             f"managed tables are {ours}: a table's ids and its rows go together"
         )
+    configs = (identity.get(FORM) or {}).get("configs", {})
+    entries = {t: c for layout in configs.values() for t, c in (layout or {}).items()}
+    for name in ours:
+        then = managed.Policy.from_json(entries.get(name, {})).eviction
+        now = managed.policy_of(next(t for t in ts.vocabulary.tables.values() if t.name == name))
+        if then != now.eviction:
+            raise MismatchError(
+                f"checkpoint {folder} evicts managed table {name}'s ids by {then}, this step "
+                f"by {now.eviction}: their saved scores mean something else; keep {then}"
+            )
 
 
 def _rehashed(ts: TrainStep, model: dict, words: dict) -> tuple[dict, dict]:

@@ -28,7 +28,9 @@ a batch is placed:
   admitted and the others keep waiting, reading the zero row.
 
 The step itself is the row-wise layout's on the slot numbers (the trio of
-``embedding.row``): the ids become slots on the host (``Vocabularies.map_batch``), and
+``embedding.row``): the ids become slots on the host (``Vocabularies.map_batch``; the
+model sees slot numbers in those batch keys, so it must read them through ``emb``
+only: a mask computed from the id values would see slots), and
 the rows to start afresh travel with the batch (``Fresh``) and are written at the start
 of the step's program (``renew``), before anything reads them.
 
@@ -51,6 +53,7 @@ References:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -308,6 +311,7 @@ class Vocabulary:
         waiting = int(state.waiting)  # held in memory without the padding
         self._state = state._replace(pending=state.pending[:waiting], seen=state.seen[:waiting])
         self._journal: list[_Undo] = []  # what the last batches changed, oldest first
+        self._lock = threading.RLock()  # a loop maps on a host thread while it saves
         self._index()
 
     def _index(self) -> None:
@@ -332,6 +336,10 @@ class Vocabulary:
           ValueError: ``steps`` ahead of the batches mapped, or more than ``JOURNAL``
             behind.
         """
+        with self._lock:
+            return self._state_at(steps)
+
+    def _state_at(self, steps: int) -> VocabState:
         now = int(self._state.steps)
         if not now - len(self._journal) <= steps <= now:
             raise ValueError(
@@ -351,7 +359,8 @@ class Vocabulary:
     @property
     def state(self) -> VocabState:
         """A copy of the mapping (to save; ``Vocabulary(..., state=)`` restores it)."""
-        return self._padded(self._state)
+        with self._lock:
+            return self._padded(self._state)
 
     def _padded(self, s: VocabState) -> VocabState:
         """``s`` with its waiting ids padded to N entries (a copy)."""
@@ -364,6 +373,10 @@ class Vocabulary:
     def slot_of(self, ids: np.ndarray) -> np.ndarray:
         """int64 per id: its slot, or -1 where it holds none (waiting or never seen)."""
         ids = as_ids(ids)
+        with self._lock:
+            return self._slot_of(ids)
+
+    def _slot_of(self, ids: np.ndarray) -> np.ndarray:
         pos = np.minimum(np.searchsorted(self._keys, ids), max(self._keys.size - 1, 0))
         hit = self._keys.size > 0
         found = hit & (self._keys[pos] == ids) if hit else np.zeros(ids.shape, bool)
@@ -373,9 +386,22 @@ class Vocabulary:
         """int32 slots of ``ids`` as the mapping stands, changing nothing (to evaluate):
         an id without a slot its owner's zero row."""
         ids = as_ids(ids, f"the ids of managed table {self.name}")
-        slot = self.slot_of(ids)
+        slot = self.slot_of(ids)  # (under the lock)
         zero = self.blocks.first()[owner_of(ids, self.blocks.workers)]
         return np.where(slot >= 0, slot, zero).astype(np.int32)
+
+    def lookup_at(self, ids: Any, steps: int | None = None) -> np.ndarray:
+        """``lookup`` as the mapping stood after ``steps`` batches (``state_at``; ``None``:
+        as it stands): to evaluate the parameters of step ``steps`` while the batches
+        after it are mapped."""
+        with self._lock:
+            if steps is None or steps == int(self._state.steps):
+                return self.lookup(ids)
+            then = self._state_at(steps)
+        policy = self.policy
+        return Vocabulary(self.blocks.slots, self.dim, self.blocks.workers, policy, then).lookup(
+            ids
+        )
 
     def map(self, ids: Any) -> tuple[np.ndarray, Fresh]:
         """Admits, evicts and maps the ids of one batch (every read of the table).
@@ -388,6 +414,10 @@ class Vocabulary:
           zero row), and the slots to start afresh before the step reads them.
         """
         ids = as_ids(ids, f"the ids of managed table {self.name}")
+        with self._lock:  # a save on another thread sees it before or after, whole
+            return self._map(ids)
+
+    def _map(self, ids: np.ndarray) -> tuple[np.ndarray, Fresh]:
         s, blocks = self._state, self.blocks
         steps = int(s.steps) + 1
         uniq, inverse, reads = np.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
@@ -475,7 +505,8 @@ class Vocabulary:
         keep = np.ones(hi - lo, bool)
         keep[read[(read >= lo) & (read < hi)] - lo] = False
         block = np.flatnonzero(keep)
-        rank = np.where(s.used[lo:hi][block], s.score[lo:hi][block] + 1, 0) * size + block
+        score = np.minimum(s.score[lo:hi][block], SCORE_LIMIT // size - 2)  # no overflow
+        rank = np.where(s.used[lo:hi][block], score + 1, 0) * size + block
         self._filled[worker] = hi - lo
         if wanted < block.size:  # the wanted lowest ranks (distinct), then in order
             part = np.argpartition(rank, wanted - 1)[:wanted]
@@ -537,6 +568,10 @@ def rehash(state: VocabState, workers: int) -> tuple[VocabState, np.ndarray, np.
     )
     return moved, np.concatenate(old), np.concatenate(new)
 
+
+#: Scores beyond ``SCORE_LIMIT // B`` (B the block's slots) rank as equal (ties to the
+#: lower slot): an LFU count that high no stream reaches.
+SCORE_LIMIT = 2**62
 
 #: The batches a ``Vocabulary`` can undo (``state_at``): a loop places a batch or two
 #: ahead of the step it saves.
@@ -654,6 +689,7 @@ class Vocabularies:
             t.index: Vocabulary(t.vocab, t.dim, workers, policy_of(t), name=t.name) for t in tables
         }
         self.workers, self._reads, self._keys = workers, reads, None
+        self.stepped = 0  # batches whose step ran (``step.managed_ids.CountedStep``)
 
     def keys(self, batch: Mapping[str, Any]) -> dict[str, int]:
         """Batch key -> the managed table its values are ids of (found once, from the
@@ -706,13 +742,16 @@ class Vocabularies:
                 out[key] = part.reshape(value.shape)
         return out, fresh
 
-    def lookup_batch(self, batch: Mapping[str, Any]) -> dict:
+    def lookup_batch(self, batch: Mapping[str, Any], at: int | None = None) -> dict:
         """The batch with each managed table's ids replaced by their slots as the
-        mappings stand (``Vocabulary.lookup``: nothing admitted, nothing counted), to
-        evaluate a model on held-out data."""
+        mappings stood after ``at`` batches (default ``stepped``, those whose step ran:
+        the mappings of the parameters a step returned, whatever batches are placed
+        ahead; ``Vocabulary.lookup_at``: nothing admitted, nothing counted), to evaluate
+        a model on held-out data."""
+        at = self.stepped if at is None else at
         out = dict(batch)
         for key, index in self.keys(batch).items():
-            out[key] = self.vocabularies[index].lookup(batch[key])
+            out[key] = self.vocabularies[index].lookup_at(batch[key], at)
         return out
 
     def zero_rows(self) -> dict[str, np.ndarray]:
@@ -742,6 +781,7 @@ class Vocabularies:
             self.vocabularies[i] = Vocabulary(
                 v.blocks.slots, v.dim, self.workers, v.policy, VocabState(*states[name]), name
             )
+            self.stepped = int(states[name][VocabState._fields.index("steps")])
 
     def evictions(self) -> dict[str, int]:
         """Table name -> the ids evicted so far."""

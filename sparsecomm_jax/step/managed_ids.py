@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -151,11 +152,28 @@ def check_strategy(ctx: StepContext, lookahead: int, strategy: str) -> None:
         )
 
 
+class CountedStep(NamedTuple):
+    """A step that counts the batches it runs into its vocabularies
+    (``Vocabularies.stepped``): a save and an evaluation of the state it returns read
+    the mappings as they stood after those batches, whatever is placed ahead."""
+
+    step: Callable
+    vocab: managed.Vocabularies
+
+    def __call__(self, state: TrainState, batch: PlacedBatch):
+        out = self.step(state, batch)
+        self.vocab.stepped += 1
+        return out
+
+    def lower(self, *args, **kwargs):
+        return self.step.lower(*args, **kwargs)
+
+
 def for_evaluation(vocab: managed.Vocabularies, params, batches: list[dict]):
     """``(params, batches)`` to evaluate a model with managed tables on held-out data:
     each managed table's zero rows set to zeros (as a step starts them), each batch's
-    ids looked up as the mappings stand (nothing admitted, nothing counted; an id
-    without a slot reads its owner's zero row).
+    ids looked up as the mappings stood after the batches stepped (nothing admitted,
+    nothing counted; an id without a slot reads its owner's zero row).
 
     Args:
       vocab: ``TrainStep.vocabulary``.

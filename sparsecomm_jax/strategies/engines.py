@@ -59,7 +59,9 @@ def with_managed_ids(ctx: StepContext, built: TrainStep, step: Callable) -> Trai
     fresh slots started in the step's program (``step.managed_ids``): one step a call."""
     vocab = managed_ids.vocabularies(ctx)
     return built._replace(
-        step=DonatingStep(jax.jit(managed_ids.renewing(ctx, step), donate_argnums=0)),
+        step=managed_ids.CountedStep(
+            DonatingStep(jax.jit(managed_ids.renewing(ctx, step), donate_argnums=0)), vocab
+        ),
         place_batch=managed_ids.mapping_placer(ctx, vocab, built.place_batch),
         steps=managed_ids.refuse_steps,
         place_steps=managed_ids.refuse_steps,
