@@ -327,19 +327,26 @@ def test_a_sharded_step_matches_numpy(strategy, optimizer, policy, replicas):
     assert sum(ts.vocabulary.evictions().values()) == ref.vocab.evictions > 0
 
 
-def _managed_step():
-    policy = Policy("lfu", 2)
-    n = len(jax.devices())
+def _managed_step(policy=None, optimizer=None, devices=None, rows=None):
+    """``embrace_rowwise`` of ``_loss`` on a table of ``rows`` (4 per device), managed
+    by ``policy`` (LFU, K = 2; ``False``: the plain row layout), ``optimizer`` (Adam)."""
+    n = devices or len(jax.devices())
     rng = np.random.default_rng(3)
-    params = {"emb": rng.normal(size=(4 * n, 3)).astype(np.float32), "w": np.ones(3, np.float32)}
+    params = {
+        "emb": rng.normal(size=(rows or 4 * n, 3)).astype(np.float32),
+        "w": np.ones(3, np.float32),
+    }
+    layouts = None
+    if policy is not False:
+        layouts = {"emb": managed.layout({"emb": policy or Policy("lfu", 2)})}
     return make_train_step(
         _loss,
-        optax.adam(0.05),
-        runtime.data_mesh(),
+        optimizer or optax.adam(0.05),
+        runtime.data_mesh(devices),
         params,
         "embrace_rowwise",
         embedding_paths=["emb"],
-        table_layouts={"emb": managed.layout({"emb": policy})},
+        table_layouts=layouts,
         table_update="rows",
     )
 
@@ -483,18 +490,7 @@ def test_a_checkpoint_restored_on_other_devices_keeps_every_ids_row(tmp_path):
     from sparsecomm_jax.checkpoint import Checkpointer
 
     def build(devices: int):
-        rng = np.random.default_rng(3)
-        params = {"emb": rng.normal(size=(48, 3)).astype(np.float32), "w": np.ones(3, np.float32)}
-        return make_train_step(
-            _loss,
-            optax.adam(0.05),
-            runtime.data_mesh(devices),
-            params,
-            "embrace_rowwise",
-            embedding_paths=["emb"],
-            table_layouts={"emb": managed.layout({"emb": Policy("lru")})},
-            table_update="rows",
-        )
+        return _managed_step(Policy("lru"), devices=devices, rows=48)
 
     rng = np.random.default_rng(5)
     saved = build(8)
@@ -540,17 +536,7 @@ def test_rehash_onto_smaller_blocks_keeps_the_highest_scores():
 def test_a_checkpoint_without_the_mappings_is_refused(tmp_path):
     from sparsecomm_jax.checkpoint import Checkpointer, MismatchError
 
-    n = len(jax.devices())
-    params = {"emb": np.zeros((4 * n, 3), np.float32), "w": np.ones(3, np.float32)}
-    plain = make_train_step(
-        _loss,
-        optax.adam(0.05),
-        runtime.data_mesh(),
-        params,
-        "embrace_rowwise",
-        embedding_paths=["emb"],
-        table_update="rows",
-    )
+    plain = _managed_step(policy=False)
     with Checkpointer(str(tmp_path)) as ckpt:
         ckpt.save_state(1, plain, plain.state, force=True)
         with pytest.raises(MismatchError, match="a table's ids and its rows go together"):
@@ -583,19 +569,7 @@ def test_a_restore_that_changes_the_eviction_is_refused(tmp_path):
     from sparsecomm_jax.checkpoint import Checkpointer, MismatchError
 
     def build(eviction):
-        n = len(jax.devices())
-        params = {"emb": np.zeros((4 * n, 3), np.float32), "w": np.ones(3, np.float32)}
-        layouts = {"emb": managed.layout({"emb": Policy(eviction)})}
-        return make_train_step(
-            _loss,
-            optax.sgd(0.1),
-            runtime.data_mesh(),
-            params,
-            "embrace_rowwise",
-            embedding_paths=["emb"],
-            table_update="rows",
-            table_layouts=layouts,
-        )
+        return _managed_step(Policy(eviction), optax.sgd(0.1))
 
     with Checkpointer(str(tmp_path)) as ckpt:
         lru = build("lru")
