@@ -327,9 +327,10 @@ def test_a_sharded_step_matches_numpy(strategy, optimizer, policy, replicas):
     assert sum(ts.vocabulary.evictions().values()) == ref.vocab.evictions > 0
 
 
-def _managed_step(policy=None, optimizer=None, devices=None, rows=None):
+def _managed_step(policy=None, optimizer=None, devices=None, rows=None, wire="float32"):
     """``embrace_rowwise`` of ``_loss`` on a table of ``rows`` (4 per device), managed
-    by ``policy`` (LFU, K = 2; ``False``: the plain row layout), ``optimizer`` (Adam)."""
+    by ``policy`` (LFU, K = 2; ``False``: the plain row layout), ``optimizer`` (Adam),
+    its rows on ``wire``."""
     n = devices or len(jax.devices())
     rng = np.random.default_rng(3)
     params = {
@@ -348,6 +349,7 @@ def _managed_step(policy=None, optimizer=None, devices=None, rows=None):
         embedding_paths=["emb"],
         table_layouts=layouts,
         table_update="rows",
+        comm_dtype=wire,
     )
 
 
@@ -586,3 +588,61 @@ def test_lfu_scores_beyond_the_limit_rank_without_overflow():
     again = Vocabulary(3, 2, 1, Policy("lfu"), state=state)
     again.map(np.array([12]))  # evicts the less read id 11
     assert again.slot_of(np.array([10, 11, 12])).tolist() == [1, -1, 2]
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize("wire", ["bfloat16", "float8_e4m3fn"])
+def test_a_narrow_wire_carries_managed_rows(wire):
+    """The managed table's rows and gradients travel in a narrow codec as a row table's
+    do: the same mapping, losses within the codec's rounding of float32's."""
+    batches = _batches(5)
+    runs = {}
+    for dtype in ("float32", wire):
+        n = len(jax.devices())
+        rng = np.random.default_rng(3)
+        params = {
+            "emb": rng.normal(size=(4 * n, 3)).astype(np.float32),
+            "w": np.ones(3, np.float32),
+        }
+        ts = make_train_step(
+            _loss,
+            optax.sgd(0.05),
+            runtime.data_mesh(),
+            params,
+            "embrace_rowwise",
+            embedding_paths=["emb"],
+            table_layouts={"emb": managed.layout({"emb": Policy("lru", 2)})},
+            comm_dtype=dtype,
+        )
+        state, losses = ts.state, []
+        for b in batches:
+            state, loss = ts.step(state, ts.place_batch(b))
+            losses.append(float(loss))
+        runs[dtype] = (losses, ts.vocabulary.states()["emb"].ids)
+    np.testing.assert_allclose(runs[wire][0], runs["float32"][0], rtol=0.05)
+    np.testing.assert_array_equal(runs[wire][1], runs["float32"][1])
+
+
+@pytest.mark.processes
+def test_two_processes_map_and_train_as_one(tmp_path):
+    """A job of 2 processes x 2 devices maps the global batch's raw ids on every
+    process alike: the losses and held-out metrics of one process of 4 devices."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    train = [sys.executable, "-m", "experiments.train", *RAW[:-2], "--steps", "8"]
+    train += ["--strategy", "embrace_rowwise", "--plan", PLAN]
+    job, one = tmp_path / "job.json", tmp_path / "one.json"
+    launch = [sys.executable, "-m", "sparsecomm_jax.launch", "--nproc", "2"]
+    runs = [
+        [*launch, "--devices-per-proc", "2", "--", *train, "--out", str(job)],
+        [*train, "--devices", "4", "--out", str(one)],
+    ]
+    for cmd in runs:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+    a, b = json.loads(job.read_text()), json.loads(one.read_text())
+    assert a["losses"] == b["losses"] and a["heldout"] == b["heldout"]
