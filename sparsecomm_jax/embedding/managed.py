@@ -11,16 +11,16 @@ a batch is placed:
   its slot, so the row-wise exchange sends the id's lookups to its owner;
 - **admission**: an id seen fewer than ``threshold`` times (its reads over all steps,
   counted while it waits; at most N ids wait, the most read, ties to the lower id) has
-  no slot: it reads its owner's *zero row*, the first slot
-  of each block, which the step resets to zeros before reading it (its gradient is
-  dropped: the next step resets the row again);
+  no slot: it reads its owner's *zero row*, the first slot of each block, which the
+  step resets to zeros before reading it (its gradient is dropped: the next step resets
+  the row again);
 - **slots**: an admitted id takes a free slot of its owner's block, its row started
   at ``initial_rows`` (uniform in [-s, s), a hash of the id and the column, so a row
   does not depend on which slot it takes) and its optimizer state at the optimizer's
   ``init``;
 - **eviction**: when the owner has no free slot, the id takes the slot whose id was
   read least recently (``"lru"``: the step it was last read) or least often (``"lfu"``:
-  its reads since it was admitted); ties go to the lower slot; an id read by the
+  its reads, those while it waited included); ties go to the lower slot; an id read by the
   current batch is never evicted. The evicted id is forgotten (seen again, it waits
   for admission anew) and counted (``VocabState.evictions``);
 - **zero collisions**: two distinct ids never share a slot. When one batch brings an
@@ -30,9 +30,11 @@ a batch is placed:
 The step itself is the row-wise layout's on the slot numbers (the trio of
 ``embedding.row``): the ids become slots on the host (``Vocabularies.map_batch``; the
 model sees slot numbers in those batch keys, so it must read them through ``emb``
-only: a mask computed from the id values would see slots), and
-the rows to start afresh travel with the batch (``Fresh``) and are written at the start
-of the step's program (``renew``), before anything reads them.
+only: a mask computed from the id values would see slots), and the rows to start
+afresh travel with the batch (``Fresh``) and are written at the start of the step's
+program (``renew``), before anything reads them. A checkpoint saves the mappings with
+the state as they stood after the steps run (``Vocabulary.state_at``), and restored
+onto another device count moves each id to its new owner (``rehash``).
 
 Example:
     >>> import numpy as np
