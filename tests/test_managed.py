@@ -63,6 +63,8 @@ class Reference:
                 key=lambda s: (self.score[s] + 1 if s in self.slot_id else 0, s),
             )
             for i, s in zip(ready, order, strict=False):
+                if self.policy.compete and s in self.slot_id and new[i] <= self.score[s]:
+                    break  # this id and every later one (fewer reads, higher scores) waits
                 if s in self.slot_id:
                     del self.id_slot[self.slot_id[s]]
                     self.evictions += 1
@@ -93,11 +95,20 @@ def stream(rng, steps: int, batch: int, distinct: int, exponent: float) -> list[
 
 @pytest.mark.parametrize(
     "eviction,threshold,workers,slots",
-    [("lru", 1, 4, 24), ("lfu", 1, 2, 21), ("lru", 3, 2, 16), ("lfu", 2, 4, 40), ("lru", 1, 1, 9)],
+    [
+        ("lru", 1, 4, 24),
+        ("lfu", 1, 2, 21),
+        ("lru", 3, 2, 16),
+        ("lfu", 2, 4, 40),
+        ("lru", 1, 1, 9),
+        ("lfu+compete", 1, 2, 22),
+        ("lfu+compete", 2, 4, 32),
+    ],
 )
 def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, slots):
     rng = np.random.default_rng(slots)
-    policy = Policy(eviction, threshold)
+    kind, _, compete = eviction.partition("+")
+    policy = Policy(kind, threshold, compete=bool(compete))
     vocab, ref = Vocabulary(slots, 3, workers, policy), Reference(slots, workers, policy)
     evicted = 0
     for ids in stream(rng, steps=40, batch=30, distinct=120, exponent=1.1):
@@ -187,6 +198,8 @@ def test_owners_are_balanced_under_skewed_values():
         (Policy("lru", 0), "threshold must be an integer >= 1"),
         (Policy("lru", 1.5), "threshold must be an integer >= 1"),
         (Policy("lru", 1, -1.0), "init_scale must be a number >= 0"),
+        (Policy("lru", compete=True), "compete compares read counts: it needs eviction lfu"),
+        (Policy("lfu", compete=1), "compete must be true or false"),
     ],
 )
 def test_a_bad_policy_names_its_field(policy, message):

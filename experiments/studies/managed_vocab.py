@@ -18,8 +18,9 @@ devices, on the same batches:
 
 - ``modulo``: each id folded into the table by ``id mod slots`` (unrelated ids share
   rows), the row layout;
-- ``managed-lru``, ``managed-lfu``, ``managed-lfu-K2``: the managed layout
-  (``embedding.managed``), LRU or LFU eviction, admitted at once or after 2 reads.
+- ``managed-lru``, ``managed-lfu``, ``managed-lfu-K2``, ``managed-lfu-compete``: the
+  managed layout (``embedding.managed``), LRU or LFU eviction, admitted at once or
+  after 2 reads, or (``compete``) into a used slot only over an id read less often.
 
 Reported per variant: held-out log loss (and the Bayes floor of the true weights), the
 step time with the host's id mapping included (mean and median after ``--warmup``
@@ -42,7 +43,7 @@ import numpy as np
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding.row_optimizers import DROP
 
-VARIANTS = ("modulo", "managed-lru", "managed-lfu", "managed-lfu-K2")
+VARIANTS = ("modulo", "managed-lru", "managed-lfu", "managed-lfu-K2", "managed-lfu-compete")
 
 
 class Stream:
@@ -112,6 +113,7 @@ def build(variant: str, args):
         "managed-lru": managed.Policy("lru"),
         "managed-lfu": managed.Policy("lfu"),
         "managed-lfu-K2": managed.Policy("lfu", threshold=2),
+        "managed-lfu-compete": managed.Policy("lfu", compete=True),
     }
     layouts = None
     if variant in policies:

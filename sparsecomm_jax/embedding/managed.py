@@ -82,11 +82,15 @@ class Policy(NamedTuple):
       threshold: K, the reads an id needs before it takes a slot (1: at once).
       init_scale: s, a new id's row starts uniform in [-s, s); ``None``: 1 / sqrt(N),
         as DLRM initialises a table of N rows.
+      compete: (LFU only) a new id takes a used slot only when it has been read more
+        often than the slot's id (its waiting reads counted); else it waits on, as
+        TorchRec's MCH LFU admits. ``False``: a ready id always takes the least read.
     """
 
     eviction: str = "lru"
     threshold: int = 1
     init_scale: float | None = None
+    compete: bool = False
 
     def checked(self) -> Policy:
         """The policy itself, or ``ValueError`` naming the field that is wrong."""
@@ -101,6 +105,10 @@ class Policy(NamedTuple):
             isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0
         ):
             raise ValueError(f"init_scale must be a number >= 0 or null, got {scale!r}")
+        if not isinstance(self.compete, (bool, np.bool_)):
+            raise ValueError(f"compete must be true or false, got {self.compete!r}")
+        if self.compete and self.eviction != "lfu":
+            raise ValueError("compete compares read counts: it needs eviction lfu")
         return self
 
     def to_json(self) -> dict[str, Any]:
@@ -109,6 +117,7 @@ class Policy(NamedTuple):
             "eviction": self.eviction,
             "threshold": int(self.threshold),
             "init_scale": self.init_scale,
+            "compete": bool(self.compete),
         }
 
     @classmethod
@@ -118,7 +127,8 @@ class Policy(NamedTuple):
             return entry.checked()
         if not isinstance(entry, Mapping):
             raise ValueError(
-                "a managed table's config is an object {eviction, threshold, init_scale}, "
+                "a managed table's config is an object {eviction, threshold, init_scale, "
+                "compete}, "
                 f"got {entry!r:.60}"
             )
         if stray := sorted(set(entry) - set(cls._fields)):
@@ -443,6 +453,10 @@ class Vocabulary:
             mine = mine[np.lexsort((new[mine], -total[mine]))]  # most reads, then lowest id
             free = self._candidates(w, slot[held], mine.size)
             mine = mine[: free.size]
+            if self.policy.compete:  # a used slot only to an id read more often than its
+                beats = ~s.used[free] | (total[mine] > s.score[free])
+                keep = mine.size if beats.all() else int(np.argmin(beats))  # (monotone)
+                mine, free = mine[:keep], free[:keep]
             evicted += int(s.used[free].sum())
             taken_ids.append(new[mine])
             taken_slots.append(free)
