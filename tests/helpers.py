@@ -7,11 +7,21 @@ import numpy as np
 import optax
 
 import sparsecomm_jax as sc
+from experiments.train import main
 from sparsecomm_jax import runtime
 
 #: Lines the gpu-compile extra's CUDA plugin prints when JAX starts in any process (from
 #: its C++ extension's import, outside this project; harmless without a GPU).
 PLUGIN_NOISE = ("cudart_stub.cc", "All log messages before absl::InitializeLog() is called")
+
+
+def run_main(args, capsys) -> tuple[int, list[str]]:
+    """``experiments.train.main(args)`` in this process: exit status and stderr lines."""
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
 
 
 def stderr_lines(stderr: str) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO
-from helpers import record_loop_events, stderr_lines
+from helpers import record_loop_events, run_main, stderr_lines
 
 import sparsecomm_jax as sc
 from experiments.train import command, loop, main, run, train_and_evaluate
@@ -156,15 +156,6 @@ def test_calibrated_link_for_adaptive_and_in_the_result():
 def test_more_devices_than_exist():
     with pytest.raises(ValueError, match="only 8"):
         train_and_evaluate(RunConfig(devices=16, **{**SMALL, "batch": 16}), progress=False)
-
-
-def run_main(args, capsys) -> tuple[int, list[str]]:
-    """``experiments.train.main(args)`` in this process: exit status and stderr lines."""
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse
-        code = e.code
-    return code, capsys.readouterr().err.strip().splitlines()
 
 
 BAD_INPUT = [

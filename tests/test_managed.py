@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import run_main
 
 from sparsecomm_jax import make_train_step, runtime
 from sparsecomm_jax.embedding import managed
@@ -416,16 +417,6 @@ PLAN = (
 RAW = ["--model", "dlrm", "--raw-ids", "--tables", "400,400", "--batch", "64", "--devices", "4"]
 
 
-def _main(args, capsys) -> tuple[int, list[str]]:
-    from experiments.train import main
-
-    try:
-        code = main(args)
-    except SystemExit as e:  # argparse
-        code = e.code
-    return code, capsys.readouterr().err.strip().splitlines()
-
-
 @pytest.mark.cli
 def test_raw_ids_resume_through_the_command_line_as_one_run(tmp_path, capsys):
     """DLRM on raw 64-bit ids with managed tables, saved at step 10 while the loop has
@@ -436,12 +427,11 @@ def test_raw_ids_resume_through_the_command_line_as_one_run(tmp_path, capsys):
     common = [*RAW, "--strategy", "embrace_rowwise", "--plan", PLAN]
     whole, a, b = (tmp_path / n for n in ("whole.json", "a.json", "b.json"))
     ckpt = str(tmp_path / "ckpt")
-    assert _main([*common, "--steps", "20", "--out", str(whole)], capsys)[0] == 0
-    assert (
-        _main([*common, "--steps", "10", "--checkpoint-dir", ckpt, "--out", str(a)], capsys)[0] == 0
-    )
+    assert run_main([*common, "--steps", "20", "--out", str(whole)], capsys)[0] == 0
+    first = ["--steps", "10", "--checkpoint-dir", ckpt, "--out", str(a)]
+    assert run_main([*common, *first], capsys)[0] == 0
     args = ["--steps", "20", "--checkpoint-dir", ckpt, "--resume", "--out", str(b)]
-    assert _main([*common, *args], capsys)[0] == 0
+    assert run_main([*common, *args], capsys)[0] == 0
     w, r = json.loads(whole.read_text()), json.loads(b.read_text())
     assert r["start_step"] == 10 and r["losses"] == w["losses"][10:]
     assert r["heldout"] == w["heldout"] and w["heldout"]["valid"]["loss"] < 0.75
@@ -472,7 +462,7 @@ BAD_MANAGED = [
     ids=["embrace_2d", "few slots", "eviction", "threshold", "init_scale", "stray field"],
 )
 def test_bad_managed_input_is_one_line(args, message, capsys):
-    code, lines = _main([*RAW, "--steps", "2", *args], capsys)
+    code, lines = run_main([*RAW, "--steps", "2", *args], capsys)
     assert code == 2
     assert len(lines) == 1 and message in lines[0], lines
 
@@ -494,7 +484,7 @@ def test_an_nnx_dlrm_trains_on_raw_ids(tmp_path, capsys):
     plan = '{"sparse_0/embedding": "managed", "sparse_1/embedding": "managed"}'
     out = tmp_path / "nnx.json"
     args = [*RAW[2:], "--model", "dlrm_nnx", "--strategy", "embrace_rowwise", "--plan", plan]
-    assert _main([*args, "--steps", "12", "--out", str(out)], capsys)[0] == 0
+    assert run_main([*args, "--steps", "12", "--out", str(out)], capsys)[0] == 0
     result = json.loads(out.read_text())
     assert np.isfinite(result["losses"]).all() and result["heldout"]["valid"]["loss"] < 0.75
 

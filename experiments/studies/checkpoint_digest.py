@@ -21,7 +21,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -38,6 +37,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import sparsecomm_jax as sc  # noqa: E402
+from experiments.studies import harness  # noqa: E402
 from models import get_workload  # noqa: E402
 from sparsecomm_jax import checkpoint  # noqa: E402
 from sparsecomm_jax.checkpoint import digest  # noqa: E402
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint_digest.json").write_text(json.dumps(result, indent=1))
-    (out / "checkpoint_digest.md").write_text(markdown(result))
-    print(markdown(result))
+    harness.write_report(args.out_dir, "checkpoint_digest", result, markdown(result))
     return 0
 
 

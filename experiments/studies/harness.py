@@ -52,6 +52,16 @@ def write_result(out_dir: str | Path, name: str, result: Any) -> Path:
     return path
 
 
+def write_report(out_dir: str | Path, name: str, result: Any, table: str) -> Path:
+    """``result`` as ``<out_dir>/<name>.json`` (``write_result``) and its results
+    ``table`` (markdown) as ``<name>.md`` beside it, the table printed; returns the
+    JSON's path."""
+    path = write_result(out_dir, name, result)
+    path.with_suffix(".md").write_text(table)
+    print(table)
+    return path
+
+
 _UNITS = {"gbit": 1.0, "mbit": 1e-3, "kbit": 1e-6, "bit": 1e-9}
 
 

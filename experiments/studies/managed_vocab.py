@@ -36,10 +36,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from experiments.studies import harness
 from sparsecomm_jax import runtime
 from sparsecomm_jax.embedding.row_optimizers import DROP
 
@@ -275,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "seen_per_table": float(seen),
         "rows": rows,
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "managed_vocab.json").write_text(json.dumps(result, indent=1))
-    (out / "managed_vocab.md").write_text(markdown(result))
-    print(markdown(result))
+    harness.write_report(args.out_dir, "managed_vocab", result, markdown(result))
     return 0
 
 

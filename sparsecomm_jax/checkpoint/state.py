@@ -226,13 +226,14 @@ def _check_managed(ts: TrainStep, identity: dict, folder: Path) -> None:
         )
     configs = (identity.get(FORM) or {}).get("configs", {})
     entries = {t: c for layout in configs.values() for t, c in (layout or {}).items()}
-    for name in ours:
+    vocab = ts.vocabulary
+    for index, vocabulary in (vocab.vocabularies if vocab else {}).items():
+        name, now = vocab.tables[index].name, vocabulary.policy.eviction
         then = managed.Policy.from_json(entries.get(name, {})).eviction
-        now = managed.policy_of(next(t for t in ts.vocabulary.tables.values() if t.name == name))
-        if then != now.eviction:
+        if then != now:
             raise MismatchError(
                 f"checkpoint {folder} evicts managed table {name}'s ids by {then}, this step "
-                f"by {now.eviction}: their saved scores mean something else; keep {then}"
+                f"by {now}: their saved scores mean something else; keep {then}"
             )
 
 

@@ -128,8 +128,7 @@ class Policy(NamedTuple):
         if not isinstance(entry, Mapping):
             raise ValueError(
                 "a managed table's config is an object {eviction, threshold, init_scale, "
-                "compete}, "
-                f"got {entry!r:.60}"
+                f"compete}}, got {entry!r:.60}"
             )
         if stray := sorted(set(entry) - set(cls._fields)):
             raise ValueError(
@@ -402,18 +401,15 @@ class Vocabulary:
         zero = self.blocks.first()[owner_of(ids, self.blocks.workers)]
         return np.where(slot >= 0, slot, zero).astype(np.int32)
 
-    def lookup_at(self, ids: Any, steps: int | None = None) -> np.ndarray:
-        """``lookup`` as the mapping stood after ``steps`` batches (``state_at``; ``None``:
-        as it stands): to evaluate the parameters of step ``steps`` while the batches
-        after it are mapped."""
+    def view_at(self, steps: int | None = None) -> Vocabulary:
+        """The mapping as it stood after ``steps`` batches (``state_at``; ``None``: as
+        it stands), to ``lookup`` in: itself when it stands there, else a copy, built
+        once for all the batches of an evaluation."""
         with self._lock:
             if steps is None or steps == int(self._state.steps):
-                return self.lookup(ids)
+                return self
             then = self._state_at(steps)
-        policy = self.policy
-        return Vocabulary(self.blocks.slots, self.dim, self.blocks.workers, policy, then).lookup(
-            ids
-        )
+        return Vocabulary(self.blocks.slots, self.dim, self.blocks.workers, self.policy, then)
 
     def map(self, ids: Any) -> tuple[np.ndarray, Fresh]:
         """Admits, evicts and maps the ids of one batch (every read of the table).
@@ -759,15 +755,23 @@ class Vocabularies:
         return out, fresh
 
     def lookup_batch(self, batch: Mapping[str, Any], at: int | None = None) -> dict:
-        """The batch with each managed table's ids replaced by their slots as the
+        """``lookup_batches`` of one batch."""
+        return self.lookup_batches([batch], at)[0]
+
+    def lookup_batches(self, batches: list[Mapping[str, Any]], at: int | None = None) -> list:
+        """The batches with each managed table's ids replaced by their slots as the
         mappings stood after ``at`` batches (default ``stepped``, those whose step ran:
         the mappings of the parameters a step returned, whatever batches are placed
-        ahead; ``Vocabulary.lookup_at``: nothing admitted, nothing counted), to evaluate
+        ahead; ``Vocabulary.view_at``: nothing admitted, nothing counted), to evaluate
         a model on held-out data."""
         at = self.stepped if at is None else at
-        out = dict(batch)
-        for key, index in self.keys(batch).items():
-            out[key] = self.vocabularies[index].lookup_at(batch[key], at)
+        views = {i: v.view_at(at) for i, v in self.vocabularies.items()}
+        out = []
+        for batch in batches:
+            mapped = dict(batch)
+            for key, index in self.keys(batch).items():
+                mapped[key] = views[index].lookup(batch[key])
+            out.append(mapped)
         return out
 
     def zero_rows(self) -> dict[str, np.ndarray]:
@@ -797,7 +801,7 @@ class Vocabularies:
             self.vocabularies[i] = Vocabulary(
                 v.blocks.slots, v.dim, self.workers, v.policy, VocabState(*states[name]), name
             )
-            self.stepped = int(states[name][VocabState._fields.index("steps")])
+            self.stepped = int(VocabState(*states[name]).steps)
 
     def evictions(self) -> dict[str, int]:
         """Table name -> the ids evicted so far."""

@@ -189,4 +189,4 @@ def for_evaluation(vocab: managed.Vocabularies, params, batches: list[dict]):
         table = np.array(leaves[index])
         table[vocabulary.blocks.first()] = 0
         leaves[index] = table
-    return treedef.unflatten(leaves), [vocab.lookup_batch(b) for b in batches]
+    return treedef.unflatten(leaves), vocab.lookup_batches(batches)
