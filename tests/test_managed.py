@@ -649,3 +649,106 @@ def test_two_processes_map_and_train_as_one(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     a, b = json.loads(job.read_text()), json.loads(one.read_text())
     assert a["losses"] == b["losses"] and a["heldout"] == b["heldout"]
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def _two_tables(rng, batches: int, batch: int = 32):
+    """A model reading ``raw`` (64 slots, raw int64 ids) and ``fixed`` (48 rows, ids in
+    range), and sample batches of fresh random ids."""
+    params = {
+        "raw": jnp.zeros((64, 4)),
+        "fixed": jnp.zeros((48, 4)),
+        "w": jnp.zeros((4,)),
+    }
+
+    def loss(p, b, emb):
+        x = emb.lookup(p["raw"], b["user"]).sum(1) + emb.lookup(p["fixed"], b["item"]).sum(1)
+        return jnp.mean((x @ p["w"] - b["y"]) ** 2)
+
+    out = [
+        {
+            "user": rng.integers(-(2**63), 2**63 - 1, size=(batch, 3), dtype=np.int64),
+            "item": rng.integers(0, 48, size=(batch, 2)),
+            "y": rng.normal(size=batch).astype(np.float32),
+        }
+        for _ in range(batches)
+    ]
+    return loss, params, out
+
+
+def test_the_planner_measures_raw_ids_as_mapped_and_gives_them_the_managed_layout():
+    """A table whose sample ids exceed its rows is measured on the slots a fresh
+    mapping gives them (numpy reference: ``Vocabulary.map`` batch after batch, the
+    distinct slots per worker and per (worker, owner) bucket) and takes the managed
+    layout, the only one that serves it, at every bandwidth; the table of ids in range
+    never takes it, and costs as before."""
+    from sparsecomm_jax import planner
+    from sparsecomm_jax.comm.costmodel import Link
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # fresh ids each run
+    loss, params, batches = _two_tables(np.random.default_rng(seed), 3)
+    workers = 4
+    stats = {s.name: s for s in planner.table_stats(loss, params, ["raw", "fixed"], batches, 4)}
+    raw, fixed = stats["raw"], stats["fixed"]
+    assert raw.raw and not fixed.raw, seed
+
+    vocab, distinct, bucket = Vocabulary(64, 4, workers), 0, 0
+    for b in batches:
+        slots, _ = vocab.map(b["user"])
+        for mine in np.split(slots, workers):  # each worker's slice of the batch
+            uniq = np.unique(mine)
+            distinct = max(distinct, uniq.size)
+            bucket = max(bucket, int(np.bincount(uniq // 16, minlength=workers).max()))
+    assert (raw.reads, raw.distinct, raw.bucket) == (8 * 3, distinct, bucket), seed
+    assert fixed.reads == 8 * 2 and fixed.vocab == 48
+
+    for gbits in (0.1, 1.0, 100.0):
+        link = Link.from_bandwidth(gbits)
+        for plan in planner.candidate_plans(list(stats.values()), workers, link):
+            layouts = plan.layouts()
+            assert layouts["raw"].name == "managed"
+            assert registry_name(layouts["fixed"]) != "managed"
+    managed_cost = planner.layout_cost(raw, "managed", workers, link, 1)
+    row_cost = planner.layout_cost(raw._replace(raw=False), "row", workers, link, 1)
+    assert (managed_cost.bytes, managed_cost.memory) == (row_cost.bytes, row_cost.memory)
+    assert not planner.serves(raw, "row") and not planner.serves(fixed, "managed")
+
+
+def registry_name(layout) -> str:
+    return layout if isinstance(layout, str) else layout.name
+
+
+def test_raw_ids_on_too_few_slots_for_the_planner_name_the_table():
+    from sparsecomm_jax import planner
+
+    loss, params, batches = _two_tables(np.random.default_rng(0), 1)
+    params["raw"] = jnp.zeros((6, 4))  # 6 slots cannot give 4 workers a block each
+    with pytest.raises(ValueError, match="a table of raw ids takes the managed layout.*raw"):
+        planner.table_stats(loss, params, ["raw", "fixed"], batches, 4)
+
+
+@pytest.mark.cli
+def test_the_planner_gives_raw_ids_managed_tables_at_the_command_line(tmp_path, capsys):
+    """``--raw-ids --plan model``: every table of raw ids planned managed, trained."""
+    import json
+
+    out = tmp_path / "run.json"
+    code, lines = run_main(
+        [
+            *RAW,
+            "--strategy",
+            "embrace_rowwise",
+            "--plan",
+            "model",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert code == 0, lines
+    plan = json.loads(out.read_text())["config"]["plan"]
+    assert {registry_name(x) for x in plan.values()} == {"managed"}, plan

@@ -26,9 +26,10 @@ from sparsecomm_jax.embedding.tables import find_tables, table_mask
 
 SLOW = Link.from_bandwidth(1.0)
 SHARDED = {x.name for x in layout_registry.LAYOUTS.values() if x.sharded}  # column, row, table
-# every layout the planner prices from the common statistics (the hot layout needs a
-# histogram of the ids: its own tests below)
-PRICED = [x.name for x in planner.priced() if x.pricing.measure is None]
+# every layout the planner prices from the common statistics for tables of ids in range
+# (the hot layout needs a histogram of the ids: its own tests below; the managed one
+# serves tables of raw ids alone: test_managed)
+PRICED = [x.name for x in planner.priced() if x.pricing.measure is None and not x.maps_ids]
 
 
 def names(plan) -> dict[str, str]:

@@ -82,6 +82,10 @@ class TableStats(NamedTuple):
       measured: layout name -> what that layout's price needs beyond these fields,
         measured by its ``Pricing.measure`` (the hot layout: the cold rows' buckets at
         each number of hot rows); ``None``: nothing more measured.
+      raw: its ids are raw values, not rows (some id of the sample batches lies outside
+        ``[0, V)``): only a layout that maps ids to rows (``Layout.maps_ids``, the
+        managed one) serves it, and every other field is measured on the rows a fresh
+        mapping of V slots gives the sample's ids.
     """
 
     name: str
@@ -93,6 +97,7 @@ class TableStats(NamedTuple):
     lookups: int = 1
     attended: bool = False
     measured: Mapping[str, Any] | None = None
+    raw: bool = False
 
     def of(self, layout: str) -> Any:
         """What ``layout``'s ``Pricing.measure`` measured of this table (``None``:

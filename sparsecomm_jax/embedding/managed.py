@@ -657,12 +657,20 @@ def layout(policies: Mapping[Any, Policy | Mapping] | None = None) -> Layout:
         name="managed",
         # admitted ids climb for a while where ids wait: buckets grow by powers of two
         capacity=row.CAPACITY._replace(grow=_doubling) if waits else row.CAPACITY,
-        pricing=None,
+        pricing=PRICING,
         config=config or None,
         configure=layout,
         pipelined=None,
         maps_ids=True,
     )
+
+
+#: What the planner knows of a managed table: the row layout's price at its N slots
+#: (memory) and at the buckets of the sample's ids as a fresh mapping places them
+#: (``planner.table_stats`` measures a raw table so); it serves only tables of raw ids
+#: (``planner.serves``: ``Layout.maps_ids``). The host's mapping and the fresh rows'
+#: upload do not cross the link and are not priced.
+PRICING = row.PRICING
 
 
 def _doubling(need: int) -> int:
@@ -708,7 +716,7 @@ class Vocabularies:
         loss); ``ValueError`` for a key whose ids a managed table reads computed (an
         offset added, a hash taken) or that also feeds another table."""
         if self._keys is None:
-            stand_in = {k: _traceable(v) for k, v in batch.items()}
+            stand_in = {k: traceable(v) for k, v in batch.items()}
             fed, direct = self._reads(stand_in, False), self._reads(stand_in, True)
             keys = {}
             for key, tables in fed.items():
@@ -808,8 +816,9 @@ class Vocabularies:
         return {self.tables[i].name: int(v.state.evictions) for i, v in self.vocabularies.items()}
 
 
-def _traceable(value: Any) -> Any:
-    """A stand-in of a batch value the loss can be traced on: 64-bit ids as int32."""
+def traceable(value: Any) -> Any:
+    """A stand-in of a batch value the loss can be traced on (``access.key_tables``):
+    64-bit ids as int32 zeros, any other value as it is."""
     value = np.asarray(value)
     if np.issubdtype(value.dtype, np.integer) and value.dtype.itemsize == 8:
         return np.zeros(value.shape, np.int32)

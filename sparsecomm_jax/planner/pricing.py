@@ -78,8 +78,20 @@ def group_seconds(used: Iterable[str | Layout], workers: int, link: Link) -> flo
 
 
 def serves(stats: TableStats, layout: str | Layout) -> bool:
-    """Whether ``layout`` can serve the table's reads (table-wise: no full softmax)."""
-    return registry.get(layout).pricing.serves(stats)
+    """Whether ``layout`` can serve the table's reads: a table of raw ids
+    (``TableStats.raw``) by a layout that maps ids to rows alone (``Layout.maps_ids``),
+    any other table by any other layout whose ``Pricing.serves`` it (table-wise: no
+    full softmax).
+
+    Example:
+        >>> from sparsecomm_jax.embedding.layout import TableStats
+        >>> plain = TableStats("t", 1000, 8, 64, 10, 4)
+        >>> raw = plain._replace(raw=True)  # its sample held ids outside [0, 1000)
+        >>> [serves(plain, x) for x in ("row", "managed")], serves(raw, "row")
+        ([True, False], False)
+    """
+    layout = registry.get(layout)
+    return layout.maps_ids == stats.raw and layout.pricing.serves(stats)
 
 
 def priced_layout(layout: str | Layout) -> Layout:

@@ -18,7 +18,14 @@ from sparsecomm_jax.embedding.layout import (
     split_size,
 )
 from sparsecomm_jax.embedding.layout_registry import TablePlan
-from sparsecomm_jax.planner.pricing import Choice, choice_of, group_seconds, priced, priced_layout
+from sparsecomm_jax.planner.pricing import (
+    Choice,
+    choice_of,
+    group_seconds,
+    priced,
+    priced_layout,
+    serves,
+)
 
 
 class Plan(NamedTuple):
@@ -98,7 +105,7 @@ def unpadded(workers: int) -> May:
 
 def _options(stats: TableStats, layouts: Iterable[Layout], may: May | None) -> list[Layout]:
     """The layouts of ``layouts`` that serve the table and that it may take."""
-    return [x for x in layouts if x.pricing.serves(stats) and (may is None or may(stats, x))]
+    return [x for x in layouts if serves(stats, x) and (may is None or may(stats, x))]
 
 
 def plan_tables(

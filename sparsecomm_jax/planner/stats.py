@@ -1,5 +1,6 @@
 """What the tables see: V, D and, from sample batches, the ids each worker reads a
-step (``table_stats``), with what each layout's price measures beyond them."""
+step (``table_stats``), with what each layout's price measures beyond them; a table of
+raw ids measured on the rows a managed table's mapping gives them (``raw_mapped``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sparsecomm_jax.embedding import access, row
+from sparsecomm_jax.embedding import access, managed, row
 from sparsecomm_jax.embedding.dense import DENSE
 from sparsecomm_jax.embedding.layout import (
     TableStats,
@@ -47,6 +48,7 @@ def table_stats(
     """
     mask = table_mask(params, embedding_paths)
     tables = find_tables(params, mask, DENSE)
+    batches, raw = raw_mapped(loss_fn, params, mask, tables, batches, workers)
     reads_of = access.host_reads(loss_fn, params, mask, replicated_keys, workers)
     samples = [reads_of(b) for b in batches]
     lookups, attended = _reads_per_table(loss_fn, params, batches[0], mask)
@@ -79,9 +81,60 @@ def table_stats(
                 count,
                 t.index in attended,
                 measured or None,
+                t.index in raw,
             )
         )
     return stats
+
+
+def raw_mapped(
+    loss_fn: Callable,
+    params: Any,
+    mask: Any,
+    tables: Sequence,
+    batches: Sequence[dict],
+    workers: int,
+) -> tuple[list[dict], set[int]]:
+    """The sample ``batches`` with the ids of every table of raw ids mapped to its rows
+    as a fresh managed table of V slots maps them, batch after batch
+    (``embedding.managed.Vocabularies``, its default policy), and those tables' indices.
+
+    A table reads raw ids where a batch key that feeds it directly (its values are the
+    ids, ``access.key_tables``) holds an id of V or more in some sample batch; a
+    negative id is a padding read of a zero row, as everywhere in a fixed vocabulary.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch, emb)``.
+      params: the parameters. mask: their tables flagged (``tables.table_mask``).
+      tables: ``tables.find_tables(params, mask, ...)``.
+      batches: the sample batches.
+      workers: P, the workers a managed table's slots are sharded over.
+
+    Returns:
+      ``(batches, raw)``: ``batches`` themselves where no table reads raw ids.
+
+    Raises:
+      ValueError: a table of raw ids whose V slots cannot be split into P blocks.
+    """
+
+    def reads(batch: dict, direct: bool) -> dict:
+        return access.key_tables(loss_fn, params, batch, mask, direct)
+
+    vocab = {t.index: t.vocab for t in tables}
+    direct = reads({k: managed.traceable(v) for k, v in batches[0].items()}, True)
+    raw = {
+        i
+        for key, fed in direct.items()
+        for i in fed
+        if any(np.asarray(b[key]).size and np.max(b[key]) >= vocab[i] for b in batches)
+    }
+    if not raw:
+        return list(batches), raw
+    try:
+        mapping = managed.Vocabularies([t for t in tables if t.index in raw], workers, reads)
+    except ValueError as e:
+        raise ValueError(f"a table of raw ids takes the managed layout: {e}") from None
+    return [mapping.map_batch(b)[0] for b in batches], raw
 
 
 def _reads_per_table(loss_fn, params, batch, mask) -> tuple[dict[int, int], set[int]]:
