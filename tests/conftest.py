@@ -7,8 +7,8 @@ of names:
   unit tests, one case of each matrix, the docs' and docstrings' examples and the
   structure tests;
 - the **full tier**, ``python -m pytest --full`` (it includes the fast one; CI runs
-  it): also every test marked ``cli`` (it trains through the command line,
-  ``experiments.train`` or an experiment's script), ``processes`` (it starts other
+  it): also every test marked ``cli`` (it runs the command line, ``experiments.train``,
+  or an experiment's script: a study, ``experiments.gpu_schedule``), ``processes`` (it starts other
   programs: a job of several processes, the launcher, the emulated cluster, a killed
   rank, the notebook's kernel, the C++ kernel built and run under sanitizers) and every
   case of a ``matrix`` (a test parametrized over models, strategies, layouts or
@@ -75,7 +75,8 @@ import pytest  # noqa: E402
 
 FULL_ONLY = ("cli", "processes")  # markers whose tests run in the full tier alone
 MARKERS = {
-    "cli": "trains through the command line (experiments.train, an experiment's script): full tier",
+    "cli": "runs the command line (experiments.train) or an experiment's script (a study, "
+    "experiments.gpu_schedule): full tier",
     "processes": "starts other programs (a job of several processes, the launcher, the "
     "emulated cluster, a kernel, a sanitized build): full tier",
     "matrix": "parametrized over models, strategies, layouts or optimizers: its first case "

@@ -161,6 +161,7 @@ def test_embrace_2d_on_h100s_pipelines_its_chunks_and_overlaps_the_late_one(monk
     assert late and any(not w.sync and w.between for w in late), late
 
 
+@pytest.mark.cli
 def test_the_command_reports_a_call_of_several_steps(tmp_path, capsys):
     """``experiments.gpu_schedule``: embrace_2d, three steps a call on 8 H100s; the
     report names each asynchronous collective's window and the steps whose operations
@@ -218,6 +219,7 @@ def test_the_next_steps_pass_in_a_late_exchange_where_nothing_skips(monkeypatch,
         assert sum(across.values()) == 0, across
 
 
+@pytest.mark.processes
 def test_gpu_check_compares_a_card_with_its_compile_only_program():
     """``experiments.gpu_check``'s comparison, on this host: the first model's dense
     step compiled in the child process (``gpu_schedule --gpus 1``) is the program this

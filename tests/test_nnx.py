@@ -416,6 +416,7 @@ def test_the_command_line_trains_and_resumes_the_nnx_dlrm(tmp_path):
     assert json.loads(out.read_text())["losses"] == pytest.approx(full["losses"][2:], rel=1e-5)
 
 
+@pytest.mark.cli
 def test_the_parity_study_on_a_small_model(tmp_path):
     """``experiments.studies.nnx_parity`` at a small size: the NNX and Linen programs send
     the same bytes with the same collectives, and their losses are equal."""

@@ -310,6 +310,7 @@ def test_the_hand_plans_medians_and_plot_of_the_plan_check(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.cli
 def test_the_plan_check_runs_a_named_subset_and_refuses_unknown_names(capsys):
     with pytest.raises(SystemExit) as stop:
         plan_check.main(["--mix", "dlrm", "--plans", "planner,diagonal"])
