@@ -22,8 +22,18 @@ from sparsecomm_jax.embedding import priority
 from sparsecomm_jax.errors import ArgumentError
 from sparsecomm_jax.schedule import scopes
 
+
+def cuda_plugin_installed() -> bool:
+    """Whether the gpu-compile extra's CUDA plugin is there (without the extra there is
+    no ``jax_plugins`` package at all, and ``find_spec`` of its module raises)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:
+        return False
+
+
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+    not cuda_plugin_installed(),
     reason="the gpu-compile extra (the CUDA plugin) is not installed",
 )
 
