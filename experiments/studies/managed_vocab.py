@@ -120,7 +120,7 @@ def build(variant: str, args):
         layouts = {p: managed.layout({q: policies[variant] for q in paths}) for p in paths}
     ts = sc.make_train_step(
         loss,
-        optax.adagrad(args.lr),
+        optax.adagrad(args.lr, args.adagrad_init, args.adagrad_eps),
         runtime.data_mesh(args.devices),
         params,
         "embrace_rowwise",
@@ -249,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--signal", type=float, default=1.5, help="true weights' range")
     p.add_argument("--bias", type=float, default=-1.0, help="true logit's bias")
     p.add_argument("--lr", type=float, default=0.05, help="Adagrad learning rate")
+    p.add_argument(
+        "--adagrad-init",
+        type=float,
+        default=0.1,
+        help="Adagrad's initial accumulator (optax's default 0.1; PyTorch's 0)",
+    )
+    p.add_argument(
+        "--adagrad-eps", type=float, default=1e-7, help="Adagrad's eps (optax 1e-7, PyTorch 1e-10)"
+    )
     p.add_argument("--devices", type=int, default=4, help="simulated CPU devices")
     p.add_argument("--variants", default=",".join(VARIANTS), help="which variants, by comma")
     p.add_argument("--out-dir", default="experiments/results/managed_vocab")
