@@ -121,3 +121,49 @@ def test_no_trace_is_a_clear_error(tmp_path, capsys):
     _write(tmp_path, 0, [sp._x("fusion", 0, 10)])  # a trace with no step in it
     assert sp.main([str(tmp_path)]) == 2
     assert "no step with a collective" in capsys.readouterr().err
+
+
+SCOPED = {  # instruction -> the op_name its metadata carries, as XLA prints a step's
+    "fusion.1": "jit(step)/shard_map/jvp(DLRM)/MLP_0/Dense_1/add",
+    "fusion.2": "jit(step)/shard_map/transpose(jvp(DLRM))/bfd,bgd->bfg/dot_general",
+    "sort.3": "jit(step)/shard_map/jit(_unique_sorted_mask)/jit(lexsort)/sort",
+    "scatter.4": "jit(step)/shard_map/scatter-add",
+    "fusion.5": "jit(step)/mul",
+}
+HLO = "\n".join(
+    ["HloModule jit_step", "ENTRY %main {"]
+    + [f'  %{n} = f32[8] fusion(%p), metadata={{op_name="{op}"}}' for n, op in SCOPED.items()]
+    + ["  ROOT %copy.6 = f32[8] copy(%w)", "}"]
+)
+
+
+def test_each_thunk_lands_in_the_part_its_op_name_names(tmp_path):
+    """With the step's HLO, every thunk's time goes to one part (the MLPs, the
+    interaction, the exchange's work, the scatters, the optimizer, the collectives,
+    the rest), and the parts of a step add up to its thunks' time."""
+    rng = np.random.default_rng()
+    names = ["fusion.1", "fusion.2", "sort.3", "scatter.4", "fusion.5", "copy.6", "all-to-all.7"]
+    want = {
+        "fusion.1": "MLPs (forward, backward)",
+        "fusion.2": "interaction (forward, backward)",
+        "sort.3": "exchange's local work (ids sorted, deduplicated, bucketed; rows gathered)",
+        "scatter.4": "gradient rows summed, tables updated (scatter)",
+        "fusion.5": "optimizer, step checks (outside shard_map)",
+        "copy.6": sp.OTHER,
+        "all-to-all.7": sp.COLLECTIVES,
+    }
+    events, t, durations = [], 0.0, []
+    for step in range(3):
+        dur = {n: float(rng.uniform(10, 500)) for n in names}
+        for n in names:
+            events.append(sp._x(n, t, dur[n], run=step + 1))
+            t += dur[n]
+        durations.append(dur)
+        t += 100.0
+    _write(tmp_path, 0, events)
+    (tmp_path / "step.txt").write_text(HLO)
+    parts = sp.profile(tmp_path, tmp_path / "step.txt")["ranks"]["0"]["parts_ms"]
+    for name, part in want.items():
+        assert parts[part] == pytest.approx(np.median([d[name] for d in durations]) / 1e3, abs=1e-3)
+    assert "part of the step" in sp.markdown(sp.profile(tmp_path, tmp_path / "step.txt"))
+    assert "parts_ms" not in sp.profile(tmp_path)["ranks"]["0"]  # no HLO: no parts

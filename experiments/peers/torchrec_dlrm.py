@@ -13,6 +13,7 @@ Env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -78,7 +79,70 @@ p.add_argument(
     "kernel wants 2-D input)",
 )
 p.add_argument("--out")
+p.add_argument(
+    "--profile-steps",
+    default="",
+    help="A:B: rank 0's steps A to B-1 under torch.profiler; where they went, by part "
+    "(PARTS), into --profile-out",
+)
+p.add_argument("--profile-out", help="the profile's JSON (default: --out with .profile.json)")
 a = p.parse_args()
+
+# The parts of a step, by the name of each operation torch.profiler records inside it
+# (case-insensitive, first match wins); an operation's self CPU time counts once.
+PARTS = [
+    (
+        "collectives (all-to-alls, DDP's all-reduce, their waits)",
+        r"c10d|gloo|all_?to_?all|all2all|allreduce|all_reduce|allgather|barrier|wait",
+    ),
+    (
+        "lookups, pooling, fused row update (fbgemm)",
+        r"fbgemm|split_embedding|lookup|embedding_bag|jagged|permute|splits_dist",
+    ),
+    ("interaction (bmm, pair gather)", r"bmm|triu|aten::index|IndexBackward|interaction"),
+    (
+        "MLPs (forward, backward)",
+        r"addmm|aten::mm$|MmBackward|relu|threshold|aten::linear|aten::t$|TBackward",
+    ),
+    ("loss", r"binary_cross_entropy|sigmoid"),
+    ("dense optimizer (SGD)", r"Optimizer|sgd|_foreach"),
+]
+STEP = "## the timed step ##"  # a record_function around each step's timed part
+
+
+def profile_parts(prof) -> dict:
+    """Milliseconds a step by part (``PARTS``; the rest "other operations") of the
+    operations recorded inside the ``STEP`` ranges of a ``torch.profiler.profile``,
+    and the steps' time outside every operation (Python, TorchRec's own code: the
+    ``STEP`` ranges' own self time)."""
+    import re
+
+    events = prof.events()
+    spans = [e for e in events if e.name == STEP]
+    ranges = [(e.time_range.start, e.time_range.end) for e in spans]
+
+    def inside(e) -> bool:
+        return any(lo <= e.time_range.start and e.time_range.end <= hi for lo, hi in ranges)
+
+    parts = {name: 0.0 for name, _ in PARTS}
+    parts["other operations"] = 0.0
+    ops: dict[str, float] = {}
+    n = len(spans)
+    for e in events:
+        if e.name == STEP or not inside(e):
+            continue
+        ms = e.self_cpu_time_total / 1e3 / n
+        part = next(
+            (p for p, pat in PARTS if re.search(pat, e.name, re.IGNORECASE)), "other operations"
+        )
+        parts[part] += ms
+        ops[e.name] = ops.get(e.name, 0.0) + ms
+    parts["outside operations (Python, framework)"] = (
+        sum(e.self_cpu_time_total for e in spans) / 1e3 / n
+    )
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:30])
+    step_ms = sum(hi - lo for lo, hi in ranges) / 1e3 / n
+    return {"steps_profiled": n, "step_ms": step_ms, "parts_ms": parts, "top_ops_ms": top}
 
 
 def vocab_sizes(s, n):
@@ -213,7 +277,12 @@ probs = [
 g = torch.Generator().manual_seed(rank)
 lengths = torch.full((T * B,), L)
 times = []
+first, last = (int(x) for x in a.profile_steps.split(":")) if a.profile_steps else (-1, -1)
+prof = None
 for step in range(a.steps):
+    if step == first and rank == 0:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
     x = torch.randn(B, a.dense_in, generator=g)
     ids = [
         pm[torch.multinomial(pr, B * L, replacement=True, generator=g)]
@@ -224,6 +293,8 @@ for step in range(a.steps):
     y = torch.bernoulli(torch.sigmoid(logit), generator=g)
     dist.barrier()
     t = time.perf_counter()
+    timed = torch.profiler.record_function(STEP) if prof is not None else contextlib.nullcontext()
+    timed.__enter__()
     kjt = KeyedJaggedTensor(
         keys=[f"f{i}" for i in range(T)], lengths=lengths, values=torch.cat(ids)
     )
@@ -232,7 +303,16 @@ for step in range(a.steps):
     loss.backward()
     opt.step()
     dist.barrier()
+    timed.__exit__(None, None, None)
     times.append(time.perf_counter() - t)
+    if prof is not None and step == last - 1:
+        prof.__exit__(None, None, None)
+        profiled = profile_parts(prof)
+        where = a.profile_out or (a.out or "torchrec_dlrm.json").replace(".json", ".profile.json")
+        json.dump(
+            {"steps": [first, last], "config": vars(a), **profiled}, open(where, "w"), indent=1
+        )
+        prof = None
     if a.debug and rank == 0:
         print(f"step {step} loss {loss.item():.4f} time {times[-1]:.3f}s", flush=True)
 med = sorted(times[2:])[len(times[2:]) // 2]

@@ -19,6 +19,17 @@ collectives and runs most often). Per device and step:
   work between steps that the step in flight did not hide: with ``--in-flight no``
   the loss read and logging; the first traced step has none).
 
+With ``--hlo`` (the step's optimized HLO, as ``XLA_FLAGS="--xla_dump_to=DIR
+--xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"`` writes it:
+``DIR/*jit_step.cpu_after_optimizations.txt``) each thunk is also put in a part of the
+step (``PARTS``) by the ``op_name`` its HLO instruction carries (the JAX and Flax scopes
+it was traced under): collectives, the model's MLPs and interaction (forward and
+backward), the rest of its forward and backward pass, the exchange's own work on the
+ids and rows inside ``shard_map``, the scatters that sum gradient rows and update the
+tables, and the optimizer and checks outside ``shard_map``. Per device the median over
+the traced steps of each part's summed thunk time; XLA:CPU may run independent thunks
+at once, so the parts can add up to more than the program's time.
+
 The tracing slows the thunks themselves: one process on one core ran the side-by-side LM's
 step in 19.6 ms traced and 10.3-11.0 ms untraced (``BENCHMARKS.md``). Read the parts as
 shares of a traced step, and take totals from untraced runs.
@@ -86,6 +97,58 @@ class Step(NamedTuple):
     collective_ms: float
     host_ms: float | None  # None for the first traced step
     collectives: dict  # HLO name -> ms inside it (all its intervals)
+    parts: dict = {}  # part of the step (PARTS) -> ms of its thunks (with --hlo)
+
+
+def _has(*needles: str):
+    return lambda op: any(n in op for n in needles)
+
+
+#: The parts of a step, by the op_name of a thunk's HLO instruction (first match wins;
+#: a collective by its HLO name). The model's parts are named as ``models.dlrm`` and
+#: ``models.lstm_lm`` trace them (Flax module names, the interaction's einsum).
+PARTS = (
+    ("interaction (forward, backward)", _has("bfd,bgd->bfg")),
+    ("MLPs (forward, backward)", lambda op: re.search(r"/MLP_\d|/Dense_\d|/LSTM", op)),
+    ("model backward, other (pooling, concatenation)", _has("transpose(jvp(")),
+    ("model forward, other (pooling, concatenation)", _has("jvp(")),
+    ("gradient rows summed, tables updated (scatter)", _has("scatter")),
+    (
+        "exchange's local work (ids sorted, deduplicated, bucketed; rows gathered)",
+        lambda op: "shard_map" in op,
+    ),
+    ("optimizer, step checks (outside shard_map)", _has("jit(step)")),
+)
+COLLECTIVES = "collectives"
+OTHER = "other (copies, ops without a scope)"
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the ``op_name`` of its metadata (``""`` where it has
+    none), from a module's text.
+
+    Example:
+        >>> op_names('  %fusion.3 = f32[4] fusion(%p), metadata={op_name="jit(step)/mul"}')
+        {'fusion.3': 'jit(step)/mul'}
+    """
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*$", hlo_text, re.MULTILINE):
+        op = re.search(r'op_name="([^"]*)"', m.group(0))
+        out[m.group(1)] = op.group(1) if op else ""
+    return out
+
+
+def part_of(name: str, op_name: str) -> str:
+    """The part of the step (``PARTS``) a thunk of HLO instruction ``name`` belongs to.
+
+    Example:
+        >>> mlp = "jit(step)/shard_map/jvp(DLRM)/MLP_0/Dense_1/add"
+        >>> part_of("all-to-all.2", ""), part_of("fusion.1", mlp)
+        ('collectives', 'MLPs (forward, backward)')
+    """
+    if collective_kind(name):
+        return COLLECTIVES
+    return next((part for part, match in PARTS if op_name and match(op_name)), OTHER)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -115,7 +178,7 @@ def _step_module(runs: dict[tuple, list[dict]]) -> str | None:
     return count.most_common(1)[0][0] if count else None
 
 
-def _step(events: list[dict], prev_end: float | None) -> Step:
+def _step(events: list[dict], prev_end: float | None, names: dict | None = None) -> Step:
     t0 = min(e["ts"] for e in events)
     t1 = max(e["ts"] + e["dur"] for e in events)
     colls = [e for e in events if collective_kind(e["name"])]
@@ -124,12 +187,16 @@ def _step(events: list[dict], prev_end: float | None) -> Step:
         per[e["name"]] += e["dur"] / 1e3
     union = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in colls])
     host = None if prev_end is None else (t0 - prev_end) / 1e3
-    return Step(t0, (t1 - t0) / 1e3, union / 1e3, host, dict(per))
+    parts: collections.Counter = collections.Counter()
+    for e in events if names is not None else ():
+        parts[part_of(e["name"], names.get(e["name"], ""))] += e["dur"] / 1e3
+    return Step(t0, (t1 - t0) / 1e3, union / 1e3, host, dict(per), dict(parts))
 
 
-def steps_of(events: list[dict]) -> dict[str, list[Step]]:
+def steps_of(events: list[dict], names: dict | None = None) -> dict[str, list[Step]]:
     """Device -> its steps in time order (the runs of the step's program), each with the
-    host gap since the previous one."""
+    host gap since the previous one (and, given ``op_names`` of the step's HLO, its
+    thunks' time by part)."""
     runs = _runs(events)
     module = _step_module(runs)
     out: dict[str, list[Step]] = {}
@@ -140,7 +207,7 @@ def steps_of(events: list[dict]) -> dict[str, list[Step]]:
         )
         steps, prev_end = [], None
         for es in mine:
-            steps.append(_step(es, prev_end))
+            steps.append(_step(es, prev_end, names))
             prev_end = max(e["ts"] + e["dur"] for e in es)
         if steps:
             out[device] = steps
@@ -203,6 +270,11 @@ def summarize(per_rank: dict[str, list[Step]]) -> dict:
             "wait_ms": _median([s.collective_ms - t for s, t in zip(steps, transfer, strict=True)]),
             "host_ms": _median([s.host_ms for s in steps]),
         }
+        parts = sorted({p for s in steps for p in s.parts})
+        if parts:
+            ranks[rank]["parts_ms"] = {
+                p: _median([s.parts.get(p, 0.0) for s in steps]) for p in parts
+            }
     per_collective = {
         k: {
             "kind": collective_kind(k),
@@ -223,6 +295,13 @@ def markdown(summary: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for rank, r in summary["ranks"].items():
         lines.append(f"| {rank} | " + " | ".join(f"{r[c]}" for c in cols) + " |")
+    parts = [p for p, _ in PARTS] + [COLLECTIVES, OTHER]
+    if any("parts_ms" in r for r in summary["ranks"].values()):
+        lines += ["", "| part of the step (thunk ms) | " + " | ".join(summary["ranks"]) + " |"]
+        lines.append("|---" * (len(summary["ranks"]) + 1) + "|")
+        for p in parts:
+            per = [r.get("parts_ms", {}).get(p, 0.0) for r in summary["ranks"].values()]
+            lines.append(f"| {p} | " + " | ".join(f"{v}" for v in per) + " |")
     lines += ["", "| collective | kind | ms per device |", "|---|---|---|"]
     for name, c in summary["collectives"].items():
         per = ", ".join(f"{v}" for v in c["ms_per_rank"].values())
@@ -230,15 +309,17 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def profile(log_dir: Path) -> dict:
+def profile(log_dir: Path, hlo: Path | None = None) -> dict:
     """``summarize`` of every rank's trace under ``log_dir`` (a device is named by its
-    rank, or ``rank/device`` where one process drives several)."""
+    rank, or ``rank/device`` where one process drives several); with ``hlo`` (the step's
+    optimized HLO text) each step's parts too."""
     traces = rank_traces(log_dir)
     if not traces:
         raise FileNotFoundError(f"no trace under {log_dir}/trace (run with --profile-steps)")
+    names = op_names(hlo.read_text()) if hlo is not None else None
     per_device = {}
     for rank, path in sorted(traces.items()):
-        devices = steps_of(read_trace(path))
+        devices = steps_of(read_trace(path), names)
         for device, steps in devices.items():
             per_device[str(rank) if len(devices) == 1 else f"{rank}/{device}"] = steps
     return summarize(per_device)
@@ -248,9 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("log_dir", type=Path, help="the run's --log-dir (or --out's folder)")
     parser.add_argument("--out", default="", help="write the summary as JSON here")
+    parser.add_argument(
+        "--hlo",
+        type=Path,
+        help="the step's optimized HLO text (an XLA dump's *jit_step.cpu_after_optimizations"
+        ".txt): each step's thunks by part too",
+    )
     args = parser.parse_args(argv)
     try:
-        summary = profile(args.log_dir)
+        summary = profile(args.log_dir, args.hlo)
     except (FileNotFoundError, ValueError) as err:
         print(f"step_profile: {err}", file=sys.stderr)
         return 2
