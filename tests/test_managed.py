@@ -683,7 +683,7 @@ def test_the_planner_measures_raw_ids_as_mapped_and_gives_them_the_managed_layou
     mapping gives them (numpy reference: ``Vocabulary.map`` batch after batch, the
     distinct slots per worker and per (worker, owner) bucket) and takes the managed
     layout, the only one that serves it, at every bandwidth; the table of ids in range
-    never takes it, and costs as before."""
+    never takes it and is measured on its own ids as before."""
     from sparsecomm_jax import planner
     from sparsecomm_jax.comm.costmodel import Link
 
@@ -702,22 +702,26 @@ def test_the_planner_measures_raw_ids_as_mapped_and_gives_them_the_managed_layou
             distinct = max(distinct, uniq.size)
             bucket = max(bucket, int(np.bincount(uniq // 16, minlength=workers).max()))
     assert (raw.reads, raw.distinct, raw.bucket) == (8 * 3, distinct, bucket), seed
-    assert fixed.reads == 8 * 2 and fixed.vocab == 48
+    items = [np.split(b["item"], workers) for b in batches]  # the fixed table's own ids
+    assert fixed.distinct == max(np.unique(m).size for parts in items for m in parts), seed
+    assert fixed.bucket == max(
+        int(np.bincount(np.unique(m) // 12, minlength=workers).max()) for ps in items for m in ps
+    )
+    assert (fixed.reads, fixed.vocab) == (8 * 2, 48)
 
     for gbits in (0.1, 1.0, 100.0):
         link = Link.from_bandwidth(gbits)
         for plan in planner.candidate_plans(list(stats.values()), workers, link):
             layouts = plan.layouts()
-            assert layouts["raw"].name == "managed"
-            assert registry_name(layouts["fixed"]) != "managed"
-    managed_cost = planner.layout_cost(raw, "managed", workers, link, 1)
-    row_cost = planner.layout_cost(raw._replace(raw=False), "row", workers, link, 1)
-    assert (managed_cost.bytes, managed_cost.memory) == (row_cost.bytes, row_cost.memory)
+            assert maps_ids(layouts["raw"]) and not maps_ids(layouts["fixed"])
     assert not planner.serves(raw, "row") and not planner.serves(fixed, "managed")
 
 
-def registry_name(layout) -> str:
-    return layout if isinstance(layout, str) else layout.name
+def maps_ids(layout) -> bool:
+    """Whether a plan's layout (a name or a value) maps ids to rows (the managed one)."""
+    from sparsecomm_jax.embedding import layout_registry
+
+    return layout_registry.get(layout).maps_ids
 
 
 def test_raw_ids_on_too_few_slots_for_the_planner_name_the_table():
@@ -729,26 +733,35 @@ def test_raw_ids_on_too_few_slots_for_the_planner_name_the_table():
         planner.table_stats(loss, params, ["raw", "fixed"], batches, 4)
 
 
+def test_a_raw_key_that_feeds_two_tables_names_the_managed_layout():
+    """Raw ids read by two tables cannot be mapped for either: the planner says why,
+    naming the managed layout it would have given them."""
+    from sparsecomm_jax import planner
+
+    loss, params, batches = _two_tables(np.random.default_rng(0), 1)
+
+    def both(p, b, emb):
+        x = emb.lookup(p["raw"], b["user"]).sum(1) + emb.lookup(p["fixed"], b["user"]).sum(1)
+        return jnp.mean((x @ p["w"] - b["y"]) ** 2)
+
+    with pytest.raises(ValueError, match="a table of raw ids takes the managed layout.*own"):
+        planner.table_stats(both, params, ["raw", "fixed"], batches, 4)
+    with pytest.raises(ValueError, match="sample batches"):
+        planner.table_stats(loss, params, ["raw", "fixed"], [], 4)
+
+
 @pytest.mark.cli
-def test_the_planner_gives_raw_ids_managed_tables_at_the_command_line(tmp_path, capsys):
-    """``--raw-ids --plan model``: every table of raw ids planned managed, trained."""
+@pytest.mark.matrix
+@pytest.mark.parametrize("plan", ["model", "auto"])
+def test_the_planner_gives_raw_ids_managed_tables_at_the_command_line(plan, tmp_path, capsys):
+    """``--raw-ids --plan model`` (and ``auto``, which times its candidates): every
+    table of raw ids planned managed, trained."""
     import json
 
     out = tmp_path / "run.json"
-    code, lines = run_main(
-        [
-            *RAW,
-            "--strategy",
-            "embrace_rowwise",
-            "--plan",
-            "model",
-            "--steps",
-            "3",
-            "--out",
-            str(out),
-        ],
-        capsys,
-    )
+    args = [*RAW, "--strategy", "embrace_rowwise", "--plan", plan, "--steps", "3"]
+    code, lines = run_main([*args, "--out", str(out)], capsys)
     assert code == 0, lines
-    plan = json.loads(out.read_text())["config"]["plan"]
-    assert {registry_name(x) for x in plan.values()} == {"managed"}, plan
+    chosen = json.loads(out.read_text())["config"]["plan"]
+    layouts = [x if isinstance(x, str) else x["layout"] for x in chosen.values()]
+    assert layouts and all(maps_ids(x) for x in layouts), chosen

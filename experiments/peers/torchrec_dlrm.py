@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -91,13 +92,13 @@ a = p.parse_args()
 # The parts of a step, by the name of each operation torch.profiler records inside it
 # (case-insensitive, first match wins); an operation's self CPU time counts once.
 PARTS = [
-    (
-        "collectives (all-to-alls, DDP's all-reduce, their waits)",
-        r"c10d|gloo|all_?to_?all|all2all|allreduce|all_reduce|allgather|barrier|wait",
+    (  # TorchRec's input and output distributions ([..._dist]_[...]) included
+        "collectives (all-to-alls, DDP's all-reduce, their waits, the distributions)",
+        r"c10d|gloo|all_?to_?all|all2all|allreduce|all_reduce|allgather|barrier|wait|_dist\]",
     ),
     (
         "lookups, pooling, fused row update (fbgemm)",
-        r"fbgemm|split_embedding|lookup|embedding_bag|jagged|permute|splits_dist",
+        r"^\[lookup\]|fbgemm::|split_embedding|jagged",
     ),
     ("interaction (bmm, pair gather)", r"bmm|triu|aten::index|IndexBackward|interaction"),
     (
@@ -278,6 +279,8 @@ g = torch.Generator().manual_seed(rank)
 lengths = torch.full((T * B,), L)
 times = []
 first, last = (int(x) for x in a.profile_steps.split(":")) if a.profile_steps else (-1, -1)
+if a.profile_steps and not 0 <= first < last <= a.steps:
+    p.error(f"--profile-steps {a.profile_steps}: give A:B with 0 <= A < B <= --steps ({a.steps})")
 prof = None
 for step in range(a.steps):
     if step == first and rank == 0:
@@ -308,7 +311,9 @@ for step in range(a.steps):
     if prof is not None and step == last - 1:
         prof.__exit__(None, None, None)
         profiled = profile_parts(prof)
-        where = a.profile_out or (a.out or "torchrec_dlrm.json").replace(".json", ".profile.json")
+        where = a.profile_out or str(
+            Path(a.out or "torchrec_dlrm.json").with_suffix(".profile.json")
+        )
         json.dump(
             {"steps": [first, last], "config": vars(a), **profiled}, open(where, "w"), indent=1
         )

@@ -97,7 +97,7 @@ class Step(NamedTuple):
     collective_ms: float
     host_ms: float | None  # None for the first traced step
     collectives: dict  # HLO name -> ms inside it (all its intervals)
-    parts: dict = {}  # part of the step (PARTS) -> ms of its thunks (with --hlo)
+    parts: dict | None = None  # part of the step (PARTS) -> ms of its thunks (with --hlo)
 
 
 def _has(*needles: str):
@@ -190,7 +190,14 @@ def _step(events: list[dict], prev_end: float | None, names: dict | None = None)
     parts: collections.Counter = collections.Counter()
     for e in events if names is not None else ():
         parts[part_of(e["name"], names.get(e["name"], ""))] += e["dur"] / 1e3
-    return Step(t0, (t1 - t0) / 1e3, union / 1e3, host, dict(per), dict(parts))
+    return Step(
+        t0,
+        (t1 - t0) / 1e3,
+        union / 1e3,
+        host,
+        dict(per),
+        dict(parts) if names is not None else None,
+    )
 
 
 def steps_of(events: list[dict], names: dict | None = None) -> dict[str, list[Step]]:
@@ -270,10 +277,10 @@ def summarize(per_rank: dict[str, list[Step]]) -> dict:
             "wait_ms": _median([s.collective_ms - t for s, t in zip(steps, transfer, strict=True)]),
             "host_ms": _median([s.host_ms for s in steps]),
         }
-        parts = sorted({p for s in steps for p in s.parts})
+        parts = sorted({p for s in steps for p in s.parts or {}})
         if parts:
             ranks[rank]["parts_ms"] = {
-                p: _median([s.parts.get(p, 0.0) for s in steps]) for p in parts
+                p: _median([(s.parts or {}).get(p, 0.0) for s in steps]) for p in parts
             }
     per_collective = {
         k: {

@@ -68,7 +68,8 @@ def table_stats(
         bucket = max(row.bucket_slots(list(s[t.index][0]), t.vocab, workers) for s in seen)
         count = lookups.get(t.index, 1)
         table_counts = (counts or {}).get(t.name)
-        measured = {x.name: x.pricing.measure(t, seen, table_counts, workers) for x in measuring}
+        mine = measuring if t.index not in raw else []  # a raw table: managed alone serves it
+        measured = {x.name: x.pricing.measure(t, seen, table_counts, workers) for x in mine}
         measured = {k: v for k, v in measured.items() if v is not None}
         stats.append(
             TableStats(
@@ -102,6 +103,9 @@ def raw_mapped(
     A table reads raw ids where a batch key that feeds it directly (its values are the
     ids, ``access.key_tables``) holds an id of V or more in some sample batch; a
     negative id is a padding read of a zero row, as everywhere in a fixed vocabulary.
+    Found from the sample alone: a table of raw ids whose sample ids all lie below V is
+    not found (give it the managed layout by ``table_layouts`` or ``--plan``), and an id
+    of V in a fixed vocabulary (an off-by-one in the data) makes its table raw.
 
     Args:
       loss_fn: ``loss_fn(params, batch, emb)``.
@@ -114,8 +118,12 @@ def raw_mapped(
       ``(batches, raw)``: ``batches`` themselves where no table reads raw ids.
 
     Raises:
-      ValueError: a table of raw ids whose V slots cannot be split into P blocks.
+      ValueError: no sample batch; a table of raw ids whose V slots cannot be split
+        into P blocks, or whose ids a managed table cannot take (a key that also feeds
+        another table, ids the loss computes, ids that are no integers).
     """
+    if not batches:
+        raise ValueError("the planner measures the tables on sample batches: give at least one")
 
     def reads(batch: dict, direct: bool) -> dict:
         return access.key_tables(loss_fn, params, batch, mask, direct)
@@ -132,9 +140,9 @@ def raw_mapped(
         return list(batches), raw
     try:
         mapping = managed.Vocabularies([t for t in tables if t.index in raw], workers, reads)
+        return [mapping.map_batch(b)[0] for b in batches], raw
     except ValueError as e:
         raise ValueError(f"a table of raw ids takes the managed layout: {e}") from None
-    return [mapping.map_batch(b)[0] for b in batches], raw
 
 
 def _reads_per_table(loss_fn, params, batch, mask) -> tuple[dict[int, int], set[int]]:
