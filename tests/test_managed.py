@@ -724,6 +724,21 @@ def maps_ids(layout) -> bool:
     return layout_registry.get(layout).maps_ids
 
 
+def test_negative_raw_ids_alone_make_a_table_raw():
+    """Raw ids that happen to be all negative in the sample lie outside [0, V) too (a
+    fixed vocabulary's step refuses them): the table is raw and planned managed."""
+    from sparsecomm_jax import planner
+    from sparsecomm_jax.comm.costmodel import Link
+
+    loss, params, batches = _two_tables(np.random.default_rng(), 2)
+    for b in batches:
+        b["user"] = -np.abs(b["user"]) - 1  # every raw id negative
+    stats = planner.table_stats(loss, params, ["raw", "fixed"], batches, 4)
+    assert [s.raw for s in stats] == [False, True]  # leaf order: fixed, raw, w
+    plan = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0))
+    assert maps_ids(plan.layouts()["raw"]) and not maps_ids(plan.layouts()["fixed"])
+
+
 def test_raw_ids_on_too_few_slots_for_the_planner_name_the_table():
     from sparsecomm_jax import planner
 

@@ -101,11 +101,11 @@ def raw_mapped(
     (``embedding.managed.Vocabularies``, its default policy), and those tables' indices.
 
     A table reads raw ids where a batch key that feeds it directly (its values are the
-    ids, ``access.key_tables``) holds an id of V or more in some sample batch; a
-    negative id is a padding read of a zero row, as everywhere in a fixed vocabulary.
-    Found from the sample alone: a table of raw ids whose sample ids all lie below V is
-    not found (give it the managed layout by ``table_layouts`` or ``--plan``), and an id
-    of V in a fixed vocabulary (an off-by-one in the data) makes its table raw.
+    ids, ``access.key_tables``) holds an id outside ``[0, V)`` in some sample batch
+    (a fixed vocabulary's step refuses such ids: they can only be raw). Found from the
+    sample alone: a table of raw ids whose sample ids all lie in ``[0, V)`` is not found
+    (give it the managed layout by ``table_layouts`` or ``--plan``), and an id of V in a
+    fixed vocabulary (an off-by-one in the data) makes its table raw.
 
     Args:
       loss_fn: ``loss_fn(params, batch, emb)``.
@@ -134,7 +134,7 @@ def raw_mapped(
         i
         for key, fed in direct.items()
         for i in fed
-        if any(np.asarray(b[key]).size and np.max(b[key]) >= vocab[i] for b in batches)
+        if any(_outside(np.asarray(b[key]), vocab[i]) for b in batches)
     }
     if not raw:
         return list(batches), raw
@@ -143,6 +143,11 @@ def raw_mapped(
         return [mapping.map_batch(b)[0] for b in batches], raw
     except ValueError as e:
         raise ValueError(f"a table of raw ids takes the managed layout: {e}") from None
+
+
+def _outside(ids: np.ndarray, vocab: int) -> bool:
+    """Whether some of ``ids`` lies outside ``[0, vocab)``."""
+    return bool(ids.size) and (ids.min() < 0 or ids.max() >= vocab)
 
 
 def _reads_per_table(loss_fn, params, batch, mask) -> tuple[dict[int, int], set[int]]:
