@@ -59,6 +59,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from sparsecomm_jax.comm.hlo import op_names
+
 KINDS = {  # an HLO name's prefix -> its collective kind
     "all-to-all": "all-to-all",
     "all_to_all": "all-to-all",
@@ -121,21 +123,6 @@ PARTS = (
 )
 COLLECTIVES = "collectives"
 OTHER = "other (copies, ops without a scope)"
-
-
-def op_names(hlo_text: str) -> dict[str, str]:
-    """HLO instruction name -> the ``op_name`` of its metadata (``""`` where it has
-    none), from a module's text.
-
-    Example:
-        >>> op_names('  %fusion.3 = f32[4] fusion(%p), metadata={op_name="jit(step)/mul"}')
-        {'fusion.3': 'jit(step)/mul'}
-    """
-    out = {}
-    for m in re.finditer(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*$", hlo_text, re.MULTILINE):
-        op = re.search(r'op_name="([^"]*)"', m.group(0))
-        out[m.group(1)] = op.group(1) if op else ""
-    return out
 
 
 def part_of(name: str, op_name: str) -> str:
@@ -202,7 +189,7 @@ def _step(events: list[dict], prev_end: float | None, names: dict | None = None)
 
 def steps_of(events: list[dict], names: dict | None = None) -> dict[str, list[Step]]:
     """Device -> its steps in time order (the runs of the step's program), each with the
-    host gap since the previous one (and, given ``op_names`` of the step's HLO, its
+    host gap since the previous one (and, given ``comm.hlo.op_names`` of the step's HLO, its
     thunks' time by part)."""
     runs = _runs(events)
     module = _step_module(runs)

@@ -247,6 +247,26 @@ class Instruction(NamedTuple):
     op_name: str
 
 
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def op_names(text: str) -> dict[str, str]:
+    """Instruction name -> the JAX op path of its metadata (``""`` where it has none),
+    for every instruction of every computation of a module's text (a profiler's thunk
+    is named by its instruction).
+
+    Example:
+        >>> op_names('  %fusion.3 = f32[4] fusion(%p), metadata={op_name="jit(step)/mul"}')
+        {'fusion.3': 'jit(step)/mul'}
+    """
+    out = {}
+    for line in text.splitlines():
+        if m := _INSTR.match(line):
+            meta = _OP_NAME.search(m.group(2))
+            out[m.group(1)] = meta.group(1) if meta else ""
+    return out
+
+
 def entry_instructions(text: str) -> list[Instruction]:
     """The entry computation's instructions in the order the scheduled module lists
     them (the execution order on CPU)."""
@@ -261,7 +281,7 @@ def entry_instructions(text: str) -> list[Instruction]:
         if not op:
             continue
         rest = m.group(2)[op.end() :]
-        meta = re.search(r'op_name="([^"]*)"', rest)
+        meta = _OP_NAME.search(rest)
         refs = tuple(re.findall(r"%([\w.\-]+)", rest.split("), ", 1)[0]))
         out.append(Instruction(m.group(1), op.group(1), refs, meta.group(1) if meta else ""))
     return out
