@@ -724,6 +724,40 @@ def maps_ids(layout) -> bool:
     return layout_registry.get(layout).maps_ids
 
 
+def test_a_planned_step_trains_raw_ids_as_the_managed_layout_given_by_hand():
+    """A user's path: the planner's layouts into ``make_train_step``, raw ids placed
+    and stepped; the losses equal those of the same step with the managed layout given
+    by hand for the raw table (and the plan's layout for the other)."""
+    from sparsecomm_jax import planner
+    from sparsecomm_jax.comm.costmodel import Link
+
+    loss, params, batches = _two_tables(np.random.default_rng(), 4)
+    params["w"] = jnp.ones(4)
+    stats = planner.table_stats(loss, params, ["raw", "fixed"], batches[:2], 4)
+    layouts = planner.plan_tables(stats, 4, Link.from_bandwidth(1.0)).layouts()
+    by_hand = {"raw": managed.MANAGED, "fixed": layouts["fixed"]}
+
+    def losses(table_layouts) -> list[float]:
+        ts = make_train_step(
+            loss,
+            optax.adagrad(0.1),
+            runtime.data_mesh(4),
+            params,
+            "embrace_rowwise",
+            embedding_paths=["raw", "fixed"],
+            table_layouts=table_layouts,
+            table_update="rows",
+        )
+        state, out = ts.state, []
+        for b in batches:
+            state, value = ts.step(state, ts.place_batch(b))
+            out.append(float(value))
+        return out
+
+    planned = losses(layouts)
+    assert planned == losses(by_hand) and all(np.isfinite(planned)), planned
+
+
 def test_negative_raw_ids_alone_make_a_table_raw():
     """Raw ids that happen to be all negative in the sample lie outside [0, V) too (a
     fixed vocabulary's step refuses them): the table is raw and planned managed."""
