@@ -3,6 +3,9 @@ reference of the same policy, step by step, and a sharded step with managed tabl
 against a numpy reference of the rows and the optimizer state."""
 
 import collections
+import shutil
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +97,19 @@ def stream(rng, steps: int, batch: int, distinct: int, exponent: float) -> list[
     return [rng.choice(values, size=batch, p=weights) for _ in range(steps)]
 
 
+COMPILER = shutil.which("c++") or shutil.which("g++")
+#: Both ways a ``Vocabulary`` maps: numpy, and the compiled kernel where it can be built.
+BACKENDS = [
+    pytest.param(False, id="numpy"),
+    pytest.param(
+        True,
+        id="kernel",
+        marks=pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on this machine"),
+    ),
+]
+
+
+@pytest.mark.parametrize("kernel", BACKENDS)
 @pytest.mark.parametrize(
     "eviction,threshold,workers,slots",
     [
@@ -106,11 +122,12 @@ def stream(rng, steps: int, batch: int, distinct: int, exponent: float) -> list[
         ("lfu+compete", 2, 4, 32),
     ],
 )
-def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, slots):
+def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, slots, kernel):
     rng = np.random.default_rng(slots)
     kind, _, compete = eviction.partition("+")
     policy = Policy(kind, threshold, compete=bool(compete))
-    vocab, ref = Vocabulary(slots, 3, workers, policy), Reference(slots, workers, policy)
+    vocab = Vocabulary(slots, 3, workers, policy, kernel=kernel)
+    ref = Reference(slots, workers, policy)
     evicted = 0
     for ids in stream(rng, steps=40, batch=30, distinct=120, exponent=1.1):
         got, fresh = vocab.map(ids)
@@ -133,6 +150,64 @@ def test_mapping_matches_the_reference_every_step(eviction, threshold, workers, 
             == ref.pending
         )
     assert evicted == int(vocab.state.evictions) == ref.evictions > 0  # the slots filled
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize(
+    "policy",
+    [Policy("lru"), Policy("lfu"), Policy("lfu", 2), Policy("lfu", compete=True), Policy("lru", 3)],
+    ids=["lru", "lfu", "lfu-K2", "lfu-compete", "lru-K3"],
+)
+def test_the_kernel_maps_a_long_stream_as_numpy_does(policy):
+    """Thousands of evictions (the kernel's index deletes and re-inserts ids all along),
+    more waiting ids than slots, and the mappings read back batches ago."""
+    rng = np.random.default_rng(7)
+    numpy_, kernel = (Vocabulary(400, 2, 4, policy, kernel=k) for k in (False, True))
+    for ids in stream(rng, steps=60, batch=256, distinct=5000, exponent=0.9):
+        (a, fa), (b, fb) = numpy_.map(ids), kernel.map(ids)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(fa.slots, fb.slots)
+        np.testing.assert_array_equal(fa.rows, fb.rows)
+        assert fa.evicted == fb.evicted
+    for at in range(57, 61):
+        for x, y in zip(numpy_.state_at(at), kernel.state_at(at), strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert int(kernel.state.evictions) > 300 or policy.threshold > 1
+    assert int(kernel.state.waiting) == 400 or policy.threshold == 1  # the cap reached
+    absent = np.setdiff1d(rng.integers(-(2**63), 2**63 - 1, 1000), kernel.state.ids)
+    assert (kernel.slot_of(absent) == -1).all()
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on this machine")
+def test_the_kernel_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """Skewed streams with evictions, waiting ids past the cap, one worker and eight,
+    extreme ids and empty batches under the sanitizers: no report, and the index agrees
+    with the slots after every batch."""
+    from sparsecomm_jax.embedding import mapkernel
+
+    driver = tmp_path / "driver"
+    flags = ["-O1", "-g", "-std=c++17", "-fsanitize=address,undefined"]
+    flags += ["-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    sources = [str(Path(__file__).with_name("managed_kernel_driver.cc")), str(mapkernel.SOURCE)]
+    subprocess.run([COMPILER, *flags, *sources, "-o", str(driver)], check=True)
+    done = subprocess.run([str(driver)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_without_a_compiler_the_mapping_runs_in_numpy_and_says_so(monkeypatch):
+    from sparsecomm_jax.embedding import mapkernel
+    from sparsecomm_jax.topk import hostkernel
+
+    build = hostkernel.build  # with a compiler that fails
+    monkeypatch.setattr(hostkernel, "build", lambda **kw: build(compiler="false", **kw))
+    with pytest.warns(UserWarning, match="host kernel is not used.*mapped to slots by numpy"):
+        assert mapkernel._library.__wrapped__() is None
+    monkeypatch.setattr(mapkernel, "_library", lambda: None)
+    vocab = Vocabulary(16, 2, 2)
+    assert not vocab.kernel and vocab.map(np.array([3, -3]))[0].tolist() == [1, 9]
+    with pytest.raises(RuntimeError, match="cannot be built here"):
+        Vocabulary(16, 2, 2, kernel=True)
 
 
 def test_distinct_ids_never_share_a_slot_while_they_fit():

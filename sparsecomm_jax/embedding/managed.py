@@ -27,7 +27,9 @@ a batch is placed:
   owner more new ids than it can place, those of most reads (then lowest value) are
   admitted and the others keep waiting, reading the zero row.
 
-The step itself is the row-wise layout's on the slot numbers (the trio of
+``Vocabulary.map`` runs in the compiled kernel of ``embedding.mapkernel`` where a C++
+compiler is found, else in numpy: the same slots to the tie. The step itself is the
+row-wise layout's on the slot numbers (the trio of
 ``embedding.row``): the ids become slots on the host (``Vocabularies.map_batch``; the
 model sees slot numbers in those batch keys, so it must read them through ``emb``
 only: a mask computed from the id values would see slots), and the rows to start
@@ -64,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sparsecomm_jax.embedding import row
+from sparsecomm_jax.embedding import mapkernel, row
 from sparsecomm_jax.embedding.layout import Layout, grow_with_margin, next_power_of_two
 from sparsecomm_jax.embedding.row_optimizers import DROP, state_roles
 from sparsecomm_jax.embedding.tables import table_name
@@ -297,6 +299,8 @@ class Vocabulary:
       policy: its ``Policy``.
       state: a saved ``VocabState`` to start from (``None``: empty).
       name: the table's name, for errors.
+      kernel: map with the compiled host kernel (``embedding.mapkernel``): ``None``
+        where it can be built, ``False`` in numpy (the same slots, slower).
     """
 
     def __init__(
@@ -307,12 +311,16 @@ class Vocabulary:
         policy: Policy = DEFAULT,
         state: VocabState | None = None,
         name: str = "the table",
+        kernel: bool | None = None,
     ):
         self.blocks = Blocks(int(slots), int(workers))
         self.blocks.check(name)
         self.dim, self.policy, self.name = int(dim), policy.checked(), name
         scale = policy.init_scale
         self.scale = 1 / math.sqrt(slots) if scale is None else float(scale)
+        self.kernel = mapkernel.available() if kernel is None else bool(kernel)
+        if self.kernel and not mapkernel.available():
+            raise RuntimeError("the managed tables' host kernel cannot be built here")
         state = VocabState.empty(slots) if state is None else _copy(state)
         if state.ids.shape != (slots,) or state.pending.shape != (slots,):
             raise ValueError(
@@ -320,22 +328,33 @@ class Vocabulary:
                 f"slots; the table has {slots}"
             )
         waiting = int(state.waiting)  # held in memory without the padding
-        self._state = state._replace(pending=state.pending[:waiting], seen=state.seen[:waiting])
+        self._state = state._replace(
+            ids=np.ascontiguousarray(state.ids, np.int64),  # (the kernel writes them)
+            used=np.ascontiguousarray(state.used, bool),
+            score=np.ascontiguousarray(state.score, np.int64),
+            pending=state.pending[:waiting],
+            seen=state.seen[:waiting],
+        )
         self._journal: list[_Undo] = []  # what the last batches changed, oldest first
         self._lock = threading.RLock()  # a loop maps on a host thread while it saves
         self._index()
 
     def _index(self) -> None:
-        """The admitted ids ascending, with their slots (for ``np.searchsorted``)."""
+        """The admitted ids with their slots: a ``mapkernel.HashIndex`` for the kernel,
+        else ascending (for ``np.searchsorted``); the slots taken in each block."""
         held = np.flatnonzero(self._state.used)
-        order = np.argsort(self._state.ids[held], kind="stable")
-        self._keys, self._slots = self._state.ids[held][order], held[order]
+        if self.kernel:
+            self._hash = mapkernel.HashIndex.of(self._state.ids[held], held, self.blocks.slots)
+        else:
+            order = np.argsort(self._state.ids[held], kind="stable")
+            self._keys, self._slots = self._state.ids[held][order], held[order]
         size = self.blocks.size
         self._filled = np.array(
             [
                 self._state.used[w * size + 1 : (w + 1) * size].sum()
                 for w in range(self.blocks.workers)
-            ]
+            ],
+            np.int64,
         )
 
     def state_at(self, steps: int) -> VocabState:
@@ -388,6 +407,8 @@ class Vocabulary:
             return self._slot_of(ids)
 
     def _slot_of(self, ids: np.ndarray) -> np.ndarray:
+        if self.kernel:
+            return self._hash.find(ids)
         pos = np.minimum(np.searchsorted(self._keys, ids), max(self._keys.size - 1, 0))
         hit = self._keys.size > 0
         found = hit & (self._keys[pos] == ids) if hit else np.zeros(ids.shape, bool)
@@ -409,7 +430,9 @@ class Vocabulary:
             if steps is None or steps == int(self._state.steps):
                 return self
             then = self._state_at(steps)
-        return Vocabulary(self.blocks.slots, self.dim, self.blocks.workers, self.policy, then)
+        return Vocabulary(
+            self.blocks.slots, self.dim, self.blocks.workers, self.policy, then, kernel=self.kernel
+        )
 
     def map(self, ids: Any) -> tuple[np.ndarray, Fresh]:
         """Admits, evicts and maps the ids of one batch (every read of the table).
@@ -426,6 +449,8 @@ class Vocabulary:
             return self._map(ids)
 
     def _map(self, ids: np.ndarray) -> tuple[np.ndarray, Fresh]:
+        if self.kernel:
+            return self._map_kernel(ids)
         s, blocks = self._state, self.blocks
         steps = int(s.steps) + 1
         uniq, inverse, reads = np.unique(ids.reshape(-1), return_inverse=True, return_counts=True)
@@ -488,19 +513,52 @@ class Vocabulary:
             evictions=np.int64(int(s.evictions) + evicted),
         )
         mapped = self.lookup(uniq)
-        zero = blocks.first()
-        fresh = Fresh(
-            np.concatenate([zero, slots_in]),
-            np.concatenate(
-                [
-                    np.zeros((zero.size, self.dim), np.float32),
-                    initial_rows(ids_in, self.dim, self.scale),
-                ]
-            ),
-            evicted,
-            ids.size + zero.size,
+        return mapped[inverse].reshape(ids.shape), self._fresh(slots_in, ids_in, evicted, ids.size)
+
+    def _map_kernel(self, ids: np.ndarray) -> tuple[np.ndarray, Fresh]:
+        """``_map`` by the compiled kernel (``mapkernel.map_ids``): the same slots."""
+        s, blocks, policy = self._state, self.blocks, self.policy
+        steps = int(s.steps) + 1
+        config = (
+            *blocks,
+            blocks.size,
+            policy.eviction == "lfu",
+            policy.threshold,
+            policy.compete,
+            steps,
+            SCORE_LIMIT // blocks.size - 2,
         )
-        return mapped[inverse].reshape(ids.shape), fresh
+        got = mapkernel.map_ids(self._hash, s, self._filled, config, ids.reshape(-1))
+        undo = _Undo(
+            got.read,
+            got.scores,
+            s.pending,
+            s.seen,
+            s.steps,
+            s.evictions,
+            (got.taken, got.old_ids, got.old_used, got.old_score),
+        )
+        self._journal = [*self._journal[1 - JOURNAL :], undo]
+        self._state = s._replace(
+            pending=got.pending,
+            seen=got.seen,
+            steps=np.int64(steps),
+            evictions=np.int64(int(s.evictions) + got.evicted),
+        )
+        fresh = self._fresh(got.taken, got.taken_ids, got.evicted, ids.size)
+        return got.slots.reshape(ids.shape), fresh
+
+    def _fresh(self, slots: np.ndarray, ids: np.ndarray, evicted: int, reads: int) -> Fresh:
+        """The ``Fresh`` of a batch of ``reads`` reads whose new ``ids`` took ``slots``:
+        the zero rows first."""
+        zero = self.blocks.first()
+        rows = [
+            np.zeros((zero.size, self.dim), np.float32),
+            initial_rows(ids, self.dim, self.scale),
+        ]
+        return Fresh(
+            np.concatenate([zero, slots]), np.concatenate(rows), evicted, reads + zero.size
+        )
 
     def _candidates(self, worker: int, read: np.ndarray, wanted: int) -> np.ndarray:
         """The first ``wanted`` slots of ``worker``'s block in the order new ids take

@@ -79,12 +79,12 @@ def _compiler(compiler: str | None) -> str:
     return cxx
 
 
-def library_path(compiler: str | None = None) -> Path:
-    """Where the kernel built from this source with ``compiler`` lives in the cache (a
-    name from the source's and the flags' digest)."""
+def library_path(compiler: str | None = None, source: Path = SOURCE) -> Path:
+    """Where the kernel built from ``source`` (default the top-k kernel's) with
+    ``compiler`` lives in the cache (a name from the source's and the flags' digest)."""
     cxx = _compiler(compiler)
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cxx, *FLAGS)).encode())
-    return cache_dir() / f"topk_kernel-{digest.hexdigest()[:16]}.so"
+    digest = hashlib.sha256(source.read_bytes() + " ".join((cxx, *FLAGS)).encode())
+    return cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
 def _digest(path: Path) -> str:
@@ -106,24 +106,27 @@ def intact(lib: Path) -> bool:
     return record.read_text().strip() == _digest(lib)
 
 
-def build(compiler: str | None = None) -> Path:
-    """The kernel's library in the private cache: the one built before when it is intact
-    (``intact``), else compiled now (a damaged or foreign file is replaced).
+def build(compiler: str | None = None, source: Path = SOURCE) -> Path:
+    """The library of the kernel ``source`` (default the top-k kernel's) in the private
+    cache: the one built before when it is intact (``intact``), else compiled now (a
+    damaged or foreign file is replaced).
 
     Raises:
       RuntimeError: no C++ compiler on PATH (set ``CXX``) or the compilation failed.
       KernelCacheError: the cache folder is not private.
     """
     cxx = _compiler(compiler)
-    lib = library_path(cxx)
+    lib = library_path(cxx, source)
     private_dir(lib.parent)
     if intact(lib):
         return lib
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # atomic: build, then rename
         out = Path(tmp) / lib.name
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True)
+        done = subprocess.run([cxx, *FLAGS, str(source), "-o", str(out)], capture_output=True)
         if done.returncode:
-            raise RuntimeError(f"building the top-k host kernel failed: {done.stderr[-500:]!r}")
+            raise RuntimeError(
+                f"building the host kernel {source.name} failed: {done.stderr[-500:]!r}"
+            )
         out.chmod(0o700)
         record = Path(tmp) / "digest"
         record.write_text(_digest(out))
