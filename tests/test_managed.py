@@ -195,6 +195,29 @@ def test_the_kernel_under_address_and_undefined_behaviour_sanitizers(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on this machine")
+@pytest.mark.parametrize("reads", [10, 10**15], ids=["counted", "selected"])
+def test_the_kernel_keeps_the_most_read_waiting_ids_as_numpy_does(reads):
+    """Over the cap of N waiting ids, with read counts small enough to count and large
+    enough that the kernel selects instead: the same ids wait, ties to the lower id."""
+    rng = np.random.default_rng(reads % 97)
+    policy = Policy("lfu", threshold=2**62)  # nobody is admitted
+    for _ in range(30):  # read counts drawn from a few values: the cut falls on ties
+        slots = int(rng.integers(8, 40))
+        waiting = np.sort(rng.choice(10**6, slots, replace=False)).astype(np.int64)
+        seen = np.where(rng.random(slots) < 0.5, 1, reads + rng.integers(0, 3, slots))
+        state = managed.VocabState.empty(slots)
+        state = state._replace(pending=waiting, seen=seen, waiting=np.int64(slots))
+        both = [Vocabulary(slots, 2, 2, policy, state, kernel=k) for k in (False, True)]
+        fresh = rng.choice(np.arange(-(10**6), 10**6), 2 * slots)
+        ids = np.concatenate([rng.choice(waiting, slots // 4), fresh, fresh[: slots // 2]])
+        for vocab in both:
+            vocab.map(ids)
+        for x, y in zip(*(v.state for v in both), strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert int(both[1].state.waiting) == slots
+
+
 def test_without_a_compiler_the_mapping_runs_in_numpy_and_says_so(monkeypatch):
     from sparsecomm_jax.embedding import mapkernel
     from sparsecomm_jax.topk import hostkernel

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace {
@@ -133,6 +134,35 @@ void candidates(const Config& c, int64_t w, int64_t wanted, const uint8_t* used,
   for (int64_t k = 0; k < take; ++k) out.push_back(lo + rank[k] % c.size);
 }
 
+// Keeps, of `m` waiting ids (ascending) and their reads, the `cap` most read (ties to
+// the lower id), in place and still ascending; returns `cap`. T, the reads of the
+// cap-th id in that order, is found from the counts of each read count (or by
+// selection where the counts run high): every id read more than T stays, and of those
+// read T times the first in id order, as many as are left.
+int64_t keep_most_read(int64_t* pending, int64_t* seen, int64_t m, int64_t cap) {
+  auto [least, most] = std::minmax_element(seen, seen + m);
+  int64_t t = 0, above = 0;
+  if (*least >= 0 && *most <= 4 * m) {
+    std::vector<int64_t> count(*most + 1, 0);
+    for (int64_t k = 0; k < m; ++k) count[seen[k]] += 1;
+    for (t = *most; above + count[t] < cap; --t) above += count[t];
+  } else {
+    std::vector<int64_t> values(seen, seen + m);
+    std::nth_element(values.begin(), values.begin() + (cap - 1), values.end(),
+                     std::greater<int64_t>());
+    t = values[cap - 1];
+    for (int64_t k = 0; k < m; ++k) above += seen[k] > t;
+  }
+  int64_t ties = cap - above, out = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    if (seen[k] > t || (seen[k] == t && ties-- > 0)) {
+      pending[out] = pending[k];
+      seen[out++] = seen[k];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
@@ -237,33 +267,23 @@ void sparsecomm_vocab_map(const int64_t* config, int64_t* ids_s, uint8_t* used,
     if (slot[k] < 0) wait.emplace_back(uniq[k], total[k]);
   }
   std::sort(wait.begin(), wait.end());
-  std::vector<std::pair<int64_t, int64_t>> merged;
-  merged.reserve(npending + wait.size());
+  int64_t m = 0;  // merged, ascending, into the outputs
   size_t j = 0;
   for (int64_t p = 0; p < npending; ++p) {
-    while (j < wait.size() && wait[j].first < pending[p]) merged.push_back(wait[j++]);
-    if (!now[p]) merged.emplace_back(pending[p], seen[p]);
+    for (; j < wait.size() && wait[j].first < pending[p]; ++j, ++m) {
+      pending_out[m] = wait[j].first;
+      seen_out[m] = wait[j].second;
+    }
+    if (!now[p]) {
+      pending_out[m] = pending[p];
+      seen_out[m++] = seen[p];
+    }
   }
-  while (j < wait.size()) merged.push_back(wait[j++]);
-  if (static_cast<int64_t>(merged.size()) > c.slots) {  // the most read wait on
-    std::vector<int64_t> order(merged.size());
-    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-    std::nth_element(order.begin(), order.begin() + c.slots, order.end(),
-                     [&](int64_t a, int64_t b) {
-                       return merged[a].second != merged[b].second
-                                  ? merged[a].second > merged[b].second
-                                  : merged[a].first < merged[b].first;
-                     });
-    order.resize(c.slots);
-    std::sort(order.begin(), order.end());
-    std::vector<std::pair<int64_t, int64_t>> kept;
-    for (int64_t k : order) kept.push_back(merged[k]);
-    merged.swap(kept);
+  for (; j < wait.size(); ++j, ++m) {
+    pending_out[m] = wait[j].first;
+    seen_out[m] = wait[j].second;
   }
-  for (size_t k = 0; k < merged.size(); ++k) {
-    pending_out[k] = merged[k].first;
-    seen_out[k] = merged[k].second;
-  }
+  if (m > c.slots) m = keep_most_read(pending_out, seen_out, m, c.slots);
   for (int64_t r = 0; r < n; ++r) {
     int64_t k = inverse[r];
     int64_t s = slot[k] >= 0
@@ -273,7 +293,7 @@ void sparsecomm_vocab_map(const int64_t* config, int64_t* ids_s, uint8_t* used,
   }
   counts[0] = nread;
   counts[1] = ntaken;
-  counts[2] = merged.size();
+  counts[2] = m;
   counts[3] = evicted;
 }
 

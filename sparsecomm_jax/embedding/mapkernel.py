@@ -166,7 +166,7 @@ def map_ids(index: HashIndex, state, filled: np.ndarray, config: tuple, ids: np.
         old_ids[:k],
         old_used[:k],
         old_score[:k],
-        pending_out[:w].copy(),
-        seen_out[:w].copy(),
+        pending_out[:w],
+        seen_out[:w],
         evicted,
     )
