@@ -218,6 +218,41 @@ def test_the_kernel_keeps_the_most_read_waiting_ids_as_numpy_does(reads):
         assert int(both[1].state.waiting) == slots
 
 
+def _saved(slots=16, workers=2):
+    vocab = Vocabulary(slots, 2, workers, Policy("lfu", 2))
+    for ids in stream(np.random.default_rng(3), steps=6, batch=20, distinct=40, exponent=1.0):
+        vocab.map(ids)
+    return vocab.state
+
+
+def _held(state, k):
+    return int(np.flatnonzero(state.used)[k])
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda s: s._replace(score=s.score[:4]), "score is int64.4."),
+        (lambda s: s._replace(seen=s.seen[:3]), "seen is int64.3."),
+        (lambda s: s._replace(used=s.used.astype(np.float32)), "used is float32"),
+        (lambda s: s.score.__setitem__(_held(s, 0), -5) or s, "negative"),
+        (lambda s: s.used.__setitem__(0, True) or s, "out of order"),
+        (lambda s: s.used.__setitem__(_held(s, 0), False) or s, "out of order"),
+        (lambda s: s.ids.__setitem__(_held(s, 1), s.ids[_held(s, 0)]) or s, "held in two"),
+        (lambda s: s._replace(pending=s.pending[::-1].copy()), "ascending"),
+        (lambda s: s._replace(waiting=np.int64(17)), "at most 16"),
+    ],
+)
+def test_a_saved_mapping_the_table_cannot_have_written_is_refused(damage, message):
+    """A damaged or hand-written checkpoint never reaches the mapping (the kernel would
+    read and write past its arrays): one error naming what is wrong."""
+    state = _saved()
+    assert int(state.waiting) > 1 and int(state.used.sum()) > 1  # the damage lands
+    Vocabulary(16, 2, 2, Policy("lfu", 2), state)  # intact: accepted
+    with pytest.raises(ValueError, match=message):
+        Vocabulary(16, 2, 2, Policy("lfu", 2), damage(state))
+
+
 def test_without_a_compiler_the_mapping_runs_in_numpy_and_says_so(monkeypatch):
     from sparsecomm_jax.embedding import mapkernel
     from sparsecomm_jax.topk import hostkernel

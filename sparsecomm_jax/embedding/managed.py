@@ -271,6 +271,37 @@ class VocabState(NamedTuple):
         return cls(zeros(), zeros(bool), zeros(), zeros(), zeros(), *(np.int64(0),) * 3)
 
 
+def check_state(state: VocabState, blocks: Blocks) -> str:
+    """What makes ``state`` a mapping no table of ``blocks`` saves ("": nothing), as a
+    checkpoint written by hand or damaged could hold: fields of N integers (``used``
+    booleans), each block's ids in its first slots after its zero row (as ``map`` and
+    ``rehash`` place them), no id held twice, scores and read counts >= 0, at most N
+    waiting ids, ascending."""
+    n = blocks.slots
+    for field in ("ids", "used", "score", "pending", "seen"):
+        value = np.asarray(getattr(state, field))
+        kind = np.bool_ if field == "used" else np.integer
+        if value.shape != (n,) or not np.issubdtype(value.dtype, kind):
+            return f"{field} is {value.dtype}{list(value.shape)}; the table has {n} slots"
+    used, ids = np.asarray(state.used, bool), np.asarray(state.ids)
+    for w, lo in enumerate(blocks.first()):
+        rest = used[lo + 1 : min(lo + blocks.size, n)].astype(np.int8)
+        if used[lo] or (np.diff(rest) > 0).any():  # used slots first, then free ones
+            return (
+                f"worker {w}'s block holds ids out of order (its zero row, or a slot after "
+                "a free one): a mapping saved on other workers is restored through rehash"
+            )
+    if np.unique(ids[used]).size != int(used.sum()):
+        return "an id is held in two slots"
+    waiting = int(state.waiting)
+    pending, seen = np.asarray(state.pending)[:waiting], np.asarray(state.seen)[:waiting]
+    if (np.asarray(state.score)[used] < 0).any() or (seen < 0).any():
+        return "a score or a read count is negative"
+    if not 0 <= waiting <= n or (np.diff(pending) <= 0).any():
+        return f"its {waiting} waiting ids are not at most {n}, ascending"
+    return ""
+
+
 class Fresh(NamedTuple):
     """The slots a step starts afresh, before its program reads them.
 
@@ -289,8 +320,8 @@ class Fresh(NamedTuple):
 
 
 class Vocabulary:
-    """The id-to-slot mapping of one managed table (host, numpy), advanced batch by
-    batch in step order (``map``).
+    """The id-to-slot mapping of one managed table (on the host: the compiled kernel of
+    ``embedding.mapkernel``, or numpy), advanced batch by batch in step order (``map``).
 
     Args:
       slots: N, the table's rows.
@@ -300,7 +331,12 @@ class Vocabulary:
       state: a saved ``VocabState`` to start from (``None``: empty).
       name: the table's name, for errors.
       kernel: map with the compiled host kernel (``embedding.mapkernel``): ``None``
-        where it can be built, ``False`` in numpy (the same slots, slower).
+        where it can be built, ``False`` in numpy (the same slots, slower), ``True``
+        always (``RuntimeError`` where it cannot be built).
+
+    Raises:
+      ValueError: ``slots`` too few for ``workers``, or a ``state`` this table cannot
+        have saved (``check_state``).
     """
 
     def __init__(
@@ -322,18 +358,15 @@ class Vocabulary:
         if self.kernel and not mapkernel.available():
             raise RuntimeError("the managed tables' host kernel cannot be built here")
         state = VocabState.empty(slots) if state is None else _copy(state)
-        if state.ids.shape != (slots,) or state.pending.shape != (slots,):
-            raise ValueError(
-                f"the saved mapping of managed table {name} holds {state.ids.shape[0]} "
-                f"slots; the table has {slots}"
-            )
+        if problem := check_state(state, self.blocks):
+            raise ValueError(f"the saved mapping of managed table {name}: {problem}")
         waiting = int(state.waiting)  # held in memory without the padding
         self._state = state._replace(
             ids=np.ascontiguousarray(state.ids, np.int64),  # (the kernel writes them)
             used=np.ascontiguousarray(state.used, bool),
             score=np.ascontiguousarray(state.score, np.int64),
-            pending=state.pending[:waiting],
-            seen=state.seen[:waiting],
+            pending=np.asarray(state.pending[:waiting], np.int64),
+            seen=np.asarray(state.seen[:waiting], np.int64),
         )
         self._journal: list[_Undo] = []  # what the last batches changed, oldest first
         self._lock = threading.RLock()  # a loop maps on a host thread while it saves

@@ -23,7 +23,7 @@ uint64_t splitmix(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// Where an id's probe starts: the hash's high bits (its low bits pick the owner).
+// Where an id's probe starts: the hash's high bits (the owner is the hash modulo G).
 inline int64_t home(int64_t id, int64_t mask) {
   return static_cast<int64_t>(splitmix(static_cast<uint64_t>(id)) >> 20) & mask;
 }

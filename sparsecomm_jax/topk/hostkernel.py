@@ -75,7 +75,7 @@ def private_dir(path: Path) -> Path:
 def _compiler(compiler: str | None) -> str:
     cxx = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
-        raise RuntimeError("no C++ compiler found for the top-k host kernel; set CXX")
+        raise RuntimeError("no C++ compiler found for the host kernels; set CXX")
     return cxx
 
 
