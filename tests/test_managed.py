@@ -218,6 +218,18 @@ def test_the_kernel_keeps_the_most_read_waiting_ids_as_numpy_does(reads):
         assert int(both[1].state.waiting) == slots
 
 
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on this machine")
+def test_the_kernel_starts_rows_as_initial_rows_does_to_the_bit():
+    from sparsecomm_jax.embedding import mapkernel
+
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 500), [0, -1, 2**63 - 1, -(2**63)]])
+    for dim, scale in [(1, 0.5), (3, 1 / np.sqrt(50_000)), (16, 0.0), (64, 3.7)]:
+        want = managed.initial_rows(ids, dim, scale)
+        got = mapkernel.initial_rows(ids, scale, np.empty((ids.size, dim), np.float32))
+        assert got.tobytes() == want.tobytes()
+
+
 def _saved(slots=16, workers=2):
     vocab = Vocabulary(slots, 2, workers, Policy("lfu", 2))
     for ids in stream(np.random.default_rng(3), steps=6, batch=20, distinct=40, exponent=1.0):

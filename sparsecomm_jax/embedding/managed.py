@@ -585,13 +585,12 @@ class Vocabulary:
         """The ``Fresh`` of a batch of ``reads`` reads whose new ``ids`` took ``slots``:
         the zero rows first."""
         zero = self.blocks.first()
-        rows = [
-            np.zeros((zero.size, self.dim), np.float32),
-            initial_rows(ids, self.dim, self.scale),
-        ]
-        return Fresh(
-            np.concatenate([zero, slots]), np.concatenate(rows), evicted, reads + zero.size
-        )
+        rows = np.zeros((zero.size + ids.size, self.dim), np.float32)
+        if self.kernel:
+            mapkernel.initial_rows(ids, self.scale, rows[zero.size :])
+        else:
+            rows[zero.size :] = initial_rows(ids, self.dim, self.scale)
+        return Fresh(np.concatenate([zero, slots]), rows, evicted, reads + zero.size)
 
     def _candidates(self, worker: int, read: np.ndarray, wanted: int) -> np.ndarray:
         """The first ``wanted`` slots of ``worker``'s block in the order new ids take

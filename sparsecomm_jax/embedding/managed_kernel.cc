@@ -174,6 +174,20 @@ void sparsecomm_vocab_find(int64_t* keys, int64_t* slots, int64_t mask, const in
   for (int64_t r = 0; r < n; ++r) out[r] = index.find(ids[r]);
 }
 
+// The rows `n` ids start from (managed.initial_rows): float32[n, dim], uniform in
+// [-scale, scale) from splitmix64 of (the id's hash + golden ratio x (column + 1)).
+void sparsecomm_vocab_rows(const int64_t* ids, int64_t n, int64_t dim, float scale,
+                           float* out) {
+  for (int64_t r = 0; r < n; ++r) {
+    uint64_t h = splitmix(static_cast<uint64_t>(ids[r]));
+    for (int64_t c = 0; c < dim; ++c) {
+      uint64_t key = h + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(c + 1);
+      float unit = static_cast<float>(splitmix(key) >> 40) * 0x1p-23f - 1.0f;  // exact
+      out[r * dim + c] = unit * scale;
+    }
+  }
+}
+
 // Adds `n` (id, slot) pairs to the index.
 void sparsecomm_vocab_put(int64_t* keys, int64_t* slots, int64_t mask, const int64_t* ids,
                           const int64_t* values, int64_t n) {

@@ -48,6 +48,7 @@ def _library() -> ctypes.CDLL | None:
     lib.sparsecomm_vocab_find.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
     lib.sparsecomm_vocab_put.argtypes = [ptr, ptr, i64, ptr, ptr, i64]
     lib.sparsecomm_vocab_map.argtypes = [ptr] * 7 + [i64, ptr, ptr, i64, ptr, i64] + [ptr] * 11
+    lib.sparsecomm_vocab_rows.argtypes = [ptr, i64, i64, ctypes.c_float, ptr]
     return lib
 
 
@@ -96,6 +97,15 @@ class HashIndex(NamedTuple):
         return out.reshape(np.shape(ids))
 
 
+def initial_rows(ids: np.ndarray, scale: float, out: np.ndarray) -> np.ndarray:
+    """``managed.initial_rows(ids, D, scale)`` written into ``out`` (float32[n, D],
+    contiguous), the same values to the bit."""
+    ids = np.ascontiguousarray(ids, np.int64)
+    assert out.shape[0] == ids.size and out.dtype == np.float32
+    _library().sparsecomm_vocab_rows(_ptr(ids), ids.size, out.shape[1], scale, _ptr(out))
+    return out
+
+
 class Mapped(NamedTuple):
     """What ``map_ids`` did to one batch (the ``Vocabulary``'s state changed in place).
 
@@ -139,11 +149,12 @@ def map_ids(index: HashIndex, state, filled: np.ndarray, config: tuple, ids: np.
     ids = np.ascontiguousarray(ids, np.int64)
     pending = np.ascontiguousarray(state.pending, np.int64)
     seen = np.ascontiguousarray(state.seen, np.int64)
-    i64 = lambda size: np.empty(size, np.int64)  # noqa: E731
-    slots, read, scores = np.empty(n, np.int32), i64(n), i64(n)
-    taken, taken_ids, old_ids, old_score = i64(n), i64(n), i64(n), i64(n)
-    old_used = np.empty(n, bool)
-    pending_out, seen_out, counts = i64(n + waiting), i64(n + waiting), i64(4)
+    buffer = np.empty(6 * n + 2 * (n + waiting) + 4, np.int64)  # the int64 outputs
+    ends = np.cumsum([0, n, n, n, n, n, n, n + waiting, n + waiting, 4])
+    read, scores, taken, taken_ids, old_ids, old_score, pending_out, seen_out, counts = (
+        buffer[a:b] for a, b in zip(ends[:-1], ends[1:], strict=True)
+    )
+    slots, old_used = np.empty(n, np.int32), np.empty(n, bool)
     conf = np.array(config, np.int64)
     _library().sparsecomm_vocab_map(
         *(_ptr(x) for x in (conf, state.ids, state.used, state.score, filled)),
