@@ -35,6 +35,28 @@ def _quantized(x, c):
     return q.astype(np.float32) * scale
 
 
+@pytest.mark.parametrize("c", FP8, ids=lambda c: c.name)
+def test_fp8_bits_round_as_the_conversion_does(c):
+    """Every FP8 value, the midpoints between neighbours (ties to even) and a float32
+    step either side of them, signed zeros, the subnormal range and values far below
+    it, and random values over the whole range: the bits ``astype`` gives."""
+    fp8 = NUMPY[c.name]
+    codes = np.arange(256, dtype=np.uint8).view(fp8).astype(np.float32)
+    finite = np.unique(np.abs(codes[np.isfinite(codes)]))  # ascending, 0 first
+    mid = (finite[:-1] + finite[1:]) / 2  # exact in float32
+    near = np.concatenate([mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf)])
+    rng = np.random.default_rng(0)
+    fmax = float(ml_dtypes.finfo(fp8).max)
+    spread = np.exp(rng.uniform(np.log(1e-12), np.log(fmax), 20_000))
+    v = np.concatenate([finite, near, finite[1] * np.array([0.25, 0.5, 0.75]), spread])
+    v = np.concatenate([v, -v, [-0.0]]).astype(np.float32)
+    v = v[np.abs(v) <= fmax]
+    got = np.asarray(jax.jit(lambda a: wire.fp8_bits(a, c))(v))
+    np.testing.assert_array_equal(got, v.astype(fp8).view(np.uint8))
+    nan = np.asarray(wire.fp8_bits(jnp.array([np.nan], jnp.float32), c)).view(fp8)
+    assert np.isnan(nan.astype(np.float32)).all()
+
+
 def _rows(rng, shape):
     """Rows of very different magnitudes (1e-3 to 1e4), one of zeros, one of values in
     (1e-37, 4e-36), normal floats whose amax / 448 would be subnormal (the scale is
