@@ -598,18 +598,38 @@ BAD_MANAGED = [
     ),
     (["--plan", PLAN.replace("null", "-1")], "init_scale must be a number >= 0"),
     (["--plan", PLAN.replace('"eviction"', '"evict"')], "has no field ['evict']"),
+    (
+        ["--strategy", "embrace_rowwise", "--plan", PLAN, "--steps-per-call", "2"],
+        "map each batch's ids as it is placed, one step a call",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "args, message",
     BAD_MANAGED,
-    ids=["embrace_2d", "few slots", "eviction", "threshold", "init_scale", "stray field"],
+    ids=[
+        "embrace_2d",
+        "few slots",
+        "eviction",
+        "threshold",
+        "init_scale",
+        "stray field",
+        "steps per call",
+    ],
 )
 def test_bad_managed_input_is_one_line(args, message, capsys):
     code, lines = run_main([*RAW, "--steps", "2", *args], capsys)
     assert code == 2
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_raw_ids_without_a_managed_table_name_the_managed_layout(capsys):
+    """Forgetting --plan: the first batch's raw ids are refused (after the progress bar
+    has started: the ids are seen as the batch is placed), the error naming the layout."""
+    code, lines = run_main([*RAW, "--steps", "2"], capsys)
+    assert code == 2 and not any("Traceback" in line for line in lines)
+    assert "a table of ids of any value takes the managed layout" in lines[-1], lines
 
 
 def test_float_ids_of_a_managed_table_are_refused():

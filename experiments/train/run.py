@@ -121,10 +121,10 @@ def build(config: RunConfig, mesh=None):
     except ArgumentError as e:
         raise in_flags(e) from None
     if config.steps_per_call > 1 and not ts.scannable:
-        raise ValueError(
-            f"--steps-per-call {config.steps_per_call}: --strategy {config.strategy} runs "
-            f"as {ts.runs_as}, one step a call"
-        )
+        why = f"--strategy {config.strategy} runs as {ts.runs_as}"
+        if ts.vocabulary is not None:  # placing a batch maps its ids: one batch a call
+            why = f"the managed tables {ts.vocabulary.names()} map each batch's ids as it is placed"
+        raise ValueError(f"--steps-per-call {config.steps_per_call}: {why}, one step a call")
     return workload, ts
 
 

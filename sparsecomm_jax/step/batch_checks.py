@@ -7,7 +7,7 @@ Example:
     >>> batch_checks.check_ids({"tokens": np.array([[1, 12]])}, {"tokens": [("embed", 10)]})
     Traceback (most recent call last):
     ...
-    ValueError: batch['tokens'] has ids in [1, 12], outside [0, 10) of table embed
+    ValueError: batch['tokens'] has ids in [1, 12], outside [0, 10) of table embed; a table of ids of any value takes the managed layout (table_layouts, or --plan at the command line)
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def check_ids(
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(
                 f"batch[{key!r}] has ids in [{ids.min()}, {ids.max()}], outside [0, {vocab}) "
-                f"of table {name}{hint}"
+                f"of table {name}{hint}; a table of ids of any value takes the managed "
+                "layout (table_layouts, or --plan at the command line)"
             )
 
 
