@@ -14,7 +14,7 @@ more bytes of the row (a ``Codec`` with ``scaled``): every value of the row is d
 by it before rounding and multiplied back on arrival. Values far below the row's
 largest (under about 2^-15 of it in e4m3) fall into FP8's subnormals or to zero. The
 rounding to FP8 is done on the float32 bits (``fp8_bits``: round to nearest, ties to
-even, the bits of XLA's conversion, which XLA:CPU runs about twice as slowly). A flat
+even: the bits of XLA's conversion, in fewer operations on XLA:CPU). A flat
 buffer (the dense layers' mean) has one scale per ``BLOCK`` entries. A row with a
 non-finite value arrives as NaN throughout, so the step's finite check sees it.
 

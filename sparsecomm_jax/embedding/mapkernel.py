@@ -1,9 +1,8 @@
 """Host kernel of the managed tables: a batch's ids mapped to slots in one compiled pass.
 
 ``managed.Vocabulary.map`` admits, evicts and maps a batch's ids with the policy its
-module describes. In numpy that is some forty small array calls a batch (about 1.7 ms
-for 2,048 ids on a table of 50,000 slots), work the host does beside every step. On CPU
-hosts with a C++ compiler, ``managed_kernel.cc`` does the same in one pass: it is built
+module describes. In numpy that is some forty small array calls a batch, work the
+host does beside every step. On CPU hosts with a C++ compiler, ``managed_kernel.cc`` does the same in one pass: it is built
 into the private cache of the top-k kernel (``topk.hostkernel.build``) and called through
 ``ctypes`` on the mapping's own arrays. Its id -> slot index is an open-addressing table
 (``HashIndex``) whose arrays the ``Vocabulary`` holds. ``available()`` is False where no
