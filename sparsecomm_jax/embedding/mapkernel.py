@@ -2,12 +2,13 @@
 
 ``managed.Vocabulary.map`` admits, evicts and maps a batch's ids with the policy its
 module describes. In numpy that is some forty small array calls a batch, work the
-host does beside every step. On CPU hosts with a C++ compiler, ``managed_kernel.cc`` does the same in one pass: it is built
-into the private cache of the top-k kernel (``topk.hostkernel.build``) and called through
-``ctypes`` on the mapping's own arrays. Its id -> slot index is an open-addressing table
-(``HashIndex``) whose arrays the ``Vocabulary`` holds. ``available()`` is False where no
-compiler is found; the mapping then runs in numpy, the same slots to the tie (the tests
-run both against one reference).
+host does beside every step. On CPU hosts with a C++ compiler, ``managed_kernel.cc``
+does the same in one pass: it is built into the private cache of the top-k kernel
+(``topk.hostkernel.build``) and called through ``ctypes`` on the mapping's own arrays.
+Its id -> slot index is an open-addressing table (``HashIndex``) whose arrays the
+``Vocabulary`` holds. ``available()`` is False where no compiler is found; the mapping
+then runs in numpy, the same slots to the tie (the tests run both against one
+reference).
 
 Example:
     >>> import numpy as np

@@ -4,10 +4,11 @@ every id in its table (the keys that feed tables found from the loss itself).
 Example:
     >>> import numpy as np
     >>> from sparsecomm_jax.step import batch_checks
-    >>> batch_checks.check_ids({"tokens": np.array([[1, 12]])}, {"tokens": [("embed", 10)]})
+    >>> ranges = {"tokens": [("embed", 10)]}
+    >>> batch_checks.check_ids({"tokens": np.array([[1, 12]])}, ranges)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: batch['tokens'] has ids in [1, 12], outside [0, 10) of table embed; a table of ids of any value takes the managed layout (table_layouts, or --plan at the command line)
+    ValueError: batch['tokens'] has ids in [1, 12], outside [0, 10) of table embed; a table ...
 """
 
 from __future__ import annotations
