@@ -580,6 +580,10 @@ def test_raw_ids_resume_through_the_command_line_as_one_run(tmp_path, capsys):
     w, r = json.loads(whole.read_text()), json.loads(b.read_text())
     assert r["start_step"] == 10 and r["losses"] == w["losses"][10:]
     assert r["heldout"] == w["heldout"] and w["heldout"]["valid"]["loss"] < 0.75
+    tables = w["managed_tables"]  # the mappings after 20 steps, as the resumed run has them
+    assert r["managed_tables"] == tables and len(tables) == 2
+    for t in tables.values():
+        assert t["batches"] == 20 and 0 < t["held"] < t["slots"] == 400 and t["waiting"] >= 0
 
 
 BAD_MANAGED = [

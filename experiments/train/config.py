@@ -242,8 +242,10 @@ class RunConfig:
         "each timed a few steps here, the fastest kept; hot rows priced from --histogram "
         "or the first 16 batches), "
         'model (its modelled best) or a JSON object {"table path": "layout"} of the '
-        "registered layouts (column, row, table, replicated, dense, hot, ...; a table's "
-        'hot ids as {"layout": "hot", "config": [ids]}); "" = the strategy\'s layout',
+        "registered layouts (column, row, table, replicated, dense, hot, managed, ...; a "
+        'table\'s hot ids as {"layout": "hot", "config": [ids]}, a managed table\'s policy as '
+        '{"layout": "managed", "config": {"eviction": "lfu", "threshold": 2}}); "" = the '
+        "strategy's layout",
         parse=lambda v: parse_plan(v),
     )
     plan_memory_mb: float = _field(

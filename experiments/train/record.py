@@ -88,6 +88,22 @@ def result(config: RunConfig, workload, log: RunLog, start: int, rank: int) -> d
     return record
 
 
+def managed_tables(vocab) -> dict[str, dict[str, int]]:
+    """Each managed table's mapping after the steps run (``ts.vocabulary``): its slots,
+    the ids holding one, the ids waiting for admission, the ids evicted so far (those a
+    restore onto fewer slots a worker dropped included) and the batches mapped."""
+    out = {}
+    for name, state in vocab.states(vocab.stepped).items():
+        out[name] = {
+            "slots": int(state.ids.size),
+            "held": int(state.used.sum()),
+            "waiting": int(state.waiting),
+            "evictions": int(state.evictions),
+            "batches": int(state.steps),
+        }
+    return out
+
+
 def float32_exchanges(config: RunConfig, workload) -> list[str]:
     """The exchanges that stay float32 under a narrow ``--comm-dtype``, each with why:
     a table the model reads whole (a tied or full softmax, ``emb.attend``,

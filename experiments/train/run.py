@@ -34,7 +34,7 @@ from experiments.train.checkpoints import claim_checkpoint_dir, resumed_config, 
 from experiments.train.config import RunConfig
 from experiments.train.histogram import hot_plan
 from experiments.train.loop import decide_in_flight, run_overlapped, run_steps
-from experiments.train.record import deferred_entries, result
+from experiments.train.record import deferred_entries, managed_tables, result
 from experiments.train.startup import adaptive_link, choose_bucket, choose_plan
 from experiments.train.validate import check_outputs, in_flags, table_update_of, validate
 from models import get_workload
@@ -222,6 +222,8 @@ def train_and_evaluate(config: RunConfig, progress: bool = True) -> dict[str, An
         state, log = hooks.guard(run_steps, config, ts, workload, state, start, ckpt, show, hooks)
         record = result(config, workload, log, start, rank)
         record["runs_as"] = ts.runs_as  # embrace_2d runs as embrace where nothing overlaps
+        if ts.vocabulary is not None:  # what the managed tables hold, admit and evict
+            record["managed_tables"] = managed_tables(ts.vocabulary)
         if config.resume:  # reading the checkpoint, converted where its form differs
             record["restore_s"] = round(restore_s, 3)
         record.update(hooks.finish(state))
