@@ -525,7 +525,6 @@ class Vocabulary:
                 s.score[slots_in].copy(),
             )
         )
-        self._journal = [*self._journal[1 - JOURNAL :], undo]
         if slots_in.size:
             gone = np.searchsorted(self._keys, s.ids[slots_in][s.used[slots_in]])  # held ids
             keys, values = np.delete(self._keys, gone), np.delete(self._slots, gone)
@@ -539,14 +538,8 @@ class Vocabulary:
         if pending.size > blocks.slots:  # the most read wait on (ties: the lower ids)
             keep = np.sort(np.lexsort((pending, -seen))[: blocks.slots])
             pending, seen = pending[keep], seen[keep]
-        self._state = s._replace(
-            pending=pending,
-            seen=seen,
-            steps=np.int64(steps),
-            evictions=np.int64(int(s.evictions) + evicted),
-        )
-        mapped = self.lookup(uniq)
-        return mapped[inverse].reshape(ids.shape), self._fresh(slots_in, ids_in, evicted, ids.size)
+        fresh = self._advance(undo, pending, seen, evicted, slots_in, ids_in, ids.size)
+        return self.lookup(uniq)[inverse].reshape(ids.shape), fresh
 
     def _map_kernel(self, ids: np.ndarray) -> tuple[np.ndarray, Fresh]:
         """``_map`` by the compiled kernel (``mapkernel.map_ids``): the same slots."""
@@ -571,19 +564,24 @@ class Vocabulary:
             s.evictions,
             (got.taken, got.old_ids, got.old_used, got.old_score),
         )
-        self._journal = [*self._journal[1 - JOURNAL :], undo]
-        self._state = s._replace(
-            pending=got.pending,
-            seen=got.seen,
-            steps=np.int64(steps),
-            evictions=np.int64(int(s.evictions) + got.evicted),
+        fresh = self._advance(
+            undo, got.pending, got.seen, got.evicted, got.taken, got.taken_ids, ids.size
         )
-        fresh = self._fresh(got.taken, got.taken_ids, got.evicted, ids.size)
         return got.slots.reshape(ids.shape), fresh
 
-    def _fresh(self, slots: np.ndarray, ids: np.ndarray, evicted: int, reads: int) -> Fresh:
-        """The ``Fresh`` of a batch of ``reads`` reads whose new ``ids`` took ``slots``:
-        the zero rows first."""
+    def _advance(self, undo, pending, seen, evicted: int, slots, ids, reads: int) -> Fresh:
+        """The bookkeeping of one mapped batch, whichever backend mapped it: ``undo``
+        journaled, the waiting ids set, the batch and its evictions counted; returns the
+        ``Fresh`` of its ``reads`` reads, whose new ``ids`` took ``slots`` (the zero rows
+        first)."""
+        s = self._state
+        self._journal = [*self._journal[1 - JOURNAL :], undo]
+        self._state = s._replace(
+            pending=pending,
+            seen=seen,
+            steps=np.int64(int(s.steps) + 1),
+            evictions=np.int64(int(s.evictions) + evicted),
+        )
         zero = self.blocks.first()
         rows = np.zeros((zero.size + ids.size, self.dim), np.float32)
         if self.kernel:
